@@ -1,0 +1,90 @@
+"""Policy losses and KL estimators: pure tensor functions, registered by name.
+
+Shapes: B sequences, T tokens. Every per-token tensor is aligned with the tokens: position t holds
+log p(token_t | tokens_<t). `weights_B_T` carries both the loss mask and the aggregation: it is 0 on prompt,
+environment and padding tokens, and the weights of a whole mini-batch sum to 1 (see
+`algorithms.aggregation`). So a loss is `sum(per_token_loss * weights)`, gradients add up exactly across
+micro-batches, and a weighted sum of any per-token metric is that metric's mini-batch mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+LOSSES: dict[str, LossFn] = {}
+
+
+def register_loss(name: str) -> Callable[[LossFn], LossFn]:
+    def add(fn: LossFn) -> LossFn:
+        LOSSES[name] = fn
+        return fn
+
+    return add
+
+
+def kl_penalty(
+    logprobs_B_T: torch.Tensor, ref_logprobs_B_T: torch.Tensor, estimator: Literal["k1", "k3"]
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL", 2020).
+
+    k1 = log pi - log pi_ref                      (unbiased, can be negative)
+    k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1   (unbiased, always >= 0)
+    """
+    log_ratio_B_T = ref_logprobs_B_T - logprobs_B_T
+    if estimator == "k1":
+        return -log_ratio_B_T
+    if estimator == "k3":
+        # clamp as verl does: exp() of a large log-ratio from a stale token would overflow
+        log_ratio_B_T = log_ratio_B_T.clamp(-20.0, 20.0)
+        return torch.exp(log_ratio_B_T) - log_ratio_B_T - 1.0
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+@register_loss("ppo_clip")
+def ppo_clip_loss(
+    logprobs_B_T: torch.Tensor,
+    old_logprobs_B_T: torch.Tensor,
+    advantages_B: torch.Tensor,
+    weights_B_T: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    ref_logprobs_B_T: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: Literal["k1", "k3"] = "k3",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate (Schulman et al. 2017) with an optional KL penalty (GRPO puts it in the loss).
+
+    ratio_t = exp(logp_t - logp_old_t)
+    loss_t  = -min(ratio_t * A, clip(ratio_t, 1 - clip_low, 1 + clip_high) * A) + kl_coef * KL_t
+    loss    = sum_t loss_t * w_t
+    Returns the loss and weighted metrics (clip fraction, KL, ratio), each summed with the same weights.
+    """
+    adv_B_1 = advantages_B[:, None]
+    ratio_B_T = torch.exp(logprobs_B_T - old_logprobs_B_T)
+    unclipped_B_T = ratio_B_T * adv_B_1
+    clipped_B_T = torch.clamp(ratio_B_T, 1.0 - clip_low, 1.0 + clip_high) * adv_B_1
+    per_token_B_T = -torch.minimum(unclipped_B_T, clipped_B_T)
+    metrics: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        metrics["clip_fraction"] = ((clipped_B_T < unclipped_B_T).float() * weights_B_T).sum()
+        metrics["ratio_mean"] = (ratio_B_T * weights_B_T).sum()
+        metrics["policy_loss"] = (per_token_B_T * weights_B_T).sum()
+    if ref_logprobs_B_T is not None:
+        kl_B_T = kl_penalty(logprobs_B_T, ref_logprobs_B_T, kl_estimator)
+        metrics["kl"] = (kl_B_T.detach() * weights_B_T).sum()
+        if kl_coef:
+            per_token_B_T = per_token_B_T + kl_coef * kl_B_T
+    return (per_token_B_T * weights_B_T).sum(), metrics
+
+
+@register_loss("sft")
+def sft_loss(
+    logprobs_B_T: torch.Tensor, weights_B_T: torch.Tensor, **_: object
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Negative log-likelihood of the weighted tokens: loss = -sum_t w_t * logp_t."""
+    nll = -(logprobs_B_T * weights_B_T).sum()
+    return nll, {"nll": nll.detach()}

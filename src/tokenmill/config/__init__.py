@@ -1,0 +1,35 @@
+"""Configuration: pydantic schema, YAML loading, dotted CLI overrides, readable errors."""
+
+from tokenmill.config.load import format_validation_error, load_config, parse_overrides
+from tokenmill.config.schema import (
+    AlgorithmConfig,
+    CheckpointConfig,
+    ControllerConfig,
+    DataConfig,
+    GenerationConfig,
+    ModelConfig,
+    RewardFunctionConfig,
+    RewardModelConfig,
+    RLConfig,
+    SFTConfig,
+    TrackingConfig,
+    TrainingConfig,
+)
+
+__all__ = [
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "ControllerConfig",
+    "DataConfig",
+    "GenerationConfig",
+    "ModelConfig",
+    "RLConfig",
+    "RewardFunctionConfig",
+    "RewardModelConfig",
+    "SFTConfig",
+    "TrackingConfig",
+    "TrainingConfig",
+    "format_validation_error",
+    "load_config",
+    "parse_overrides",
+]

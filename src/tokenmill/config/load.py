@@ -1,0 +1,93 @@
+"""YAML + dotted overrides -> a validated config, or a `ConfigError` naming each bad field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from tokenmill.types import ConfigError
+
+C = TypeVar("C", bound=BaseModel)
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """Turn `["--algorithm.kl_coef", "0.01", "--a.b=2"]` into `{"algorithm.kl_coef": 0.01, "a.b": 2}`.
+
+    Values are parsed as YAML scalars/lists (`0.01`, `true`, `[a, b]`), so types follow the schema.
+    """
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"expected an override like --section.field VALUE, got {arg!r}")
+        key = arg[2:]
+        if "=" in key:
+            key, raw = key.split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override --{key} has no value")
+            i += 1
+            raw = args[i]
+        try:
+            out[key] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            out[key] = raw
+        i += 1
+    return out
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if isinstance(child, list) and parts[-1] != part:
+            raise ConfigError(f"{dotted}: list fields are set whole, e.g. --{part} '[...]'")
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def format_validation_error(err: ValidationError) -> str:
+    """One line per problem: `algorithm.clip_low: Input should be less than or equal to 1 (got 3)`."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if p not in ("function-after",))
+        msg = e["msg"].removeprefix("Value error, ")
+        got = e.get("input")
+        shown = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
+        lines.append(f"{loc or 'config'}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def load_config(
+    schema: type[C], source: str | Path | dict[str, Any] | None = None, overrides: dict[str, Any] | None = None
+) -> C:
+    """Build a `schema` instance from a YAML path or dict plus dotted overrides; raise `ConfigError`."""
+    if source is None:
+        tree: dict[str, Any] = {}
+    elif isinstance(source, dict):
+        tree = dict(source)
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for key, value in (overrides or {}).items():
+        _set_dotted(tree, key, value)
+    try:
+        return schema.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None

@@ -1,0 +1,193 @@
+"""The typed configuration tree: the single source of truth for YAML, CLI overrides and docs.
+
+Every field carries a description (it becomes `--help` text). Unknown keys are rejected
+(`extra="forbid"`), and cross-field rules are checked here, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field(..., min_length=1, description="Hugging Face model folder (or hub id) of the policy.")
+    tokenizer_path: str | None = Field(None, description="Tokenizer folder; defaults to the model path.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Training precision: auto = bf16 on GPU, fp32 on CPU."
+    )
+    device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'.")
+    attn_implementation: str | None = Field(None, description="Passed to from_pretrained (sdpa, eager, ...).")
+
+
+class DataConfig(_Section):
+    task: str | None = Field(
+        None, description="Built-in synthetic task: 'addition' or 'countdown' (rows and reward come with it)."
+    )
+    path: str | None = Field(
+        None, description="Dataset: a local json/jsonl/parquet/csv file or folder, or a `datasets` hub name."
+    )
+    split: str = Field("train", description="Split to read when `path` is a dataset name or folder.")
+    prompt_column: str = Field("prompt", description="Column holding the prompt (a string or chat messages).")
+    num_train: int = Field(20000, ge=1, description="Rows generated for a built-in task's training set.")
+    num_eval: int = Field(1000, ge=0, description="Held-out rows for greedy evaluation (0 = no eval).")
+    task_kwargs: dict = Field(default_factory=dict, description="Arguments for the built-in task generator.")
+    shuffle: bool = Field(True, description="Shuffle rows each epoch (seeded; resumes exactly).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if (self.task is None) == (self.path is None):
+            raise ValueError("set exactly one of data.task or data.path")
+        if self.task is not None and self.task not in ("addition", "countdown"):
+            raise ValueError(f"data.task must be 'addition' or 'countdown', got {self.task!r}")
+        return self
+
+
+class GenerationConfig(_Section):
+    group_size: int = Field(8, ge=1, description="Completions sampled per prompt (G).")
+    max_tokens: int = Field(16, ge=1, description="Maximum new tokens per completion.")
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature (> 0).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens (0 = off).")
+    stop: list[str] = Field(default_factory=list, description="Stop strings; text is cut before them.")
+
+
+class RewardFunctionConfig(_Section):
+    type: Literal["function"] = "function"
+    name: str | None = Field(None, description="Name used in metrics; defaults to the function's name.")
+    function: str = Field(
+        ..., description="Import string 'module:attr' of a TRL-style fn(prompts, completions, **columns)."
+    )
+    weight: float = Field(1.0, description="Weight in the total reward.")
+    timeout_s: float = Field(10.0, gt=0, description="Seconds one batched call may take before it fails.")
+    per_sample: bool = Field(
+        False, description="The function scores one sample: fn(prompt, completion, **row) -> float."
+    )
+    isolation: Literal["process", "thread"] = Field(
+        "process",
+        description="process: run in a forked worker that is killed on timeout; thread: in this process "
+        "(needed if the function uses torch; a hung call is abandoned, not killed).",
+    )
+
+
+class RewardModelConfig(_Section):
+    type: Literal["model"] = "model"
+    name: str | None = Field(None, description="Name used in metrics; defaults to the folder's name.")
+    path: str = Field(..., description="Folder of an AutoModelForSequenceClassification with one label.")
+    weight: float = Field(1.0, description="Weight in the total reward.")
+    batch_size: int = Field(32, ge=1, description="Sequences scored per forward pass.")
+
+
+RewardConfig = RewardFunctionConfig | RewardModelConfig
+
+
+class AlgorithmConfig(_Section):
+    advantage: Literal["grpo", "rloo"] = Field("grpo", description="Advantage estimator.")
+    scale_rewards: bool = Field(
+        True, description="GRPO: divide by the group's reward std (False = Dr.GRPO)."
+    )
+    loss: Literal["ppo_clip"] = Field("ppo_clip", description="Policy loss.")
+    clip_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip range below 1 (ratio >= 1 - clip_low).")
+    clip_high: float = Field(0.2, ge=0.0, le=10.0, description="PPO clip range above 1 (DAPO raises it).")
+    loss_agg: Literal["token_mean", "sequence_mean", "token_sum_norm"] = Field(
+        "token_mean",
+        description="token_mean: mean over all completion tokens; sequence_mean: mean per sequence, then "
+        "over sequences; token_sum_norm: token sum / (sequences x max_tokens) (Dr.GRPO).",
+    )
+    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL penalty to the frozen reference model.")
+    kl_estimator: Literal["k1", "k3"] = Field("k3", description="KL estimator (Schulman's k1 or k3).")
+    ppo_epochs: int = Field(1, ge=1, description="Optimiser passes over each rollout batch.")
+    mini_batches: int = Field(1, ge=1, description="Optimiser steps per pass (the batch is split in this many).")
+    skip_zero_advantage: bool = Field(
+        True,
+        description="Do not run forward/backward on samples whose advantage is 0 (identical gradient when "
+        "kl_coef is 0; their tokens still count in the loss normaliser).",
+    )
+
+
+class TrainingConfig(_Section):
+    learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up optimiser steps.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Decay after warm-up, over all optimiser steps of the run."
+    )
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Clip the global gradient norm to this.")
+    micro_batch_tokens: int = Field(
+        8192, ge=16, description="Token budget (padded) of one micro-batch; gradients accumulate across them."
+    )
+    seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
+
+
+class ControllerConfig(_Section):
+    steps: int = Field(100, ge=1, description="RL steps (one rollout batch each).")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts per step; sequences = prompts x group_size.")
+    eval_every: int = Field(0, ge=0, description="Greedy held-out evaluation every N steps (0 = start/end only).")
+    eval_max_rows: int = Field(1000, ge=1, description="Held-out rows used per evaluation.")
+
+
+class TrackingConfig(_Section):
+    output_dir: str = Field("runs/tokenmill", description="Run folder: metrics.jsonl, config, checkpoints.")
+    console: Literal["rich", "plain", "none"] = Field("rich", description="Progress display on the console.")
+    log_every: int = Field(1, ge=1, description="Print a compact line every N steps.")
+    tensorboard: bool = Field(False, description="Also write TensorBoard scalars (needs tensorboard).")
+    wandb: bool = Field(False, description="Also log to Weights & Biases (needs wandb).")
+    wandb_project: str = Field("tokenmill", description="W&B project name.")
+    log_samples: int = Field(2, ge=0, description="Samples per step written to samples.jsonl.")
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(0, ge=0, description="Save a checkpoint every N steps (0 = only at the end).")
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are removed after a save.")
+    resume: bool = Field(False, description="Continue from the newest complete checkpoint in output_dir.")
+    save_final: bool = Field(True, description="Save a checkpoint and an HF export at the end.")
+
+
+class RLConfig(_Section):
+    """A whole GRPO-family run."""
+
+    model: ModelConfig
+    data: DataConfig
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    rewards: list[RewardConfig] = Field(
+        default_factory=list, description="Reward functions / models; a built-in task adds its own."
+    )
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    controller: ControllerConfig = Field(default_factory=ControllerConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RLConfig:
+        seqs = self.controller.prompts_per_step * self.generation.group_size
+        if self.algorithm.mini_batches > seqs:
+            raise ValueError(
+                f"algorithm.mini_batches ({self.algorithm.mini_batches}) exceeds the sequences per step "
+                f"({seqs} = controller.prompts_per_step x generation.group_size)"
+            )
+        if self.algorithm.advantage == "rloo" and self.generation.group_size < 2:
+            raise ValueError("algorithm.advantage 'rloo' needs generation.group_size >= 2")
+        if not self.rewards and self.data.task is None:
+            raise ValueError("rewards: give at least one reward (or use a built-in data.task)")
+        return self
+
+
+class SFTConfig(_Section):
+    """Supervised fine-tuning (used for warm starts): prompt -> completion pairs."""
+
+    model: ModelConfig
+    data: DataConfig
+    output_dir: str = Field("runs/sft", description="Where the fine-tuned model folder is written.")
+    completion_column: str = Field("completion", description="Column with the target completion text.")
+    steps: int = Field(300, ge=1, description="Optimiser steps.")
+    batch_size: int = Field(64, ge=1, description="Sequences per optimiser step.")
+    learning_rate: float = Field(1e-3, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
+    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
+    seed: int = Field(0, description="Seed.")

@@ -1,0 +1,181 @@
+"""A transformers-based engine: the whole batch (all groups) decoded at once with a KV cache.
+
+Why not `model.generate`: we need the logprob of every sampled token, one prefill per *unique* prompt
+(a GRPO group of G samples shares its prompt: prefill once, then repeat the cache G times), and rows
+that finished dropped from the batch so long completions do not make short ones pay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from transformers import DynamicCache
+
+from tokenmill.types import Completion, SamplingParams, StopReason
+
+
+def sample_tokens(
+    logits_B_V: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return (tokens_B, logprobs_B) under softmax(logits / temperature).
+
+    top-k / top-p shape the sampling distribution only; the returned logprob is the tempered full
+    distribution's, the same quantity the trainer recomputes (as TRL and verl do).
+    """
+    logits_B_V = logits_B_V.float()
+    if params.greedy:
+        tokens_B = logits_B_V.argmax(dim=-1)
+        logprobs_B_V = torch.log_softmax(logits_B_V, dim=-1)
+        return tokens_B, logprobs_B_V.gather(1, tokens_B[:, None]).squeeze(1)
+    scaled_B_V = logits_B_V / params.temperature
+    logprobs_B_V = torch.log_softmax(scaled_B_V, dim=-1)
+    filtered_B_V = scaled_B_V
+    if params.top_k and params.top_k < filtered_B_V.shape[-1]:
+        kth_B_1 = torch.topk(filtered_B_V, params.top_k, dim=-1).values[:, -1:]
+        filtered_B_V = filtered_B_V.masked_fill(filtered_B_V < kth_B_1, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_B_V, order_B_V = torch.sort(filtered_B_V, dim=-1, descending=True)
+        cum_B_V = torch.softmax(sorted_B_V, dim=-1).cumsum(dim=-1)
+        drop_sorted_B_V = (cum_B_V - torch.softmax(sorted_B_V, dim=-1)) >= params.top_p  # keeps the first
+        drop_B_V = torch.zeros_like(drop_sorted_B_V).scatter(1, order_B_V, drop_sorted_B_V)
+        filtered_B_V = filtered_B_V.masked_fill(drop_B_V, float("-inf"))
+    probs_B_V = torch.softmax(filtered_B_V, dim=-1)
+    tokens_B = torch.multinomial(probs_B_V, 1, generator=generator).squeeze(1)
+    return tokens_B, logprobs_B_V.gather(1, tokens_B[:, None]).squeeze(1)
+
+
+class HFEngine:
+    """In-process engine over a transformers causal LM (which may be the trainer's own module)."""
+
+    def __init__(self, model, tokenizer, *, seed: int = 0, compact_fraction: float = 0.25) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        eos = model.generation_config.eos_token_id if model.generation_config else None
+        eos_list = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = {e for e in eos_list + [tokenizer.eos_token_id] if e is not None}
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self.compact_fraction = compact_fraction
+        self.version = 0
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype=torch.float32, device: str = "cpu", seed: int = 0) -> HFEngine:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        return cls(model, AutoTokenizer.from_pretrained(path), seed=seed)
+
+    # ------------------------------------------------------------------------------------------- weights
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        own = dict(self.model.named_parameters())
+        for name, tensor in named_tensors:
+            target = own[name]
+            if target.data_ptr() != tensor.data_ptr():  # a shared module needs no copy
+                target.copy_(tensor.to(dtype=target.dtype, device=target.device))
+        self.version = version
+
+    # ---------------------------------------------------------------------------------------- generation
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        if not prompts:
+            return []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                rows = self._decode(prompts, params)
+        finally:
+            self.model.train(was_training)
+        n = params.n
+        return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _prefill(self, prompts: list[list[int]]):
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        ids_P_L = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask_P_L = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids_P_L[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask_P_L[i, width - len(p) :] = 1
+        pos_P_L = (mask_P_L.cumsum(-1) - 1).clamp(min=0)
+        ids_P_L, mask_P_L, pos_P_L = (t.to(self.device) for t in (ids_P_L, mask_P_L, pos_P_L))
+        cache = DynamicCache(config=self.model.config)
+        all_same = min(lengths) == width
+        out = self.model(
+            input_ids=ids_P_L,
+            attention_mask=None if all_same else mask_P_L,
+            position_ids=pos_P_L,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :], cache, mask_P_L, pos_P_L[:, -1] + 1
+
+    def _decode(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        n = params.n
+        logits_B_V, cache, mask_B_L, next_pos_B = self._prefill(prompts)
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            logits_B_V = logits_B_V.repeat_interleave(n, dim=0)
+            mask_B_L = mask_B_L.repeat_interleave(n, dim=0)
+            next_pos_B = next_pos_B.repeat_interleave(n, dim=0)
+        total = len(prompts) * n
+        max_tokens = params.max_tokens
+        if self.max_positions:
+            max_tokens = max(1, min(max_tokens, self.max_positions - max(len(p) for p in prompts)))
+        tokens: list[list[int]] = [[] for _ in range(total)]
+        logps: list[list[float]] = [[] for _ in range(total)]
+        reasons: list[StopReason | None] = [None] * total
+        live = list(range(total))  # batch row -> sequence index
+        done_in_batch = 0
+        stop_window = max((len(s) for s in params.stop), default=0)
+        padded = not bool(mask_B_L.all())
+        for step in range(max_tokens):
+            tok_B, logp_B = sample_tokens(logits_B_V, params, self.generator)
+            for row, (seq, t, lp) in enumerate(zip(live, tok_B.tolist(), logp_B.tolist(), strict=True)):
+                if reasons[seq] is not None:
+                    continue
+                tokens[seq].append(t)
+                logps[seq].append(lp)
+                if t in self.eos_ids or (stop_window and self._hit_stop(tokens[seq], params.stop, stop_window)):
+                    reasons[seq] = StopReason.STOP
+                    done_in_batch += 1
+            if step == max_tokens - 1 or done_in_batch == len(live):
+                break
+            if done_in_batch >= max(1, int(self.compact_fraction * len(live))):
+                keep = [r for r, seq in enumerate(live) if reasons[seq] is None]
+                keep_t = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(keep_t)
+                tok_B, mask_B_L, next_pos_B = tok_B[keep_t], mask_B_L[keep_t], next_pos_B[keep_t]
+                live = [live[r] for r in keep]
+                done_in_batch = 0
+                padded = not bool(mask_B_L.all())
+            mask_B_L = torch.cat([mask_B_L, mask_B_L.new_ones((len(live), 1))], dim=1)
+            out = self.model(
+                input_ids=tok_B[:, None],
+                attention_mask=mask_B_L if padded else None,
+                position_ids=next_pos_B[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits_B_V = out.logits[:, -1, :]
+            next_pos_B = next_pos_B + 1
+        return [self._completion(tokens[i], logps[i], reasons[i], params) for i in range(total)]
+
+    def _hit_stop(self, seq_tokens: list[int], stops: tuple[str, ...], window: int) -> bool:
+        tail = self.tokenizer.decode(seq_tokens[-window - 1 :], skip_special_tokens=True)
+        return any(s in tail for s in stops)
+
+    def _completion(
+        self, token_ids: list[int], logprobs: list[float], reason: StopReason | None, params: SamplingParams
+    ) -> Completion:
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        for s in params.stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text = text[:cut]
+        return Completion(tuple(token_ids), tuple(logprobs), reason or StopReason.LENGTH, text)

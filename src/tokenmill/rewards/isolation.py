@@ -1,0 +1,123 @@
+"""Call a user function with a hard timeout, so a reward that hangs or spins cannot stall a run.
+
+`ProcessCaller` keeps one forked worker per function. The function object is inherited through `fork`
+(never pickled, so closures and lambdas work); arguments and results cross a pipe. A call that runs past
+its timeout gets the worker killed (and a fresh one forked on the next call): a busy loop really stops,
+which a thread cannot promise. `ThreadCaller` is the fallback where fork is unavailable, or when the
+function itself needs torch/OpenMP (unsafe after fork); a hung call there is abandoned, not killed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing as mp
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+class CallTimeout(Exception):
+    pass
+
+
+class CallFailed(Exception):
+    """The function raised; the message carries its exception type, text and last frame."""
+
+
+def _describe(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def _serve(fn: Callable[..., Any], conn) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    while True:
+        try:
+            args, kwargs = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException as exc:  # noqa: BLE001 - everything the user code raises is reported as data
+            try:
+                conn.send(("error", _describe(exc)))
+            except Exception:  # noqa: BLE001 - e.g. an unpicklable result
+                return
+
+
+class ProcessCaller:
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self._proc: mp.process.BaseProcess | None = None
+        self._conn = None
+
+    def _start(self) -> None:
+        ctx = mp.get_context("fork")
+        parent, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(self.fn, child), daemon=True)
+        self._proc.start()
+        child.close()
+        self._conn = parent
+
+    def __call__(self, *args: Any, timeout: float, **kwargs: Any) -> Any:
+        if self._proc is None or not self._proc.is_alive():
+            self._start()
+        try:
+            self._conn.send((args, kwargs))
+        except Exception as exc:  # noqa: BLE001 - arguments that cannot be pickled
+            raise CallFailed(f"could not send arguments: {_describe(exc)}") from None
+        if not self._conn.poll(timeout):
+            self.close()
+            raise CallTimeout(f"no result within {timeout:g}s (worker killed)")
+        try:
+            status, payload = self._conn.recv()
+        except (EOFError, OSError):
+            code = self._proc.exitcode if self._proc else None
+            self.close()
+            raise CallFailed(f"worker died (exit code {code})") from None
+        if status == "error":
+            raise CallFailed(payload)
+        return payload
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join(timeout=5)
+        if self._conn is not None:
+            self._conn.close()
+        self._proc, self._conn = None, None
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class ThreadCaller:
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+
+    def __call__(self, *args: Any, timeout: float, **kwargs: Any) -> Any:
+        future = self._pool.submit(self.fn, *args, **kwargs)
+        try:
+            return future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            # the thread cannot be killed: abandon it and give later calls a fresh worker
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+            raise CallTimeout(f"no result within {timeout:g}s (thread abandoned)") from None
+        except Exception as exc:  # noqa: BLE001 - user code
+            raise CallFailed(_describe(exc)) from None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def make_caller(fn: Callable[..., Any], isolation: str) -> ProcessCaller | ThreadCaller:
+    if isolation == "process" and "fork" in mp.get_all_start_methods():
+        return ProcessCaller(fn)
+    return ThreadCaller(fn)

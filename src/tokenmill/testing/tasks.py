@@ -1,0 +1,141 @@
+"""Synthetic verifiable tasks as `datasets.Dataset`s, each with TRL-style reward functions.
+
+Rows carry `prompt` (plain text), `completion` (a reference answer, used by the SFT warm start) and the
+columns the reward needs. Rewards follow TRL's batched signature: `fn(prompts, completions, **columns)`.
+
+    >>> ds = addition_dataset(3, seed=0)
+    >>> addition_reward(ds["prompt"], ds["completion"], answer=ds["answer"])
+    [1.0, 1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import random
+from collections import Counter
+from typing import Any
+
+# ----------------------------------------------------------------------------------------------- addition
+
+
+def addition_dataset(n: int, seed: int = 0, digits: int = 2, exclude: set[str] | None = None):
+    """`n` problems `a+b=` with operands of up to `digits` digits; `exclude` holds prompts to skip."""
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    high = 10**digits - 1
+    rows: dict[str, list[Any]] = {"prompt": [], "completion": [], "answer": []}
+    seen = set(exclude or ())
+    attempts = 0
+    while len(rows["prompt"]) < n:
+        a, b = rng.randint(0, high), rng.randint(0, high)
+        prompt = f"{a}+{b}="
+        attempts += 1
+        if prompt in seen and attempts < 50 * n:
+            continue
+        seen.add(prompt)
+        rows["prompt"].append(prompt)
+        rows["completion"].append(str(a + b))
+        rows["answer"].append(str(a + b))
+    return Dataset.from_dict(rows)
+
+
+def addition_reward(prompts: list[str], completions: list[str], answer: list[str], **_: Any) -> list[float]:
+    """1.0 when the completion is exactly the sum (surrounding whitespace ignored), else 0.0."""
+    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+
+# ---------------------------------------------------------------------------------------------- countdown
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def _evaluate(expr: str) -> tuple[float, list[int]] | None:
+    """Value of an arithmetic expression and the integer literals it uses; None if not plain arithmetic."""
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+    except (SyntaxError, ValueError):
+        return None
+    used: list[int] = []
+
+    def walk(node: ast.AST) -> float:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+            used.append(node.value)
+            return float(node.value)
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](walk(node.left), walk(node.right))
+        raise ValueError("not arithmetic")
+
+    try:
+        return walk(tree.body), used
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _random_expression(nums: list[int], rng: random.Random) -> str:
+    exprs = [str(x) for x in nums]
+    while len(exprs) > 1:
+        i, j = rng.sample(range(len(exprs)), 2)
+        left, right = exprs[i], exprs[j]
+        op = rng.choice("+-*")
+        combined = f"({left}{op}{right})" if len(exprs) > 2 else f"{left}{op}{right}"
+        exprs = [e for k, e in enumerate(exprs) if k not in (i, j)] + [combined]
+    return exprs[0]
+
+
+def countdown_dataset(n: int, seed: int = 0, num_numbers: int = 3, max_number: int = 9):
+    """`n` problems: reach `target` using each given number exactly once with + - * / and parentheses."""
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    rows: dict[str, list[Any]] = {"prompt": [], "completion": [], "nums": [], "target": []}
+    while len(rows["prompt"]) < n:
+        nums = [rng.randint(1, max_number) for _ in range(num_numbers)]
+        solution = _random_expression(nums, rng)
+        value = _evaluate(solution)
+        if value is None or value[0] < 0 or value[0] != int(value[0]):
+            continue
+        target = int(value[0])
+        rows["prompt"].append(f"{' '.join(map(str, nums))}>{target}:")
+        rows["completion"].append(solution)
+        rows["nums"].append(nums)
+        rows["target"].append(target)
+    return Dataset.from_dict(rows)
+
+
+def countdown_reward(
+    prompts: list[str], completions: list[str], nums: list[list[int]], target: list[int], **_: Any
+) -> list[float]:
+    """1.0 if the expression uses exactly the given numbers and equals the target, 0.1 if it only parses."""
+    scores = []
+    for completion, numbers, goal in zip(completions, nums, target, strict=True):
+        result = _evaluate(completion)
+        if result is None:
+            scores.append(0.0)
+            continue
+        value, used = result
+        ok = Counter(used) == Counter(numbers) and abs(value - goal) < 1e-9
+        scores.append(1.0 if ok else 0.1)
+    return scores
+
+
+TASKS = {
+    "addition": (addition_dataset, addition_reward),
+    "countdown": (countdown_dataset, countdown_reward),
+}
+
+
+def task_splits(task: str, num_train: int, num_eval: int, seed: int = 0, **kwargs: Any):
+    """(train, eval, reward_fn) for a built-in task; eval prompts never appear in train."""
+    make, reward = TASKS[task]
+    eval_ds = make(num_eval, seed=seed + 10_000, **kwargs) if num_eval else None
+    if task == "addition":
+        exclude = set(eval_ds["prompt"]) if eval_ds is not None else None
+        train_ds = make(num_train, seed=seed, exclude=exclude, **kwargs)
+    else:
+        train_ds = make(num_train, seed=seed, **kwargs)
+        if eval_ds is not None:
+            held = set(eval_ds["prompt"])
+            train_ds = train_ds.filter(lambda r: r["prompt"] not in held)
+    return train_ds, eval_ds, reward

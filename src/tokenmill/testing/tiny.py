@@ -1,0 +1,85 @@
+"""Build a tiny causal LM and a character-level tokenizer locally, saved as a normal HF folder.
+
+Nothing is downloaded: the tokenizer is a `tokenizers` WordLevel model over single characters (with a
+`Fuse` decoder so decoded text has no spaces between characters) plus chat special tokens and a chat
+template; the model is a randomly initialised Llama (a Qwen2 folder would be loaded by transformers v5
+with Qwen2's own byte-level tokenizer class, which drops spaces from a character vocabulary). Load the folder back with `from_pretrained`.
+
+    >>> path = build_tiny_model("/tmp/tiny", hidden_size=64, num_layers=2)   # doctest: +SKIP
+    >>> AutoModelForCausalLM.from_pretrained(path)                          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIAL_TOKENS = ["<pad>", "<unk>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
+CHARACTERS = string.digits + "+-*/=()<>.,:;!?'\"[]{}_#%&@^|~$`\\ \n" + string.ascii_letters
+
+
+def build_tokenizer():
+    """A fast character-level tokenizer with chat special tokens; eos is `<|end|>`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in CHARACTERS:
+        vocab.setdefault(ch, len(vocab))
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="<|end|>",
+        additional_special_tokens=SPECIAL_TOKENS[3:],
+        clean_up_tokenization_spaces=False,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    tok.padding_side = "left"
+    return tok
+
+
+def build_tiny_model(
+    path: str | Path,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    max_positions: int = 512,
+    seed: int = 0,
+) -> str:
+    """Write a random-init Qwen2 causal LM and the character tokenizer to `path`; return the path."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tok = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)

@@ -1,0 +1,40 @@
+"""The training-backend protocol: the loop sees these few verbs whatever runs underneath.
+
+    >>> backend = LocalBackend(model, TrainingConfig(), total_steps=100)          # doctest: +SKIP
+    >>> metrics = backend.forward_backward(batch, loss_fn)                        # doctest: +SKIP
+    >>> backend.optim_step()["grad_norm"]                                         # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+
+from tokenmill.training.batch import Batch
+
+# loss_fn(logprobs_B_T, batch) -> (scalar loss, metrics summed with the batch weights)
+BatchLoss = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+class TrainBackend(Protocol):
+    def forward_backward(self, batch: Batch, loss_fn: BatchLoss) -> dict[str, float]:
+        """Accumulate gradients of `loss_fn` over the batch (micro-batched inside); return summed metrics."""
+        ...
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Logprobs of `batch.input_ids_B_T` (no gradient), aligned with the tokens."""
+        ...
+
+    def optim_step(self) -> dict[str, float]:
+        """Clip, step the optimiser and the LR schedule, zero the gradients; return grad_norm and lr."""
+        ...
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Current parameters by name, for weight sync and export."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly (model, optimiser, scheduler)."""
+        ...

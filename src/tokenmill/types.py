@@ -1,0 +1,115 @@
+"""Shared data of tokenmill: plain frozen records that flow between components.
+
+A `Sample` is token-level truth: one token sequence (prompt + completion) with an aligned loss mask and
+the sampler's logprob of every token. Text is derived from tokens, never the other way round. Padding
+and tensors appear only in `Batch` (see `training/batch.py`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+
+class StopReason(str, enum.Enum):
+    """Why a completion ended; errors are data, counted in metrics, never crashes."""
+
+    STOP = "stop"  # end-of-sequence token or a stop string
+    LENGTH = "length"  # hit max_tokens
+    ERROR = "error"  # the engine failed for this request
+
+
+class TokenmillError(Exception):
+    """Base class of errors that tokenmill reports to the user with a readable message."""
+
+
+class ConfigError(TokenmillError):
+    """A configuration value is invalid; the message names the dotted field path."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How an engine samples. `n` completions are drawn for each prompt (a GRPO group)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    greedy: bool = False
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What an engine returns for one request: sampled token ids and their logprobs."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    stop_reason: StopReason
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """One reward function's score for one sample; `value is None` means abstained or failed."""
+
+    value: float | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One trajectory as the trainer sees it.
+
+    tokens:     prompt + completion token ids (length T)
+    loss_mask:  1 where the token is trained (policy tokens), 0 for prompt / environment tokens
+    logprobs:   sampler logprob of each token (0.0 where loss_mask is 0)
+    version:    policy version (optimizer steps taken) that produced the completion
+    reward:     weighted total over reward functions; NaN if every function failed (not trained)
+    rewards:    each reward function's value by name (None = abstained / failed)
+    """
+
+    tokens: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    prompt_len: int
+    prompt: Any
+    completion: str
+    stop_reason: StopReason
+    version: int = 0
+    group_id: int = 0
+    reward: float = 0.0
+    rewards: dict[str, float | None] = field(default_factory=dict)
+    reward_errors: dict[str, str] = field(default_factory=dict)
+    advantage: float = 0.0
+    row: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def completion_len(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def completion_ids(self) -> tuple[int, ...]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def trainable(self) -> bool:
+        return not math.isnan(self.reward) and self.stop_reason is not StopReason.ERROR
+
+    def with_(self, **changes: Any) -> Sample:
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Group:
+    """The samples drawn for one prompt; GRPO normalises rewards inside a group."""
+
+    group_id: int
+    samples: tuple[Sample, ...]
+
+    @property
+    def rewards_G(self) -> list[float]:
+        return [s.reward for s in self.samples]
