@@ -1,11 +1,18 @@
 """Algorithm-specific math as registered pure functions; the trainer never branches on algorithm names."""
 
-from tokenmill.algorithms.advantages import ADVANTAGES, grpo_advantages, register_advantage, rloo_advantages
+from tokenmill.algorithms.advantages import (
+    ADVANTAGES,
+    assign_advantages,
+    grpo_advantages,
+    register_advantage,
+    rloo_advantages,
+)
 from tokenmill.algorithms.aggregation import token_weights
 from tokenmill.algorithms.losses import LOSSES, kl_penalty, ppo_clip_loss, register_loss, sft_loss
 
 __all__ = [
     "ADVANTAGES",
+    "assign_advantages",
     "LOSSES",
     "grpo_advantages",
     "kl_penalty",

@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 
+from tokenmill.types import Group
+
 AdvantageFn = Callable[..., torch.Tensor]
 ADVANTAGES: dict[str, AdvantageFn] = {}
 
@@ -51,3 +53,13 @@ def rloo_advantages(rewards_G: torch.Tensor, **_: object) -> torch.Tensor:
     r = rewards_G[valid_G]
     adv_G[valid_G] = r - (r.sum() - r) / (g - 1)
     return adv_G
+
+
+def assign_advantages(groups: list[Group], name: str, **kwargs: object) -> list[Group]:
+    """Apply the estimator `name` inside every group; return groups whose samples carry `advantage`."""
+    fn = ADVANTAGES[name]
+    out = []
+    for g in groups:
+        adv_G = fn(torch.tensor(g.rewards_G, dtype=torch.float64), **kwargs).tolist()
+        out.append(Group(g.group_id, tuple(s.with_(advantage=a) for s, a in zip(g.samples, adv_G, strict=True))))
+    return out

@@ -174,8 +174,6 @@ class RLConfig(_Section):
             )
         if self.algorithm.advantage == "rloo" and self.generation.group_size < 2:
             raise ValueError("algorithm.advantage 'rloo' needs generation.group_size >= 2")
-        if not self.rewards and self.data.task is None:
-            raise ValueError("rewards: give at least one reward (or use a built-in data.task)")
         return self
 
 

@@ -7,6 +7,7 @@ that finished dropped from the batch so long completions do not make short ones 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import torch
@@ -48,7 +49,15 @@ def sample_tokens(
 class HFEngine:
     """In-process engine over a transformers causal LM (which may be the trainer's own module)."""
 
-    def __init__(self, model, tokenizer, *, seed: int = 0, compact_fraction: float = 0.25) -> None:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        seed: int = 0,
+        compact_fraction: float = 0.25,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -59,6 +68,7 @@ class HFEngine:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.compact_fraction = compact_fraction
+        self.autocast_dtype = autocast_dtype
         self.version = 0
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
 
@@ -86,12 +96,17 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._autocast():
                 rows = self._decode(prompts, params)
         finally:
             self.model.train(was_training)
         n = params.n
         return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _prefill(self, prompts: list[list[int]]):
         lengths = [len(p) for p in prompts]

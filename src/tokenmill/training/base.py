@@ -36,5 +36,5 @@ class TrainBackend(Protocol):
         ...
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume exactly (model, optimiser, scheduler)."""
+        """Optimiser and schedule state for an exact resume (weights are saved from the module)."""
         ...

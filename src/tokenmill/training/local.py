@@ -33,6 +33,35 @@ def token_entropy(logits_B_T_V: torch.Tensor, temperature: float) -> torch.Tenso
     return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
 
 
+@torch.no_grad()
+def batch_logprobs(
+    model: torch.nn.Module, batch: Batch, *, temperature: float, token_budget: int
+) -> torch.Tensor:
+    """Logprobs of every token of `batch` under `model`, micro-batched, on the CPU, aligned with the batch."""
+    device = next(model.parameters()).device
+    out = torch.zeros_like(batch.old_logprobs_B_T)
+    start = 0
+    for micro in batch.micro_batches(token_budget):
+        ids = micro.input_ids_B_T.to(device)
+        logits = model(input_ids=ids, use_cache=False).logits
+        lp = token_logprobs(logits, ids, temperature)
+        out[start : start + micro.size, : lp.shape[1]] = lp.float().cpu()
+        start += micro.size
+    return out
+
+
+class ReferenceModel:
+    """A frozen copy of the initial policy, used only for the KL term (loaded only when kl_coef > 0)."""
+
+    def __init__(self, model: torch.nn.Module, *, temperature: float, token_budget: int) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.temperature = temperature
+        self.token_budget = token_budget
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return batch_logprobs(self.model, batch, temperature=self.temperature, token_budget=self.token_budget)
+
+
 def lr_lambda(schedule: str, warmup: int, total: int):
     def factor(step: int) -> float:
         if warmup and step < warmup:
@@ -64,6 +93,7 @@ class LocalBackend:
         micro_batch_tokens: int = 8192,
         temperature: float = 1.0,
         track_entropy: bool = True,
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -78,9 +108,13 @@ class LocalBackend:
         self.micro_batch_tokens = micro_batch_tokens
         self.temperature = temperature
         self.track_entropy = track_entropy
+        self.autocast_dtype = autocast_dtype
 
     def _logits(self, input_ids_B_T: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids_B_T, use_cache=False).logits
+        if self.autocast_dtype is None:
+            return self.model(input_ids=input_ids_B_T, use_cache=False).logits
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+            return self.model(input_ids=input_ids_B_T, use_cache=False).logits
 
     def forward_backward(self, batch: Batch, loss_fn: BatchLoss) -> dict[str, float]:
         self.model.train()
@@ -96,20 +130,15 @@ class LocalBackend:
                     metrics["entropy"] = (ent * micro.weights_B_T).sum()
             loss.backward()
             metrics["loss"] = loss.detach()
+            metrics["weight"] = micro.weights_B_T.sum()
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
         return totals
 
-    @torch.no_grad()
     def forward(self, batch: Batch) -> torch.Tensor:
-        out = torch.zeros_like(batch.old_logprobs_B_T)
-        start = 0
-        for micro in batch.micro_batches(self.micro_batch_tokens):
-            ids = micro.input_ids_B_T.to(self.device)
-            lp = token_logprobs(self._logits(ids), ids, self.temperature)
-            out[start : start + micro.size, : lp.shape[1]] = lp.cpu()
-            start += micro.size
-        return out
+        return batch_logprobs(
+            self.model, batch, temperature=self.temperature, token_budget=self.micro_batch_tokens
+        )
 
     def optim_step(self) -> dict[str, float]:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
@@ -123,13 +152,9 @@ class LocalBackend:
         yield from self.model.named_parameters()
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-        }
+        """Optimiser and schedule (the weights are saved separately, as safetensors)."""
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

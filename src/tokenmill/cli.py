@@ -1,0 +1,183 @@
+"""`tokenmill quickstart | train | sft | eval | validate`.
+
+Config errors print one line per bad field and exit with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tokenmill.types import ConfigError
+
+QUICKSTART_MODEL = {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
+
+
+def _rl_config(path: str | None, overrides: list[str]):
+    from tokenmill.config import RLConfig, load_config, parse_overrides
+
+    return load_config(RLConfig, path, parse_overrides(overrides))
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    cfg = _rl_config(args.config, args.overrides)
+    seqs = cfg.controller.prompts_per_step * cfg.generation.group_size
+    print(f"{args.config}: valid. {cfg.controller.steps} steps of {cfg.controller.prompts_per_step} prompts x "
+          f"{cfg.generation.group_size} samples = {seqs} sequences each.")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from tokenmill.controller import build_run, run_rl
+
+    cfg = _rl_config(args.config, args.overrides)
+    run = build_run(cfg)
+    try:
+        result = run_rl(run)
+    finally:
+        run.close()
+    _print_eval(result)
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    from tokenmill.config import SFTConfig, load_config, parse_overrides
+    from tokenmill.controller.setup import load_policy, resolve_device
+    from tokenmill.data import load_rows
+    from tokenmill.testing.tasks import task_splits
+    from tokenmill.training.sft import run_sft
+
+    cfg = load_config(SFTConfig, args.config, parse_overrides(args.overrides))
+    if cfg.data.task:
+        rows, _, _ = task_splits(cfg.data.task, cfg.data.num_train, cfg.data.num_eval, seed=cfg.seed,
+                                 **cfg.data.task_kwargs)
+    else:
+        rows = load_rows(cfg.data.path, cfg.data.split)
+    model, tok = load_policy(cfg.model, resolve_device(cfg.model.device))
+    losses = run_sft(model, tok, rows, steps=cfg.steps, batch_size=cfg.batch_size,
+                     learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps, seed=cfg.seed,
+                     prompt_column=cfg.data.prompt_column, completion_column=cfg.completion_column,
+                     output_dir=cfg.output_dir, log_every=max(1, cfg.steps // 10))
+    print(f"sft: loss {losses[0]:.3f} -> {losses[-1]:.3f}; model written to {cfg.output_dir}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from tokenmill.controller.metrics import evaluate
+    from tokenmill.controller.setup import build_datasets, build_rewards, load_policy, resolve_device
+    from tokenmill.engines.hf import HFEngine
+    from tokenmill.rollout.generator import Generator
+    from tokenmill.types import SamplingParams
+
+    cfg = _rl_config(args.config, args.overrides)
+    train_rows, eval_rows, task_reward = build_datasets(cfg)
+    rewards = build_rewards(cfg, task_reward=task_reward)
+    model, tok = load_policy(cfg.model, resolve_device(cfg.model.device))
+    gen = Generator(HFEngine(model, tok), tok, rewards, SamplingParams(max_tokens=cfg.generation.max_tokens,
+                    stop=tuple(cfg.generation.stop)), cfg.data.prompt_column)
+    try:
+        result = evaluate(gen, eval_rows if eval_rows is not None else train_rows, cfg.controller.eval_max_rows)
+    finally:
+        rewards.close()
+    print(json.dumps(result))
+    return 0
+
+
+def _print_eval(result: dict[str, Any]) -> None:
+    before, after = result.get("eval_before"), result.get("eval_after")
+    if before and after:
+        gain = after["eval/accuracy"] - before["eval/accuracy"]
+        print(f"held-out greedy accuracy: {before['eval/accuracy']:.3f} -> {after['eval/accuracy']:.3f} "
+              f"({gain * 100:+.1f} points, {after['eval/rows']} problems)")
+
+
+def cmd_quickstart(args: argparse.Namespace) -> int:
+    """Tiny model -> supervised warm start -> GRPO on addition, with accuracy before and after."""
+    import torch
+
+    from tokenmill.config import RLConfig, load_config
+    from tokenmill.controller import build_run, run_rl
+    from tokenmill.controller.setup import load_policy, resolve_device
+    from tokenmill.config.schema import ModelConfig
+    from tokenmill.testing import build_tiny_model, task_splits
+    from tokenmill.training.sft import run_sft
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    out = Path(args.output_dir)
+    t0 = time.time()
+    base = build_tiny_model(out / "base", seed=args.seed, **QUICKSTART_MODEL)
+    print(f"[1/3] built a tiny Llama ({QUICKSTART_MODEL}) and a character tokenizer in {base}")
+    train_rows, _, _ = task_splits("addition", 20000, 1000, seed=args.seed)
+    model, tok = load_policy(ModelConfig(path=base), resolve_device("cpu"))
+    losses = run_sft(model, tok, train_rows, steps=args.sft_steps, batch_size=64, learning_rate=1e-3,
+                     seed=args.seed, output_dir=out / "warm")
+    print(f"[2/3] supervised warm start: {args.sft_steps} steps, loss {losses[0]:.2f} -> {losses[-1]:.2f} "
+          f"({time.time() - t0:.0f}s)")
+    cfg = load_config(RLConfig, {
+        "model": {"path": str(out / "warm")},
+        "data": {"task": "addition", "num_eval": 1000},
+        "generation": {"group_size": 8, "max_tokens": 6, "temperature": 1.0},
+        "algorithm": {"advantage": "grpo"},
+        "training": {"learning_rate": args.lr, "seed": args.seed},
+        "controller": {"steps": args.steps, "prompts_per_step": 16},
+        "tracking": {"output_dir": str(out / "grpo"), "console": args.console, "log_every": 10},
+        "checkpoint": {"every": 0},
+    })
+    print(f"[3/3] GRPO: {args.steps} steps x 16 prompts x 8 samples, metrics in {out / 'grpo' / 'metrics.jsonl'}")
+    run = build_run(cfg)
+    try:
+        result = run_rl(run)
+    finally:
+        run.close()
+    _print_eval(result)
+    print(f"done in {time.time() - t0:.0f}s; trained model in {out / 'grpo' / 'final'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    q = sub.add_parser("quickstart", help="tiny model -> warm start -> GRPO on addition (CPU, minutes)")
+    q.add_argument("--output-dir", default="runs/quickstart")
+    q.add_argument("--steps", type=int, default=150)
+    q.add_argument("--sft-steps", type=int, default=450)
+    q.add_argument("--lr", type=float, default=2e-4)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--console", default="plain", choices=["rich", "plain", "none"])
+    q.set_defaults(fn=cmd_quickstart)
+    for name, fn, text in [
+        ("train", cmd_train, "run RL from a YAML config"),
+        ("sft", cmd_sft, "supervised fine-tuning from a YAML config"),
+        ("eval", cmd_eval, "greedy evaluation of a model on a config's data"),
+        ("validate", cmd_validate, "check a config without loading anything"),
+    ]:
+        p = sub.add_parser(name, help=text,
+                           description=f"{text}. Override any field with --section.field VALUE.")
+        p.add_argument("config", nargs="?", default=None, help="YAML config file")
+        p.add_argument("overrides", nargs=argparse.REMAINDER, help="--section.field VALUE ...")
+        p.set_defaults(fn=fn)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    if getattr(args, "config", None) and args.config.startswith("--"):
+        args.overrides, args.config = [args.config, *args.overrides], None
+    try:
+        return args.fn(args)
+    except ConfigError as exc:
+        print(f"tokenmill: invalid configuration\n{exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tokenmill: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Per-step rollout metrics and the greedy held-out evaluation."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from dataclasses import replace
+from typing import Any
+
+from tokenmill.rollout.generator import Generator
+from tokenmill.types import Group, StopReason
+
+ACCURACY_THRESHOLD = 1.0 - 1e-6  # a task reward of 1.0 means "solved"
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), (statistics.pstdev(values) if len(values) > 1 else 0.0)
+
+
+def rollout_metrics(groups: list[Group]) -> tuple[dict[str, Any], list[str]]:
+    """Reward (total and per function), accuracy, lengths, stop reasons; plus distinct reward errors."""
+    samples = [s for g in groups for s in g.samples]
+    m: dict[str, Any] = {}
+    valid = [s.reward for s in samples if not math.isnan(s.reward)]
+    m["reward/mean"], m["reward/std"] = _mean_std(valid)
+    m["reward/unscored"] = len(samples) - len(valid)
+    m["accuracy"] = sum(r >= ACCURACY_THRESHOLD for r in valid) / max(1, len(samples))
+    names = samples[0].rewards.keys() if samples else []
+    errors: Counter[str] = Counter()
+    for name in names:
+        vals = [s.rewards[name] for s in samples if s.rewards.get(name) is not None]
+        m[f"reward/{name}/mean"], m[f"reward/{name}/std"] = _mean_std(vals)
+        failed = [s.reward_errors[name] for s in samples if name in s.reward_errors]
+        m[f"reward/{name}/failed"] = len(failed)
+        errors.update(f"reward {name!r} failed: {e}" for e in failed)
+    lengths = [s.completion_len for s in samples]
+    m["response_len/mean"] = statistics.fmean(lengths) if lengths else 0.0
+    m["response_len/max"] = max(lengths, default=0)
+    m["response_len/clip_ratio"] = sum(s.stop_reason is StopReason.LENGTH for s in samples) / max(1, len(samples))
+    flat = sum(1 for g in groups if len({s.reward for s in g.samples}) == 1)
+    m["groups/zero_variance_fraction"] = flat / max(1, len(groups))
+    return m, [f"{e} (x{n})" for e, n in errors.most_common(3)]
+
+
+def evaluate(generator: Generator, rows, max_rows: int, chunk: int = 256) -> dict[str, float]:
+    """Greedy decoding on held-out rows: mean total reward and accuracy (share of rows scoring 1.0)."""
+    params = replace(generator.params, n=1, greedy=True)
+    rows = [rows[i] for i in range(min(len(rows), max_rows))]
+    totals: list[float] = []
+    for start in range(0, len(rows), chunk):
+        part = rows[start : start + chunk]
+        prompt_ids, completions = generator.sample(part, params)
+        groups = generator.score(part, prompt_ids, completions, version=0)
+        totals.extend(s.reward for g in groups for s in g.samples)
+    valid = [t for t in totals if not math.isnan(t)]
+    return {
+        "eval/reward_mean": statistics.fmean(valid) if valid else math.nan,
+        "eval/accuracy": sum(t >= ACCURACY_THRESHOLD for t in valid) / max(1, len(totals)),
+        "eval/rows": len(totals),
+    }

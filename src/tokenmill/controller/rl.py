@@ -1,0 +1,117 @@
+"""The synchronous RL loop, top to bottom: sample -> generate -> score -> advantages -> train -> sync -> log
+-> checkpoint. Everything it calls is built in `setup.py`; timing goes through `stage()`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenmill.algorithms.advantages import assign_advantages
+from tokenmill.checkpoint.atomic import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from tokenmill.controller.metrics import evaluate, rollout_metrics
+from tokenmill.controller.setup import Run
+from tokenmill.tracking.stages import stage, step_timer
+from tokenmill.training.update import policy_update
+
+
+def run_rl(run: Run) -> dict[str, Any]:
+    """Train until `controller.steps`; return the first and last evaluation and the last step's metrics."""
+    cfg, log = run.cfg, run.logger
+    seqs = cfg.controller.prompts_per_step * cfg.generation.group_size
+    log.message(
+        f"{cfg.controller.prompts_per_step} prompts x {cfg.generation.group_size} samples = {seqs} sequences "
+        f"per step; {cfg.algorithm.ppo_epochs} epoch(s) x {cfg.algorithm.mini_batches} mini-batch(es) = "
+        f"{cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches} optimiser step(s) per step"
+    )
+    start = resume(run) if cfg.checkpoint.resume else 0
+    if start >= cfg.controller.steps:
+        log.message(f"checkpoint is at step {start} of {cfg.controller.steps}: nothing left to train")
+    result: dict[str, Any] = {"resumed_from": start}
+    if run.eval_rows is not None and start == 0:
+        result["eval_before"] = evaluate(run.generator, run.eval_rows, cfg.controller.eval_max_rows)
+        log.log(0, result["eval_before"])
+    metrics: dict[str, Any] = {}
+    for step in range(start + 1, cfg.controller.steps + 1):
+        with step_timer() as timer:
+            # 1. sample prompts
+            rows = run.source.next_rows(cfg.controller.prompts_per_step)
+            # 2. generate: G completions per prompt, all groups in one engine batch
+            with stage("generate") as t:
+                prompt_ids, completions = run.generator.sample(rows)
+                t.add_tokens("generate", sum(len(c.token_ids) for g in completions for c in g))
+            # 3. score every completion with every reward
+            with stage("reward"):
+                groups = run.generator.score(rows, prompt_ids, completions, version=step - 1)
+            # 4. advantages inside each group
+            groups = assign_advantages(groups, cfg.algorithm.advantage, scale_rewards=cfg.algorithm.scale_rewards)
+            samples = [s for g in groups for s in g.samples if s.trainable]
+            # 5. policy update (reference forward included when KL is on)
+            with stage("train") as t:
+                train_metrics = policy_update(
+                    samples, run.backend, cfg.algorithm, pad_id=run.engine.pad_id,
+                    max_tokens=cfg.generation.max_tokens, rng=run.update_rng, reference=run.reference,
+                )
+                t.add_tokens("train", sum(len(s.tokens) for s in samples))
+            # 6. sync weights to the engine (a version bump when it shares the module)
+            with stage("sync"):
+                run.engine.update_weights(run.backend.weights(), version=step)
+        # 7. log
+        metrics, errors = rollout_metrics(groups)
+        metrics |= train_metrics | timer.report()
+        metrics["throughput/e2e_tok_s"] = timer.tokens.get("generate", 0) / metrics["timing_s/step"]
+        for e in errors:
+            log.message(f"step {step}: {e}")
+        if cfg.controller.eval_every and step % cfg.controller.eval_every == 0 and run.eval_rows is not None:
+            metrics |= evaluate(run.generator, run.eval_rows, cfg.controller.eval_max_rows)
+        log.log(step, metrics)
+        log.log_samples(step, sample_records(groups, cfg.tracking.log_samples))
+        # 8. checkpoint
+        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.controller.steps:
+            save(run, step)
+    if cfg.checkpoint.save_final and start < cfg.controller.steps:
+        save(run, cfg.controller.steps)
+        run.model.save_pretrained(run.output_dir / "final")
+        run.tokenizer.save_pretrained(run.output_dir / "final")
+    if run.eval_rows is not None:
+        result["eval_after"] = evaluate(run.generator, run.eval_rows, cfg.controller.eval_max_rows)
+        log.log(cfg.controller.steps, result["eval_after"])
+    result["last_metrics"] = metrics
+    return result
+
+
+def sample_records(groups, k: int) -> list[dict[str, Any]]:
+    picked = [s for g in groups for s in g.samples][:k]
+    return [
+        {"prompt": s.prompt, "completion": s.completion, "reward": s.reward, "rewards": s.rewards,
+         "advantage": s.advantage, "stop": s.stop_reason.value}
+        for s in picked
+    ]
+
+
+def save(run: Run, step: int) -> None:
+    state = {
+        "trainer": run.backend.state_dict(),
+        "engine_rng": run.engine.generator.get_state(),
+        "update_rng": run.update_rng.getstate(),
+        "rng": rng_state(),
+        "data": run.source.state_dict(),
+    }
+    save_checkpoint(run.output_dir / "checkpoints", step, run.model, state, keep_last=run.cfg.checkpoint.keep_last)
+
+
+def resume(run: Run) -> int:
+    """Restore weights, optimiser, schedule, RNGs and data position; return the step to continue after."""
+    path = latest_checkpoint(run.output_dir / "checkpoints")
+    if path is None:
+        run.logger.message("resume: no complete checkpoint found, starting from scratch")
+        return 0
+    step, state = load_checkpoint(path, run.model)
+    run.backend.load_state_dict(state["trainer"])
+    run.engine.generator.set_state(state["engine_rng"])
+    version, internal, gauss = state["update_rng"]
+    run.update_rng.setstate((version, tuple(internal), gauss))
+    set_rng_state(state["rng"])
+    run.source.load_state_dict(state["data"])
+    run.engine.update_weights(run.backend.weights(), version=step)
+    run.logger.message(f"resumed from {path} (step {step})")
+    return step

@@ -1,0 +1,188 @@
+"""Build every component of a run from a validated config (no loop logic here).
+
+Order matters for the user: everything that can be wrong with the config or the rewards is checked before
+any model is loaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from tokenmill.config.schema import ModelConfig, RewardFunctionConfig, RLConfig
+from tokenmill.data.prompts import PromptSource, load_rows
+from tokenmill.engines.hf import HFEngine
+from tokenmill.rewards.base import FunctionReward
+from tokenmill.rewards.model import ModelReward
+from tokenmill.rewards.set import RewardSet
+from tokenmill.rollout.generator import Generator
+from tokenmill.tracking.logger import MetricsLogger
+from tokenmill.training.local import LocalBackend, ReferenceModel
+from tokenmill.types import ConfigError, SamplingParams
+
+
+def import_string(spec: str, field: str) -> Any:
+    """Resolve 'package.module:attr'; a ConfigError names `field` if it cannot be found."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{field}: expected 'module:attribute', got {spec!r}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is a config problem to report
+        raise ConfigError(f"{field}: cannot import module {module_name!r}: {exc}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{field}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"model.device: {spec!r} requested but CUDA is not available")
+    return device
+
+
+def autocast_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast (fp32 master weights) on GPU by default; plain fp32 on CPU."""
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    return {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
+
+
+def build_rewards(cfg: RLConfig, extra: list[Callable[..., Any]] | None = None, task_reward=None) -> RewardSet:
+    rewards: list[Any] = []
+    if task_reward is not None:
+        rewards.append(FunctionReward(task_reward, name=cfg.data.task))
+    for i, rc in enumerate(cfg.rewards):
+        if isinstance(rc, RewardFunctionConfig):
+            fn = import_string(rc.function, f"rewards.{i}.function")
+            if not callable(fn):
+                raise ConfigError(f"rewards.{i}.function: {rc.function!r} is not callable")
+            rewards.append(
+                FunctionReward(
+                    fn, name=rc.name, weight=rc.weight, timeout_s=rc.timeout_s,
+                    per_sample=rc.per_sample, isolation=rc.isolation,
+                )
+            )
+        else:
+            if not Path(rc.path).exists():
+                raise ConfigError(f"rewards.{i}.path: no reward model folder at {rc.path!r}")
+            rewards.append(ModelReward(rc.path, name=rc.name, weight=rc.weight, batch_size=rc.batch_size))
+    for fn in extra or []:
+        rewards.append(fn if hasattr(fn, "weight") else FunctionReward(fn))
+    if not rewards:
+        raise ConfigError("rewards: give at least one reward")
+    try:
+        return RewardSet(rewards)
+    except ValueError as exc:
+        raise ConfigError(f"rewards: {exc}") from None
+
+
+def build_datasets(cfg: RLConfig, dataset=None):
+    """(train rows, eval rows or None, the task's reward function or None)."""
+    from tokenmill.testing.tasks import task_splits
+
+    if dataset is not None:
+        return dataset, None, None
+    if cfg.data.task is not None:
+        return task_splits(
+            cfg.data.task, cfg.data.num_train, cfg.data.num_eval, seed=cfg.training.seed, **cfg.data.task_kwargs
+        )
+    rows = load_rows(cfg.data.path, cfg.data.split)
+    if cfg.data.prompt_column not in rows.column_names:
+        raise ConfigError(
+            f"data.prompt_column: column {cfg.data.prompt_column!r} not in the dataset "
+            f"(columns: {', '.join(rows.column_names)})"
+        )
+    return rows, None, None
+
+
+def load_policy(cfg: ModelConfig, device: torch.device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.path)
+        model = AutoModelForCausalLM.from_pretrained(cfg.path, **kwargs).to(device)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.path: cannot load {cfg.path!r}: {exc}") from None
+    return model, tokenizer
+
+
+@dataclass
+class Run:
+    cfg: RLConfig
+    model: torch.nn.Module
+    tokenizer: Any
+    engine: HFEngine
+    generator: Generator
+    backend: LocalBackend
+    reference: ReferenceModel | None
+    source: PromptSource
+    eval_rows: Any
+    logger: MetricsLogger
+    update_rng: random.Random
+    output_dir: Path
+
+    def close(self) -> None:
+        self.generator.rewards.close()
+        self.logger.close()
+
+
+def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, dataset=None) -> Run:
+    torch.manual_seed(cfg.training.seed)
+    random.seed(cfg.training.seed)
+    train_rows, eval_rows, task_reward = build_datasets(cfg, dataset)
+    reward_set = build_rewards(cfg, rewards, task_reward)
+    device = resolve_device(cfg.model.device)
+    amp = autocast_dtype(cfg.model, device)
+    model, tokenizer = load_policy(cfg.model, device)
+    gen = cfg.generation
+    params = SamplingParams(
+        max_tokens=gen.max_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
+        n=gen.group_size, stop=tuple(gen.stop),
+    )
+    # colocated, in-process: the engine samples from the trainer's own module, so weight sync is free
+    engine = HFEngine(model, tokenizer, seed=cfg.training.seed, autocast_dtype=amp)
+    tr = cfg.training
+    optimizer_steps = cfg.controller.steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches
+    backend = LocalBackend(
+        model, learning_rate=tr.learning_rate, total_steps=optimizer_steps, weight_decay=tr.weight_decay,
+        betas=tr.betas, warmup_steps=tr.warmup_steps, lr_schedule=tr.lr_schedule,
+        max_grad_norm=tr.max_grad_norm, micro_batch_tokens=tr.micro_batch_tokens,
+        temperature=gen.temperature, autocast_dtype=amp,
+    )
+    reference = None
+    if cfg.algorithm.kl_coef > 0:
+        reference = ReferenceModel(
+            copy.deepcopy(model), temperature=gen.temperature, token_budget=tr.micro_batch_tokens
+        )
+    out = Path(cfg.tracking.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    tk = cfg.tracking
+    logger = MetricsLogger(
+        out, cfg.controller.steps, console=tk.console, log_every=tk.log_every, tensorboard=tk.tensorboard,
+        wandb=tk.wandb, wandb_project=tk.wandb_project, run_config=cfg.model_dump(mode="json"),
+    )
+    return Run(
+        cfg=cfg, model=model, tokenizer=tokenizer, engine=engine,
+        generator=Generator(engine, tokenizer, reward_set, params, cfg.data.prompt_column),
+        backend=backend, reference=reference,
+        source=PromptSource(train_rows, seed=cfg.training.seed, shuffle=cfg.data.shuffle),
+        eval_rows=eval_rows, logger=logger, update_rng=random.Random(cfg.training.seed + 1), output_dir=out,
+    )

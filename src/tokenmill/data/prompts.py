@@ -1,0 +1,65 @@
+"""Prompt sources: a `datasets.Dataset` read in seeded epochs, with a position that resumes exactly."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from tokenmill.types import ConfigError
+
+
+def load_rows(path: str, split: str = "train"):
+    """A local json/jsonl/csv/parquet file, a `save_to_disk` folder, or a `datasets` hub name."""
+    import datasets
+
+    p = Path(path)
+    if p.is_file():
+        kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(p.suffix)
+        if kind is None:
+            raise ConfigError(f"data.path: unsupported file type {p.suffix!r} (json, jsonl, csv, parquet)")
+        return datasets.load_dataset(kind, data_files=str(p), split="train")
+    if p.is_dir() and (p / "dataset_info.json").exists():
+        return datasets.load_from_disk(str(p))
+    if p.is_dir() and (p / split / "dataset_info.json").exists():
+        return datasets.load_from_disk(str(p / split))
+    return datasets.load_dataset(path, split=split)
+
+
+class PromptSource:
+    """Hands out rows `k` at a time; each epoch is a fresh permutation seeded by (seed, epoch)."""
+
+    def __init__(self, dataset, seed: int = 0, shuffle: bool = True) -> None:
+        if len(dataset) == 0:
+            raise ConfigError("data: the training set is empty")
+        self.dataset = dataset
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.index = 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return order
+
+    def next_rows(self, k: int) -> list[dict[str, Any]]:
+        picked: list[int] = []
+        while len(picked) < k:
+            if self.index >= len(self._order):
+                self.epoch += 1
+                self.index = 0
+                self._order = self._permutation()
+            take = min(k - len(picked), len(self._order) - self.index)
+            picked.extend(self._order[self.index : self.index + take])
+            self.index += take
+        return [self.dataset[i] for i in picked]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self._order = self._permutation()

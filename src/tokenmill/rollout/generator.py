@@ -1,0 +1,89 @@
+"""The single-turn Generator: prompts -> engine -> rewards -> Groups of Samples.
+
+Prompts are plain strings (tokenised as they are) or chat messages (rendered with the tokenizer's chat
+template and a generation prompt). Each sample keeps the exact token ids the engine produced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenmill.engines.base import InferenceEngine
+from tokenmill.rewards.set import RewardSet
+from tokenmill.types import Completion, Group, Sample, SamplingParams
+
+
+def encode_prompt(tokenizer, prompt: Any) -> list[int]:
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    if isinstance(prompt, list):
+        out = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        ids = out["input_ids"] if hasattr(out, "keys") else out
+        return list(ids)
+    raise TypeError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+
+
+class Generator:
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        tokenizer,
+        rewards: RewardSet,
+        params: SamplingParams,
+        prompt_column: str = "prompt",
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.rewards = rewards
+        self.params = params
+        self.prompt_column = prompt_column
+
+    def sample(
+        self, rows: list[dict[str, Any]], params: SamplingParams | None = None
+    ) -> tuple[list[list[int]], list[list[Completion]]]:
+        """The prompt token ids and `params.n` completions for each row."""
+        prompt_ids = [encode_prompt(self.tokenizer, r[self.prompt_column]) for r in rows]
+        return prompt_ids, self.engine.generate(prompt_ids, params or self.params)
+
+    def score(
+        self,
+        rows: list[dict[str, Any]],
+        prompt_ids: list[list[int]],
+        completions: list[list[Completion]],
+        version: int,
+        first_group: int = 0,
+    ) -> list[Group]:
+        """Run every reward on every completion and assemble one Group per row."""
+        prompts, texts, columns = [], [], {k: [] for k in rows[0] if k != self.prompt_column} if rows else {}
+        for row, group in zip(rows, completions, strict=True):
+            for c in group:
+                prompts.append(row[self.prompt_column])
+                texts.append(c.text)
+                for k in columns:
+                    columns[k].append(row[k])
+        totals, details = self.rewards.score(prompts, texts, columns)
+        groups, k = [], 0
+        for g, (row, ids, group) in enumerate(zip(rows, prompt_ids, completions, strict=True)):
+            samples = []
+            for c in group:
+                detail = details[k]
+                samples.append(
+                    Sample(
+                        tokens=tuple(ids) + c.token_ids,
+                        loss_mask=(0,) * len(ids) + (1,) * len(c.token_ids),
+                        logprobs=(0.0,) * len(ids) + c.logprobs,
+                        prompt_len=len(ids),
+                        prompt=row[self.prompt_column],
+                        completion=c.text,
+                        stop_reason=c.stop_reason,
+                        version=version,
+                        group_id=first_group + g,
+                        reward=totals[k],
+                        rewards={name: r.value for name, r in detail.items()},
+                        reward_errors={name: r.error for name, r in detail.items() if r.error},
+                        row=row,
+                    )
+                )
+                k += 1
+            groups.append(Group(first_group + g, tuple(samples)))
+        return groups

@@ -1,0 +1,76 @@
+"""Supervised fine-tuning on (prompt, completion) rows: the warm start before RL.
+
+It reuses the RL machinery: samples whose loss mask covers the completion (and the end-of-sequence token),
+token-mean weights, the same backend and the registered `sft` loss.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenmill.algorithms.aggregation import token_weights
+from tokenmill.algorithms.losses import sft_loss
+from tokenmill.rollout.generator import encode_prompt
+from tokenmill.training.batch import Batch, collate
+from tokenmill.training.local import LocalBackend
+from tokenmill.types import Sample, StopReason
+
+
+def sft_sample(tokenizer, prompt: Any, completion: str) -> Sample:
+    prompt_ids = encode_prompt(tokenizer, prompt)
+    target = list(tokenizer(completion, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+    return Sample(
+        tokens=tuple(prompt_ids + target),
+        loss_mask=(0,) * len(prompt_ids) + (1,) * len(target),
+        logprobs=(0.0,) * (len(prompt_ids) + len(target)),
+        prompt_len=len(prompt_ids),
+        prompt=prompt,
+        completion=completion,
+        stop_reason=StopReason.STOP,
+    )
+
+
+def _loss(logprobs_B_T: torch.Tensor, batch: Batch):
+    return sft_loss(logprobs_B_T, weights_B_T=batch.weights_B_T)
+
+
+def run_sft(
+    model,
+    tokenizer,
+    rows,
+    *,
+    steps: int,
+    batch_size: int = 64,
+    learning_rate: float = 1e-3,
+    warmup_steps: int = 20,
+    seed: int = 0,
+    prompt_column: str = "prompt",
+    completion_column: str = "completion",
+    output_dir: str | Path | None = None,
+    log_every: int = 0,
+) -> list[float]:
+    """Train `model` in place for `steps` optimiser steps; return the loss of each step."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    samples = [sft_sample(tokenizer, r[prompt_column], r[completion_column]) for r in rows]
+    backend = LocalBackend(
+        model, learning_rate=learning_rate, total_steps=steps, warmup_steps=warmup_steps,
+        lr_schedule="cosine", track_entropy=False,
+    )
+    losses = []
+    for step in range(steps):
+        picked = rng.sample(samples, min(batch_size, len(samples)))
+        weights = token_weights([sum(s.loss_mask) for s in picked], "token_mean")
+        metrics = backend.forward_backward(collate(picked, weights, tokenizer.pad_token_id), _loss)
+        backend.optim_step()
+        losses.append(metrics["nll"])
+        if log_every and (step + 1) % log_every == 0:
+            print(f"sft step {step + 1}/{steps} nll {metrics['nll']:.4f}", flush=True)
+    if output_dir is not None:
+        model.save_pretrained(output_dir)
+        tokenizer.save_pretrained(output_dir)
+    return losses

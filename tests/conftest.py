@@ -1,0 +1,31 @@
+"""Shared fixtures: one tiny real model (built locally, never downloaded) per test session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory) -> str:
+    """A 1-layer, 32-wide random Llama with the character tokenizer, saved as an HF folder."""
+    from tokenmill.testing import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden_size=32, num_layers=1, seed=0)
+
+
+@pytest.fixture
+def tiny_model(tiny_model_path):
+    """A fresh fp32 copy of the tiny model (tests may change its weights)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
