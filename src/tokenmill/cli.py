@@ -15,6 +15,7 @@ from typing import Any
 
 from tokenmill.types import ConfigError
 
+CONFIG_COMMANDS = {"train", "sft", "eval", "validate"}
 QUICKSTART_MODEL = {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 
 
@@ -27,7 +28,7 @@ def _rl_config(path: str | None, overrides: list[str]):
 def cmd_validate(args: argparse.Namespace) -> int:
     cfg = _rl_config(args.config, args.overrides)
     seqs = cfg.controller.prompts_per_step * cfg.generation.group_size
-    print(f"{args.config}: valid. {cfg.controller.steps} steps of {cfg.controller.prompts_per_step} prompts x "
+    print(f"{args.config or 'config'}: valid. {cfg.controller.steps} steps of {cfg.controller.prompts_per_step} prompts x "
           f"{cfg.generation.group_size} samples = {seqs} sequences each.")
     return 0
 
@@ -159,16 +160,20 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text,
                            description=f"{text}. Override any field with --section.field VALUE.")
         p.add_argument("config", nargs="?", default=None, help="YAML config file")
-        p.add_argument("overrides", nargs=argparse.REMAINDER, help="--section.field VALUE ...")
-        p.set_defaults(fn=fn)
+        p.set_defaults(fn=fn, overrides=[])
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides: list[str] = []
+    if argv and argv[0] in CONFIG_COMMANDS and not {"-h", "--help"} & set(argv):
+        # `tokenmill CMD [CONFIG.yaml] [--section.field VALUE ...]`: overrides go to the schema, not argparse
+        head = 2 if len(argv) > 1 and not argv[1].startswith("--") else 1
+        argv, overrides = argv[:head], argv[head:]
     args = build_parser().parse_args(argv)
-    if getattr(args, "config", None) and args.config.startswith("--"):
-        args.overrides, args.config = [args.config, *args.overrides], None
+    args.overrides = overrides
     try:
         return args.fn(args)
     except ConfigError as exc:

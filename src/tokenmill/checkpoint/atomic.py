@@ -72,7 +72,10 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    done = [p for p in root.glob(f"{PREFIX}*") if (p / "meta.json").is_file()]
+    done = [
+        p for p in root.glob(f"{PREFIX}*")
+        if p.name[len(PREFIX) :].isdigit() and (p / "meta.json").is_file()
+    ]
     return sorted(done, key=lambda p: int(p.name[len(PREFIX) :]))
 
 

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 from tokenmill.types import ConfigError
 
 C = TypeVar("C", bound=BaseModel)
+TAGS = {"function", "model"}
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
@@ -59,7 +60,10 @@ def format_validation_error(err: ValidationError) -> str:
     """One line per problem: `algorithm.clip_low: Input should be less than or equal to 1 (got 3)`."""
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"] if p not in ("function-after",))
+        parts = list(e["loc"])
+        # drop union tags that pydantic puts in the path (rewards.0.function.weight -> rewards.0.weight)
+        parts = [p for i, p in enumerate(parts) if not (i and isinstance(parts[i - 1], int) and p in TAGS)]
+        loc = ".".join(str(p) for p in parts)
         msg = e["msg"].removeprefix("Value error, ")
         got = e.get("input")
         shown = "" if isinstance(got, dict) or got is None else f" (got {got!r})"

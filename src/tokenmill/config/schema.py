@@ -6,13 +6,15 @@ Every field carries a description (it becomes `--help` text). Unknown keys are r
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+
+UnitFloat = Annotated[float, Field(ge=0.0, lt=1.0)]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -83,7 +85,16 @@ class RewardModelConfig(_Section):
     batch_size: int = Field(32, ge=1, description="Sequences scored per forward pass.")
 
 
-RewardConfig = RewardFunctionConfig | RewardModelConfig
+def _reward_kind(value: object) -> str:
+    if isinstance(value, dict):
+        return str(value.get("type", "function"))
+    return str(getattr(value, "type", "function"))
+
+
+RewardConfig = Annotated[
+    Annotated[RewardFunctionConfig, Tag("function")] | Annotated[RewardModelConfig, Tag("model")],
+    Discriminator(_reward_kind),
+]
 
 
 class AlgorithmConfig(_Section):
@@ -113,7 +124,7 @@ class AlgorithmConfig(_Section):
 class TrainingConfig(_Section):
     learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    betas: tuple[UnitFloat, UnitFloat] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up optimiser steps.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="Decay after warm-up, over all optimiser steps of the run."
@@ -130,6 +141,10 @@ class ControllerConfig(_Section):
     prompts_per_step: int = Field(8, ge=1, description="Prompts per step; sequences = prompts x group_size.")
     eval_every: int = Field(0, ge=0, description="Greedy held-out evaluation every N steps (0 = start/end only).")
     eval_max_rows: int = Field(1000, ge=1, description="Held-out rows used per evaluation.")
+    max_steps_per_run: int = Field(
+        0, ge=0, description="Stop (with a checkpoint) after this many steps in one invocation; resume later "
+        "with checkpoint.resume (0 = run to the end). For time-sliced jobs."
+    )
 
 
 class TrackingConfig(_Section):

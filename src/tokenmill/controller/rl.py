@@ -31,7 +31,10 @@ def run_rl(run: Run) -> dict[str, Any]:
         result["eval_before"] = evaluate(run.generator, run.eval_rows, cfg.controller.eval_max_rows)
         log.log(0, result["eval_before"])
     metrics: dict[str, Any] = {}
-    for step in range(start + 1, cfg.controller.steps + 1):
+    last = cfg.controller.steps
+    if cfg.controller.max_steps_per_run:
+        last = min(last, start + cfg.controller.max_steps_per_run)
+    for step in range(start + 1, last + 1):
         with step_timer() as timer:
             # 1. sample prompts
             rows = run.source.next_rows(cfg.controller.prompts_per_step)
@@ -66,8 +69,13 @@ def run_rl(run: Run) -> dict[str, Any]:
         log.log(step, metrics)
         log.log_samples(step, sample_records(groups, cfg.tracking.log_samples))
         # 8. checkpoint
-        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.controller.steps:
+        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < last:
             save(run, step)
+    if last < cfg.controller.steps:
+        save(run, last)
+        log.message(f"stopped after step {last} of {cfg.controller.steps} (max_steps_per_run); resume to go on")
+        result["last_metrics"] = metrics
+        return result
     if cfg.checkpoint.save_final and start < cfg.controller.steps:
         save(run, cfg.controller.steps)
         run.model.save_pretrained(run.output_dir / "final")

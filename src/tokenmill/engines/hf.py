@@ -24,13 +24,11 @@ def sample_tokens(
     top-k / top-p shape the sampling distribution only; the returned logprob is the tempered full
     distribution's, the same quantity the trainer recomputes (as TRL and verl do).
     """
-    logits_B_V = logits_B_V.float()
-    if params.greedy:
-        tokens_B = logits_B_V.argmax(dim=-1)
-        logprobs_B_V = torch.log_softmax(logits_B_V, dim=-1)
-        return tokens_B, logprobs_B_V.gather(1, tokens_B[:, None]).squeeze(1)
-    scaled_B_V = logits_B_V / params.temperature
+    scaled_B_V = logits_B_V.float() / params.temperature
     logprobs_B_V = torch.log_softmax(scaled_B_V, dim=-1)
+    if params.greedy:
+        tokens_B = scaled_B_V.argmax(dim=-1)
+        return tokens_B, logprobs_B_V.gather(1, tokens_B[:, None]).squeeze(1)
     filtered_B_V = scaled_B_V
     if params.top_k and params.top_k < filtered_B_V.shape[-1]:
         kth_B_1 = torch.topk(filtered_B_V, params.top_k, dim=-1).values[:, -1:]

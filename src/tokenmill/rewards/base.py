@@ -68,7 +68,7 @@ class FunctionReward:
         self._call = make_caller(_per_sample_batch(fn) if per_sample else fn, isolation)
 
     def _kwargs(self, columns: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        if self._takes_all or self.per_sample:
+        if self._takes_all:
             return columns
         return {k: v for k, v in columns.items() if k in self._accepted}
 
@@ -97,6 +97,7 @@ def _per_sample_batch(fn: Callable[..., Any]) -> Callable[..., list[Any]]:
     """Adapt fn(prompt, completion, **row) -> value to the batched signature."""
 
     def batched(prompts: list[Any], completions: list[str], **columns: list[Any]) -> list[Any]:
+        columns = {k: v for k, v in columns.items() if k not in ("prompt", "completion")}
         return [
             fn(p, c, **{k: v[i] for k, v in columns.items()})
             for i, (p, c) in enumerate(zip(prompts, completions, strict=True))

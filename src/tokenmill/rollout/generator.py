@@ -54,7 +54,9 @@ class Generator:
         first_group: int = 0,
     ) -> list[Group]:
         """Run every reward on every completion and assemble one Group per row."""
-        prompts, texts, columns = [], [], {k: [] for k in rows[0] if k != self.prompt_column} if rows else {}
+        # like TRL, the prompt and a reference `completion` column are not passed as reward columns
+        skip = {self.prompt_column, "completion", "completion_ids"}
+        prompts, texts, columns = [], [], {k: [] for k in rows[0] if k not in skip} if rows else {}
         for row, group in zip(rows, completions, strict=True):
             for c in group:
                 prompts.append(row[self.prompt_column])
