@@ -24,6 +24,7 @@ See /work/shared/BENCHMARKING.md for the rules this follows (peer configured at 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -32,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,32 @@ def current_rss_mib() -> float:
     except OSError:
         pass
     return float("nan")
+
+
+def cpu_busy_seconds() -> float:
+    """CPU seconds all processes on the machine have been busy (all cores), from /proc/stat."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return float("nan")
+    ticks = [int(x) for x in fields]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+@contextlib.contextmanager
+def load_meter() -> Iterator[dict[str, float]]:
+    """Cores this process used, and cores *other* processes used, over a region (machine noise indicator)."""
+    report: dict[str, float] = {}
+    t0, busy0, own0 = time.perf_counter(), cpu_busy_seconds(), time.process_time()
+    try:
+        yield report
+    finally:
+        wall = max(time.perf_counter() - t0, 1e-9)
+        own = time.process_time() - own0
+        report["wall_s"] = wall
+        report["own_cores"] = own / wall
+        report["other_cores"] = max(0.0, (cpu_busy_seconds() - busy0 - own) / wall)
 
 
 def step_stats(step_seconds: list[float]) -> dict[str, float]:
@@ -177,7 +205,8 @@ def child_tokenmill(spec: dict[str, Any]) -> dict[str, Any]:
     cfg = tokenmill_config(spec, str(out_dir))
     rss_before = current_rss_mib()
     wall_start = time.perf_counter()
-    result = tokenmill.train(cfg)
+    with load_meter() as load:
+        result = tokenmill.train(cfg)
     wall = time.perf_counter() - wall_start
 
     records = [
@@ -227,6 +256,7 @@ def child_tokenmill(spec: dict[str, Any]) -> dict[str, Any]:
         "eval_after": result.get("eval_after"),
         "eval_curve": curve,
         "wall_seconds_train_call": wall,
+        "cpu_load_train_call": load,
         "rss_before_train_mib": rss_before,
         "torch_threads": torch.get_num_threads(),
         "sample_completions": [(s["prompt"], s["completion"], s["reward"]) for s in samples],
@@ -371,7 +401,8 @@ def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
     trainer.remove_callback(PrinterCallback)  # disable_tqdm swaps the bar for a per-step print: keep it quiet
     rss_before = current_rss_mib()
     wall_start = time.perf_counter()
-    trainer.train()
+    with load_meter() as load:
+        trainer.train()
     wall = time.perf_counter() - wall_start
 
     trained_model = trainer.accelerator.unwrap_model(trainer.model)
@@ -413,6 +444,7 @@ def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
         "eval_curve": timer.curve,
         "torch_threads": sorted(timer.threads_seen),
         "wall_seconds_train_call": wall,
+        "cpu_load_train_call": load,
         "wall_seconds_train_loop": timer.train_end - timer.train_begin,
         "rss_before_train_mib": rss_before,
         "sample_completions": seen["samples"],
@@ -655,8 +687,16 @@ def print_report(spec, report) -> None:
             )
     tta = report["summary"].get("time_to_accuracy")
     if tta:
-        fmt = lambda v: "not reached" if v is None else f"{v:.1f}s"
+
+        def fmt(v: float | None) -> str:
+            return "not reached" if v is None else f"{v:.1f}s"
+
         ratio = report["ratios"].get("time_to_accuracy")
+        if tta["target"] <= s_tm["eval_acc_before"]:
+            print(
+                f"(neither run's best held-out accuracy after the start, {tta['target']:.3f}, beat the start: "
+                "time-to-accuracy below is not meaningful)"
+            )
         print(
             f"time to held-out acc >= {tta['target']:.3f} (training seconds, eval every {spec['eval_every']} "
             f"steps): tokenmill {fmt(tta['tokenmill'])}, TRL {fmt(tta['trl'])}"
@@ -675,6 +715,20 @@ def print_report(spec, report) -> None:
         f"{s_tr['train_seconds']:.1f}s; process wall: tokenmill {tm['wall_seconds_process']:.0f}s, "
         f"TRL {tr['wall_seconds_process']:.0f}s"
     )
+    lt, lr_ = tm["cpu_load_train_call"], tr["cpu_load_train_call"]
+    print(
+        f"machine load during train() (cores of {report['machine']['cpus']}): tokenmill itself "
+        f"{lt['own_cores']:.2f}, other processes {lt['other_cores']:.2f} | TRL itself {lr_['own_cores']:.2f}, "
+        f"other processes {lr_['other_cores']:.2f}"
+    )
+    busy = max(lt["other_cores"], lr_["other_cores"])
+    if busy > 0.25:
+        print(
+            f"WARNING: other processes used up to {busy:.2f} cores while a trainer ran: the timings above measure "
+            f"that contention as much as the trainers (with {spec['threads']} torch threads on "
+            f"{report['machine']['cpus']} cores a busy core stalls every parallel op); rerun on a quiet machine "
+            "or with --threads 1"
+        )
     print(
         f"torch threads: tokenmill {tm.get('torch_threads')}, TRL {tr.get('torch_threads')}; tokenmill's forked "
         f"reward worker peak RSS {tm['peak_rss_mib']['children']:.0f} MiB (not in its peak RSS above; mostly "
@@ -742,8 +796,8 @@ def run_parent(args: argparse.Namespace) -> None:
     curves = {"tokenmill": full_curve(tm), "trl": full_curve(tr)}
     if args.eval_every:
         target = args.target_acc
-        if target is None:
-            target = min(max(c["accuracy"] for c in curves[k]) for k in curves)
+        if target is None:  # the lower of the two best accuracies reached after the start
+            target = min(max(c["accuracy"] for c in curves[k] if c["step"] > 0) for k in curves)
         tta = {k: time_to_accuracy(curves[k], target) for k in curves}
         summary["time_to_accuracy"] = {"target": target, **tta}
         if tta["tokenmill"] is not None and tta["trl"]:
