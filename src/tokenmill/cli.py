@@ -102,9 +102,9 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     import torch
 
     from tokenmill.config import RLConfig, load_config
+    from tokenmill.config.schema import ModelConfig
     from tokenmill.controller import build_run, run_rl
     from tokenmill.controller.setup import load_policy, resolve_device
-    from tokenmill.config.schema import ModelConfig
     from tokenmill.testing import build_tiny_model, task_splits
     from tokenmill.training.sft import run_sft
 

@@ -12,8 +12,8 @@ from tokenmill.algorithms.losses import LOSSES, kl_penalty, ppo_clip_loss, regis
 
 __all__ = [
     "ADVANTAGES",
-    "assign_advantages",
     "LOSSES",
+    "assign_advantages",
     "grpo_advantages",
     "kl_penalty",
     "ppo_clip_loss",

@@ -7,7 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from tokenmill.algorithms.advantages import assign_advantages
-from tokenmill.checkpoint.atomic import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from tokenmill.checkpoint.atomic import (
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from tokenmill.controller.metrics import evaluate, rollout_metrics
 from tokenmill.controller.setup import Run
 from tokenmill.tracking.stages import stage, step_timer

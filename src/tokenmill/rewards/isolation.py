@@ -10,6 +10,7 @@ function itself needs torch/OpenMP (unsafe after fork); a hung call there is aba
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import multiprocessing as mp
 import os
 import traceback
@@ -90,10 +91,8 @@ class ProcessCaller:
         self._proc, self._conn = None, None
 
     def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:  # noqa: BLE001
-            pass
 
 
 class ThreadCaller:

@@ -13,7 +13,6 @@ class ModelReward:
     def __init__(
         self, path: str, *, name: str | None = None, weight: float = 1.0, batch_size: int = 32, device: str = "cpu"
     ) -> None:
-        import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.name = name or path.rstrip("/").split("/")[-1]

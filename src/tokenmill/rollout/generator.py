@@ -61,8 +61,8 @@ class Generator:
             for c in group:
                 prompts.append(row[self.prompt_column])
                 texts.append(c.text)
-                for k in columns:
-                    columns[k].append(row[k])
+                for k, values in columns.items():
+                    values.append(row[k])
         totals, details = self.rewards.score(prompts, texts, columns)
         groups, k = [], 0
         for g, (row, ids, group) in enumerate(zip(rows, prompt_ids, completions, strict=True)):

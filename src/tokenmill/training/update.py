@@ -19,7 +19,6 @@ from tokenmill.training.base import TrainBackend
 from tokenmill.training.batch import Batch, collate
 from tokenmill.types import Sample
 
-
 MEAN_METRICS = {"entropy", "clip_fraction", "ratio_mean", "kl"}
 
 
