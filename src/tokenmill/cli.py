@@ -9,14 +9,12 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from tokenmill.types import ConfigError
 
 CONFIG_COMMANDS = {"train", "sft", "eval", "validate"}
-QUICKSTART_MODEL = {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 
 
 def _rl_config(path: str | None, overrides: list[str]):
@@ -101,42 +99,13 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     """Tiny model -> supervised warm start -> GRPO on addition, with accuracy before and after."""
     import torch
 
-    from tokenmill.config import RLConfig, load_config
-    from tokenmill.config.schema import ModelConfig
-    from tokenmill.controller import build_run, run_rl
-    from tokenmill.controller.setup import load_policy, resolve_device
-    from tokenmill.testing import build_tiny_model, task_splits
-    from tokenmill.training.sft import run_sft
+    from tokenmill.testing.quickstart import quickstart
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    out = Path(args.output_dir)
-    t0 = time.time()
-    base = build_tiny_model(out / "base", seed=args.seed, **QUICKSTART_MODEL)
-    print(f"[1/3] built a tiny Llama ({QUICKSTART_MODEL}) and a character tokenizer in {base}")
-    train_rows, _, _ = task_splits("addition", 20000, 1000, seed=args.seed)
-    model, tok = load_policy(ModelConfig(path=base), resolve_device("cpu"))
-    losses = run_sft(model, tok, train_rows, steps=args.sft_steps, batch_size=64, learning_rate=1e-3,
-                     seed=args.seed, output_dir=out / "warm")
-    print(f"[2/3] supervised warm start: {args.sft_steps} steps, loss {losses[0]:.2f} -> {losses[-1]:.2f} "
-          f"({time.time() - t0:.0f}s)")
-    cfg = load_config(RLConfig, {
-        "model": {"path": str(out / "warm")},
-        "data": {"task": "addition", "num_eval": 1000},
-        "generation": {"group_size": 8, "max_tokens": 6, "temperature": 1.0},
-        "algorithm": {"advantage": "grpo"},
-        "training": {"learning_rate": args.lr, "seed": args.seed},
-        "controller": {"steps": args.steps, "prompts_per_step": 16},
-        "tracking": {"output_dir": str(out / "grpo"), "console": args.console, "log_every": 10},
-        "checkpoint": {"every": 0},
-    })
-    print(f"[3/3] GRPO: {args.steps} steps x 16 prompts x 8 samples, metrics in {out / 'grpo' / 'metrics.jsonl'}")
-    run = build_run(cfg)
-    try:
-        result = run_rl(run)
-    finally:
-        run.close()
+    result = quickstart(args.output_dir, steps=args.steps, sft_steps=args.sft_steps, learning_rate=args.lr,
+                        seed=args.seed, console=args.console)
     _print_eval(result)
-    print(f"done in {time.time() - t0:.0f}s; trained model in {out / 'grpo' / 'final'}")
+    print(f"done in {result['seconds']:.0f}s; trained model in {Path(args.output_dir) / 'grpo' / 'final'}")
     return 0
 
 
@@ -145,9 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     q = sub.add_parser("quickstart", help="tiny model -> warm start -> GRPO on addition (CPU, minutes)")
     q.add_argument("--output-dir", default="runs/quickstart")
-    q.add_argument("--steps", type=int, default=150)
-    q.add_argument("--sft-steps", type=int, default=450)
-    q.add_argument("--lr", type=float, default=2e-4)
+    q.add_argument("--steps", type=int, default=200)
+    q.add_argument("--sft-steps", type=int, default=700)
+    q.add_argument("--lr", type=float, default=5e-5)
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--console", default="plain", choices=["rich", "plain", "none"])
     q.set_defaults(fn=cmd_quickstart)

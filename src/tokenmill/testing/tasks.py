@@ -19,11 +19,29 @@ from typing import Any
 # ----------------------------------------------------------------------------------------------- addition
 
 
-def addition_dataset(n: int, seed: int = 0, digits: int = 2, exclude: set[str] | None = None):
-    """`n` problems `a+b=` with operands of up to `digits` digits; `exclude` holds prompts to skip."""
+def forgot_carry(a: int, b: int) -> int:
+    """The sum written digit by digit with every carry dropped (47+38 -> 75, 67+63 -> 120): the classic slip."""
+    out, place = 0, 1
+    while a >= 10 or b >= 10:
+        out += ((a % 10 + b % 10) % 10) * place
+        a, b, place = a // 10, b // 10, place * 10
+    return out + (a + b) * place
+
+
+def addition_dataset(
+    n: int, seed: int = 0, digits: int = 2, exclude: set[str] | None = None, slip: float = 0.0
+):
+    """`n` problems `a+b=` with operands of up to `digits` digits; `exclude` holds prompts to skip.
+
+    `answer` is always the true sum. `completion` is a demonstration for supervised warm starts: with
+    `slip` > 0 it comes from a sloppy teacher who forgets the carry in that share of the problems that
+    have one. A model warm-started on it knows the right answer but often prefers the slip, the regime RL
+    with a verifier is for (exact-match reward only ever uses `answer`).
+    """
     from datasets import Dataset
 
     rng = random.Random(seed)
+    slip_rng = random.Random(seed + 1)
     high = 10**digits - 1
     rows: dict[str, list[Any]] = {"prompt": [], "completion": [], "answer": []}
     banned, seen = set(exclude or ()), set()
@@ -39,7 +57,9 @@ def addition_dataset(n: int, seed: int = 0, digits: int = 2, exclude: set[str] |
             continue
         seen.add(prompt)
         rows["prompt"].append(prompt)
-        rows["completion"].append(str(a + b))
+        wrong = forgot_carry(a, b)
+        sloppy = wrong != a + b and slip_rng.random() < slip
+        rows["completion"].append(str(wrong if sloppy else a + b))
         rows["answer"].append(str(a + b))
     return Dataset.from_dict(rows)
 
