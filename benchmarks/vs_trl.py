@@ -472,6 +472,7 @@ def prepare_model(spec: dict[str, Any], sft_steps: int, rebuild: bool) -> dict[s
         "hidden_size": spec["hidden_size"],
         "num_layers": spec["num_layers"],
         "sft_steps": sft_steps,
+        "slip": spec["slip"],
         "seed": spec["seed"],
         "num_train": spec["num_train"],
         "num_eval": spec["num_eval"],
@@ -491,8 +492,10 @@ def prepare_model(spec: dict[str, Any], sft_steps: int, rebuild: bool) -> dict[s
     build_tiny_model(base, hidden_size=spec["hidden_size"], num_layers=spec["num_layers"], seed=spec["seed"])
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    rows, _, _ = task_splits("addition", spec["num_train"], spec["num_eval"], seed=spec["seed"])
-    print(f"supervised warm start: {sft_steps} steps on {len(rows)} addition rows ...", flush=True)
+    # the quickstart's warm start: a sloppy teacher forgets the carry in `slip` of the carry problems
+    rows, _, _ = task_splits("addition", spec["num_train"], spec["num_eval"], seed=spec["seed"], slip=spec["slip"])
+    print(f"supervised warm start: {sft_steps} steps on {len(rows)} addition rows (slip {spec['slip']}) ...",
+          flush=True)
     start = time.perf_counter()
     losses = run_sft(model, tokenizer, rows, steps=sft_steps, seed=spec["seed"], output_dir=model_dir)
     info = {
@@ -755,7 +758,10 @@ def run_parent(args: argparse.Namespace) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     spec = {
         "workdir": str(workdir),
-        "model_dir": str(workdir / f"warm_h{args.hidden}_l{args.layers}_sft{args.sft_steps}_s{args.seed}"),
+        "model_dir": str(
+            workdir / f"warm_h{args.hidden}_l{args.layers}_sft{args.sft_steps}_slip{args.slip}_s{args.seed}"
+        ),
+        "slip": args.slip,
         "hidden_size": args.hidden,
         "num_layers": args.layers,
         "num_train": 20000,
@@ -856,7 +862,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--hidden", type=int, default=128, help="hidden size of the tiny model")
     p.add_argument("--layers", type=int, default=2, help="layers of the tiny model")
-    p.add_argument("--sft-steps", type=int, default=400, help="supervised warm-start steps (batch 64)")
+    p.add_argument("--sft-steps", type=int, default=700, help="supervised warm-start steps (batch 64)")
+    p.add_argument(
+        "--slip", type=float, default=0.6,
+        help="share of carry problems whose warm-start demonstration forgets the carry (as the quickstart)",
+    )
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
     p.add_argument("--max-new-tokens", type=int, default=6)

@@ -133,6 +133,10 @@ class TrainingConfig(_Section):
     micro_batch_tokens: int = Field(
         8192, ge=16, description="Token budget (padded) of one micro-batch; gradients accumulate across them."
     )
+    share_prompts: bool = Field(
+        True, description="Run each group's shared prompt through the model once per update: its completions "
+        "are packed after one copy of it with a block attention mask (same gradients, fewer tokens)."
+    )
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
 
 

@@ -164,7 +164,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
         model, learning_rate=tr.learning_rate, total_steps=optimizer_steps, weight_decay=tr.weight_decay,
         betas=tr.betas, warmup_steps=tr.warmup_steps, lr_schedule=tr.lr_schedule,
         max_grad_norm=tr.max_grad_norm, micro_batch_tokens=tr.micro_batch_tokens,
-        temperature=gen.temperature, autocast_dtype=amp,
+        temperature=gen.temperature, autocast_dtype=amp, share_prompts=tr.share_prompts,
     )
     reference = None
     if cfg.algorithm.kl_coef > 0:

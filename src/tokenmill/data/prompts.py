@@ -55,6 +55,9 @@ class PromptSource:
             take = min(k - len(picked), len(self._order) - self.index)
             picked.extend(self._order[self.index : self.index + take])
             self.index += take
+        if hasattr(self.dataset, "column_names"):  # a datasets.Dataset: one columnar read, not k row reads
+            columns = self.dataset[picked]
+            return [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
         return [self.dataset[i] for i in picked]
 
     def state_dict(self) -> dict[str, int]:

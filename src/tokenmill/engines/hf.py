@@ -177,16 +177,17 @@ class HFEngine:
             )
             logits_B_V = out.logits[:, -1, :]
             next_pos_B = next_pos_B + 1
-        return [self._completion(tokens[i], logps[i], reasons[i], params) for i in range(total)]
+        texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
+        return [self._completion(tokens[i], logps[i], reasons[i], texts[i], params) for i in range(total)]
 
     def _hit_stop(self, seq_tokens: list[int], stops: tuple[str, ...], window: int) -> bool:
         tail = self.tokenizer.decode(seq_tokens[-window - 1 :], skip_special_tokens=True)
         return any(s in tail for s in stops)
 
+    @staticmethod
     def _completion(
-        self, token_ids: list[int], logprobs: list[float], reason: StopReason | None, params: SamplingParams
+        token_ids: list[int], logprobs: list[float], reason: StopReason | None, text: str, params: SamplingParams
     ) -> Completion:
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         for s in params.stop:
             cut = text.find(s)
             if cut >= 0:

@@ -23,6 +23,13 @@ def encode_prompt(tokenizer, prompt: Any) -> list[int]:
     raise TypeError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
 
 
+def encode_prompts(tokenizer, prompts: list[Any]) -> list[list[int]]:
+    """`encode_prompt` for many prompts; plain strings go through the tokenizer in one batched call."""
+    if prompts and all(isinstance(p, str) for p in prompts):
+        return [list(ids) for ids in tokenizer(prompts)["input_ids"]]
+    return [encode_prompt(tokenizer, p) for p in prompts]
+
+
 class Generator:
     def __init__(
         self,
@@ -42,7 +49,7 @@ class Generator:
         self, rows: list[dict[str, Any]], params: SamplingParams | None = None
     ) -> tuple[list[list[int]], list[list[Completion]]]:
         """The prompt token ids and `params.n` completions for each row."""
-        prompt_ids = [encode_prompt(self.tokenizer, r[self.prompt_column]) for r in rows]
+        prompt_ids = encode_prompts(self.tokenizer, [r[self.prompt_column] for r in rows])
         return prompt_ids, self.engine.generate(prompt_ids, params or self.params)
 
     def score(

@@ -25,6 +25,7 @@ class Batch:
     old_logprobs_B_T: torch.Tensor  # float: sampler logprobs (0 where not trained)
     advantages_B: torch.Tensor  # float
     ref_logprobs_B_T: torch.Tensor | None = None
+    prompt_lens_B: torch.Tensor | None = None  # long: leading tokens shared by a group (see training.packing)
 
     @property
     def size(self) -> int:
@@ -44,12 +45,17 @@ class Batch:
 
     def slice(self, start: int, stop: int) -> Batch:
         """Rows [start, stop) trimmed to their longest sequence."""
-        width = int(self.lengths_B[start:stop].max())
+        return self.select(range(start, stop))
+
+    def select(self, rows: Sequence[int]) -> Batch:
+        """The given rows, in that order, trimmed to their longest sequence."""
+        index = torch.tensor(list(rows), dtype=torch.long)
+        width = int(self.lengths_B[index].max())
         cut = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
-                value = value[start:stop]
+                value = value[index]
                 if value.dim() == 2:
                     value = value[:, :width]
             cut[f.name] = value
@@ -70,23 +76,18 @@ def collate(samples: Sequence[Sample], weights: Sequence[float], pad_id: int) ->
     """Pad `samples` into a `Batch`; `weights[i]` multiplies sample i's loss mask."""
     order = sorted(range(len(samples)), key=lambda i: -len(samples[i].tokens))
     width = len(samples[order[0]].tokens)
-    b = len(samples)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    w = torch.zeros((b, width), dtype=torch.float32)
-    old = torch.zeros((b, width), dtype=torch.float32)
-    lengths, adv = [], []
-    for row, i in enumerate(order):
-        s = samples[i]
-        n = len(s.tokens)
-        ids[row, :n] = torch.tensor(s.tokens, dtype=torch.long)
-        w[row, :n] = torch.tensor(s.loss_mask, dtype=torch.float32) * weights[i]
-        old[row, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
-        lengths.append(n)
-        adv.append(s.advantage)
+    ids, w, old = [], [], []
+    for i in order:  # built as lists, turned into tensors once (per-row tensors cost more than the rows)
+        s, pad = samples[i], width - len(samples[i].tokens)
+        ids.append([*s.tokens, *([pad_id] * pad)])
+        w.append([m * weights[i] for m in s.loss_mask] + [0.0] * pad)
+        old.append([*s.logprobs, *([0.0] * pad)])
+    picked = [samples[i] for i in order]
     return Batch(
-        input_ids_B_T=ids,
-        lengths_B=torch.tensor(lengths, dtype=torch.long),
-        weights_B_T=w,
-        old_logprobs_B_T=old,
-        advantages_B=torch.tensor(adv, dtype=torch.float32),
+        input_ids_B_T=torch.tensor(ids, dtype=torch.long),
+        lengths_B=torch.tensor([len(s.tokens) for s in picked], dtype=torch.long),
+        weights_B_T=torch.tensor(w, dtype=torch.float32),
+        old_logprobs_B_T=torch.tensor(old, dtype=torch.float32),
+        advantages_B=torch.tensor([s.advantage for s in picked], dtype=torch.float32),
+        prompt_lens_B=torch.tensor([s.prompt_len for s in picked], dtype=torch.long),
     )

@@ -10,6 +10,7 @@ import torch
 
 from tokenmill.training.base import BatchLoss
 from tokenmill.training.batch import Batch
+from tokenmill.training.packing import micro_packs, packed_token_stats, shares_prompts
 
 
 def token_logprobs(logits_B_T_V: torch.Tensor, input_ids_B_T: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -94,6 +95,7 @@ class LocalBackend:
         temperature: float = 1.0,
         track_entropy: bool = True,
         autocast_dtype: torch.dtype | None = None,
+        share_prompts: bool = True,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -109,6 +111,7 @@ class LocalBackend:
         self.temperature = temperature
         self.track_entropy = track_entropy
         self.autocast_dtype = autocast_dtype
+        self.share_prompts = share_prompts
 
     def _logits(self, input_ids_B_T: torch.Tensor) -> torch.Tensor:
         if self.autocast_dtype is None:
@@ -116,18 +119,30 @@ class LocalBackend:
         with torch.autocast(self.device.type, dtype=self.autocast_dtype):
             return self.model(input_ids=input_ids_B_T, use_cache=False).logits
 
-    def forward_backward(self, batch: Batch, loss_fn: BatchLoss) -> dict[str, float]:
-        self.model.train()
-        totals: dict[str, float] = {}
+    def _micro_stats(self, batch: Batch, entropy: bool) -> Iterator[tuple[Batch, torch.Tensor, torch.Tensor | None]]:
+        """(micro-batch, its token logprobs, its token entropies or None), packed by shared prompt if on."""
+        if self.share_prompts and shares_prompts(batch):
+            for micro, packed in micro_packs(batch, self.micro_batch_tokens):
+                micro = micro.to(self.device)
+                logprobs, ent = packed_token_stats(
+                    self.model, packed, tuple(micro.input_ids_B_T.shape), temperature=self.temperature,
+                    entropy=entropy, autocast_dtype=self.autocast_dtype,
+                )
+                yield micro, logprobs, ent
+            return
         for micro in batch.micro_batches(self.micro_batch_tokens):
             micro = micro.to(self.device)
             logits_B_T_V = self._logits(micro.input_ids_B_T)
-            logprobs_B_T = token_logprobs(logits_B_T_V, micro.input_ids_B_T, self.temperature)
+            ent = token_entropy(logits_B_T_V.detach(), self.temperature) if entropy else None
+            yield micro, token_logprobs(logits_B_T_V, micro.input_ids_B_T, self.temperature), ent
+
+    def forward_backward(self, batch: Batch, loss_fn: BatchLoss) -> dict[str, float]:
+        self.model.train()
+        totals: dict[str, float] = {}
+        for micro, logprobs_B_T, ent in self._micro_stats(batch, self.track_entropy):
             loss, metrics = loss_fn(logprobs_B_T, micro)
-            if self.track_entropy:
-                with torch.no_grad():
-                    ent = token_entropy(logits_B_T_V.detach(), self.temperature)
-                    metrics["entropy"] = (ent * micro.weights_B_T).sum()
+            if ent is not None:
+                metrics["entropy"] = (ent * micro.weights_B_T).sum()
             loss.backward()
             metrics["loss"] = loss.detach()
             metrics["weight"] = micro.weights_B_T.sum()
