@@ -170,7 +170,7 @@ class HFEngine:
             mask_B_L = torch.cat([mask_B_L, mask_B_L.new_ones((len(live), 1))], dim=1)
             out = self.model(
                 input_ids=tok_B[:, None],
-                attention_mask=mask_B_L if padded else None,
+                attention_mask=self._decode_mask(mask_B_L) if padded else None,
                 position_ids=next_pos_B[:, None],
                 past_key_values=cache,
                 use_cache=True,
@@ -179,6 +179,13 @@ class HFEngine:
             next_pos_B = next_pos_B + 1
         texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
         return [self._completion(tokens[i], logps[i], reasons[i], texts[i], params) for i in range(total)]
+
+    def _decode_mask(self, mask_B_L: torch.Tensor) -> torch.Tensor:
+        """The key-padding mask of a one-token decode step. SDPA takes it ready-made as `[B, 1, 1, L]` bool,
+        which skips transformers' per-step mask construction (~10% of a small model's decode step)."""
+        if getattr(self.model.config, "_attn_implementation", None) == "sdpa":
+            return mask_B_L.bool()[:, None, None, :]
+        return mask_B_L
 
     def _hit_stop(self, seq_tokens: list[int], stops: tuple[str, ...], window: int) -> bool:
         tail = self.tokenizer.decode(seq_tokens[-window - 1 :], skip_special_tokens=True)
