@@ -77,6 +77,15 @@ def lr_lambda(schedule: str, warmup: int, total: int):
     return factor
 
 
+def _adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.AdamW:
+    """AdamW with the fused kernel where the device and dtype support it (~3x faster than foreach on a
+    small CPU model), the foreach one otherwise."""
+    try:
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    except (RuntimeError, ValueError):
+        return torch.optim.AdamW(params, foreach=True, **kwargs)
+
+
 class LocalBackend:
     """Trains one module in this process. `temperature` matches the sampler's (logits are divided by it)."""
 
@@ -100,9 +109,7 @@ class LocalBackend:
         self.model = model
         self.device = next(model.parameters()).device
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=learning_rate, betas=betas, weight_decay=weight_decay, foreach=True
-        )
+        self.optimizer = _adamw(self.params, lr=learning_rate, betas=betas, weight_decay=weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(lr_schedule, warmup_steps, total_steps)
         )
