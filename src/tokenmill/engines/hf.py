@@ -120,7 +120,7 @@ class HFEngine:
         all_same = min(lengths) == width
         out = self.model(
             input_ids=ids_P_L,
-            attention_mask=None if all_same else mask_P_L,
+            attention_mask=None if all_same else self._prefill_mask(mask_P_L),
             position_ids=pos_P_L,
             past_key_values=cache,
             use_cache=True,
@@ -179,6 +179,17 @@ class HFEngine:
             next_pos_B = next_pos_B + 1
         texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
         return [self._completion(tokens[i], logps[i], reasons[i], texts[i], params) for i in range(total)]
+
+    def _prefill_mask(self, mask_P_L: torch.Tensor) -> torch.Tensor:
+        """Causal + key-padding mask for a left-padded prefill, ready-made `[P, 1, L, L]` bool for SDPA (a pad
+        query attends to itself only, so no softmax row is empty)."""
+        if getattr(self.model.config, "_attn_implementation", None) != "sdpa":
+            return mask_P_L
+        width = mask_P_L.shape[1]
+        causal_L_L = torch.ones((width, width), dtype=torch.bool, device=mask_P_L.device).tril()
+        allowed = causal_L_L & mask_P_L.bool()[:, None, :]
+        allowed |= torch.eye(width, dtype=torch.bool, device=mask_P_L.device)
+        return allowed[:, None, :, :]
 
     def _decode_mask(self, mask_B_L: torch.Tensor) -> torch.Tensor:
         """The key-padding mask of a one-token decode step. SDPA takes it ready-made as `[B, 1, 1, L]` bool,
