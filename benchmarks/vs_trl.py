@@ -867,7 +867,7 @@ def main(argv: list[str] | None = None) -> None:
         "--slip", type=float, default=0.6,
         help="share of carry problems whose warm-start demonstration forgets the carry (as the quickstart)",
     )
-    p.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    p.add_argument("--prompts", type=int, default=16, help="prompts per step (16 = the quickstart)")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
     p.add_argument("--max-new-tokens", type=int, default=6)
     p.add_argument("--temperature", type=float, default=1.0)
