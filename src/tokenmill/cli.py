@@ -24,7 +24,10 @@ def _rl_config(path: str | None, overrides: list[str]):
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from tokenmill.controller.setup import check_references
+
     cfg = _rl_config(args.config, args.overrides)
+    check_references(cfg)
     seqs = cfg.controller.prompts_per_step * cfg.generation.group_size
     print(f"{args.config or 'config'}: valid. {cfg.controller.steps} steps of {cfg.controller.prompts_per_step} prompts x "
           f"{cfg.generation.group_size} samples = {seqs} sequences each.")

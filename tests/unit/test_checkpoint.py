@@ -83,6 +83,7 @@ def test_keep_last_prunes_only_after_the_new_one_is_complete(tmp_path):
         save_checkpoint(tmp_path, 3, Small(3), {"bad": lambda: None}, keep_last=1)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001", "step_00000002"]
     assert latest_checkpoint(tmp_path) == tmp_path / "step_00000002"
+    assert _names(tmp_path) == ["step_00000001", "step_00000002"]  # the half-written folder is gone
     # a later successful save with keep_last=1 leaves only itself, and clears nothing it should not
     save_checkpoint(tmp_path, 3, Small(3), {}, keep_last=1)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003"]

@@ -266,3 +266,17 @@ def test_cli_config_errors(argv, needle, good_yaml, capsys):
 def test_cli_overrides_without_a_file(capsys):
     assert main(["validate", "--model.path", "m", "--data.task", "addition"]) == 0
     assert "valid" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("reward, needle", [
+    ({"function": "tokenmill.testing.tasks:no_such_reward"}, "rewards.0.function: module 'tokenmill.testing.tasks' has no attribute"),
+    ({"function": "no_such_package.rewards:f"}, "rewards.0.function: cannot import module 'no_such_package.rewards'"),
+    ({"function": "tokenmill.testing.tasks:TASKS"}, "rewards.0.function: 'tokenmill.testing.tasks:TASKS' is not callable"),
+    ({"path": "/nonexistent/reward-model"}, "rewards.0.path: no reward model folder"),
+])
+def test_cli_validate_resolves_reward_references(tmp_path, reward, needle, capsys):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"path": "m"}, "data": {"task": "addition"}, "rewards": [reward]}))
+    assert main(["validate", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err

@@ -48,12 +48,16 @@ def save_checkpoint(
     tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
-    torch.save(trainer_state, tmp / "trainer.pt")
-    (tmp / "meta.json").write_text(json.dumps({"step": step}))
-    for f in tmp.iterdir():
-        _fsync_path(f)
-    _fsync_path(tmp)
+    try:
+        save_model(model, str(tmp / "model.safetensors"))
+        torch.save(trainer_state, tmp / "trainer.pt")
+        (tmp / "meta.json").write_text(json.dumps({"step": step}))
+        for f in tmp.iterdir():
+            _fsync_path(f)
+        _fsync_path(tmp)
+    except BaseException:  # disk full, interrupted: leave no half-written folder behind (older ones stay)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():  # re-saving the same step: move the old one aside first, never delete it first
         old = root / f".old-{final.name}-{os.getpid()}"
         final.rename(old)

@@ -86,8 +86,8 @@ class RewardModelConfig(_Section):
 
 
 def _reward_kind(value: object) -> str:
-    if isinstance(value, dict):
-        return str(value.get("type", "function"))
+    if isinstance(value, dict):  # `type` may be left out: a `path` and no `function` means a reward model
+        return str(value.get("type", "model" if "path" in value and "function" not in value else "function"))
     return str(getattr(value, "type", "function"))
 
 

@@ -61,6 +61,17 @@ def autocast_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype | None
     return {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
 
 
+def check_references(cfg: RLConfig) -> None:
+    """What `validate` can check without loading a model: reward functions import and are callable, reward
+    model folders exist. Raises ConfigError naming the field."""
+    for i, rc in enumerate(cfg.rewards):
+        if isinstance(rc, RewardFunctionConfig):
+            if not callable(import_string(rc.function, f"rewards.{i}.function")):
+                raise ConfigError(f"rewards.{i}.function: {rc.function!r} is not callable")
+        elif not Path(rc.path).exists():
+            raise ConfigError(f"rewards.{i}.path: no reward model folder at {rc.path!r}")
+
+
 def build_rewards(cfg: RLConfig, extra: list[Callable[..., Any]] | None = None, task_reward=None) -> RewardSet:
     rewards: list[Any] = []
     if task_reward is not None:
