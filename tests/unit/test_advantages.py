@@ -110,3 +110,17 @@ def test_assign_advantages_passes_kwargs():
     assert [s.advantage for s in out[0].samples] == [2.0, -2.0]
     out = assign_advantages(groups, "rloo")
     assert [s.advantage for s in out[0].samples] == [4.0, -4.0]
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo"])
+def test_stacked_groups_equal_one_group_at_a_time(name):
+    g = torch.Generator().manual_seed(0)
+    rewards_N_G = torch.rand(5, 6, generator=g, dtype=torch.float64)
+    rewards_N_G[1, 2] = float("nan")
+    rewards_N_G[3, :5] = float("nan")  # one valid sample: zeros
+    rewards_N_G[4] = 0.5  # no variance: zeros
+    fn = ADVANTAGES[name]
+    stacked = fn(rewards_N_G)
+    for i in range(5):
+        torch.testing.assert_close(stacked[i], fn(rewards_N_G[i]), atol=1e-12, rtol=0)
+    assert bool((stacked[3] == 0).all()) and bool((stacked[4] == 0).all()) and stacked[1, 2] == 0

@@ -30,36 +30,46 @@ def grpo_advantages(rewards_G: torch.Tensor, scale_rewards: bool = True, eps: fl
     """GRPO (Shao et al. 2024): A_i = (r_i - mean(r)) / (std(r) + eps).
 
     std is the unbiased sample std, as in TRL. `scale_rewards=False` gives Dr.GRPO (Liu et al. 2025):
-    A_i = r_i - mean(r). A group with one valid sample gets zeros.
+    A_i = r_i - mean(r). A group with fewer than two valid samples gets zeros. Works on `[..., G]`: every
+    leading index is its own group.
     """
-    valid_G = ~torch.isnan(rewards_G)
-    adv_G = torch.zeros_like(rewards_G)
-    if valid_G.sum() < 2:
-        return adv_G
-    r = rewards_G[valid_G]
-    centred = r - r.mean()
-    adv_G[valid_G] = centred / (r.std(unbiased=True) + eps) if scale_rewards else centred
-    return adv_G
+    valid = ~torch.isnan(rewards_G)
+    count = valid.sum(-1, keepdim=True)
+    r = torch.where(valid, rewards_G, torch.zeros_like(rewards_G))
+    mean = r.sum(-1, keepdim=True) / count.clamp(min=1)
+    centred = torch.where(valid, r - mean, torch.zeros_like(r))
+    if scale_rewards:
+        std = ((centred**2).sum(-1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+        centred = centred / (std + eps)
+    return torch.where(count >= 2, centred, torch.zeros_like(centred))
 
 
 @register_advantage("rloo")
 def rloo_advantages(rewards_G: torch.Tensor, **_: object) -> torch.Tensor:
-    """RLOO (Ahmadian et al. 2024): A_i = r_i - mean_{j != i} r_j = G/(G-1) * (r_i - mean(r))."""
-    valid_G = ~torch.isnan(rewards_G)
-    adv_G = torch.zeros_like(rewards_G)
-    g = int(valid_G.sum())
-    if g < 2:
-        return adv_G
-    r = rewards_G[valid_G]
-    adv_G[valid_G] = r - (r.sum() - r) / (g - 1)
-    return adv_G
+    """RLOO (Ahmadian et al. 2024): A_i = r_i - mean_{j != i} r_j = G/(G-1) * (r_i - mean(r)).
+
+    NaN rewards are left out (advantage 0); works on `[..., G]` like `grpo_advantages`."""
+    valid = ~torch.isnan(rewards_G)
+    count = valid.sum(-1, keepdim=True)
+    r = torch.where(valid, rewards_G, torch.zeros_like(rewards_G))
+    others = (r.sum(-1, keepdim=True) - r) / (count - 1).clamp(min=1)
+    return torch.where(valid & (count >= 2), r - others, torch.zeros_like(r))
 
 
 def assign_advantages(groups: list[Group], name: str, **kwargs: object) -> list[Group]:
-    """Apply the estimator `name` inside every group; return groups whose samples carry `advantage`."""
+    """Apply the estimator `name` inside every group; return groups whose samples carry `advantage`.
+
+    Groups of the same size are stacked and computed in one call (the estimators work on `[..., G]`)."""
     fn = ADVANTAGES[name]
-    out = []
-    for g in groups:
-        adv_G = fn(torch.tensor(g.rewards_G, dtype=torch.float64), **kwargs).tolist()
-        out.append(Group(g.group_id, tuple(s.with_(advantage=a) for s, a in zip(g.samples, adv_G, strict=True))))
-    return out
+    by_size: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        by_size.setdefault(len(g.samples), []).append(i)
+    advantages: list[list[float]] = [[] for _ in groups]
+    for members in by_size.values():
+        rewards_N_G = torch.tensor([groups[i].rewards_G for i in members], dtype=torch.float64)
+        for i, adv in zip(members, fn(rewards_N_G, **kwargs).tolist(), strict=True):
+            advantages[i] = adv
+    return [
+        Group(g.group_id, tuple(s.with_(advantage=a) for s, a in zip(g.samples, adv, strict=True)))
+        for g, adv in zip(groups, advantages, strict=True)
+    ]
