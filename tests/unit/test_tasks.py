@@ -40,7 +40,7 @@ def test_addition_reward_on_known_answers():
 @pytest.mark.parametrize("task", ["addition", "countdown"])
 def test_eval_prompts_are_disjoint_from_train(task):
     train, eval_, reward = task_splits(task, 300, 60, seed=1)
-    assert len(eval_) == 60 and len(train) > 250
+    assert len(eval_) == 60 and len(train) == 300
     assert not set(train["prompt"]) & set(eval_["prompt"])
     assert reward is {"addition": addition_reward, "countdown": countdown_reward}[task]
     _, no_eval, _ = task_splits(task, 10, 0)
@@ -114,3 +114,24 @@ def test_countdown_pathological_completions_score_zero():
 
 def test_countdown_number_order_does_not_matter():
     assert _cd(["6*2*2", "2*(6*2)"], [2, 6, 2], 24) == [1.0, 1.0]
+
+
+def test_forgot_carry_by_hand():
+    from tokenmill.testing.tasks import forgot_carry
+
+    assert [forgot_carry(a, b) for a, b in [(47, 38), (67, 63), (12, 34), (99, 99), (5, 7), (9, 91)]] == [
+        75, 120, 46, 188, 12, 90,
+    ]
+
+
+def test_slip_changes_demonstrations_only():
+    clean, sloppy = addition_dataset(2000, seed=5), addition_dataset(2000, seed=5, slip=0.6)
+    assert clean["prompt"] == sloppy["prompt"] and clean["answer"] == sloppy["answer"]
+    wrong = [(p, c) for p, c, a in zip(sloppy["prompt"], sloppy["completion"], sloppy["answer"]) if c != a]
+    from tokenmill.testing.tasks import forgot_carry
+
+    carries = sum(int(a) != forgot_carry(*map(int, p[:-1].split("+"))) for p, a in zip(clean["prompt"], clean["answer"]))
+    assert 0.5 * carries < len(wrong) < 0.7 * carries  # ~60% of the problems with a carry
+    # the reward scores the true sum, so a slip demonstration scores 0 and its true answer 1
+    p, c = wrong[0]
+    assert addition_reward([p], [c], answer=[str(sum(map(int, p[:-1].split("+"))))]) == [0.0]

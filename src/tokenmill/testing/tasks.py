@@ -125,8 +125,11 @@ def _random_expression(nums: list[int], rng: random.Random) -> str:
     return exprs[0]
 
 
-def countdown_dataset(n: int, seed: int = 0, num_numbers: int = 3, max_number: int = 9):
-    """`n` problems: reach `target` using each given number exactly once with + - * / and parentheses."""
+def countdown_dataset(
+    n: int, seed: int = 0, num_numbers: int = 3, max_number: int = 9, exclude: set[str] | None = None
+):
+    """`n` problems: reach `target` using each given number exactly once with + - * / and parentheses;
+    `exclude` holds prompts to skip (held-out ones)."""
     from datasets import Dataset
 
     rng = random.Random(seed)
@@ -138,7 +141,10 @@ def countdown_dataset(n: int, seed: int = 0, num_numbers: int = 3, max_number: i
         if value is None or value[0] < 0 or value[0] != int(value[0]):
             continue
         target = int(value[0])
-        rows["prompt"].append(f"{' '.join(map(str, nums))}>{target}:")
+        prompt = f"{' '.join(map(str, nums))}>{target}:"
+        if exclude and prompt in exclude:
+            continue
+        rows["prompt"].append(prompt)
         rows["completion"].append(solution)
         rows["nums"].append(nums)
         rows["target"].append(target)
@@ -171,12 +177,5 @@ def task_splits(task: str, num_train: int, num_eval: int, seed: int = 0, **kwarg
     """(train, eval, reward_fn) for a built-in task; eval prompts never appear in train."""
     make, reward = TASKS[task]
     eval_ds = make(num_eval, seed=seed + 10_000, **kwargs) if num_eval else None
-    if task == "addition":
-        exclude = set(eval_ds["prompt"]) if eval_ds is not None else None
-        train_ds = make(num_train, seed=seed, exclude=exclude, **kwargs)
-    else:
-        train_ds = make(num_train, seed=seed, **kwargs)
-        if eval_ds is not None:
-            held = set(eval_ds["prompt"])
-            train_ds = train_ds.filter(lambda r: r["prompt"] not in held)
-    return train_ds, eval_ds, reward
+    exclude = set(eval_ds["prompt"]) if eval_ds is not None else None
+    return make(num_train, seed=seed, exclude=exclude, **kwargs), eval_ds, reward
