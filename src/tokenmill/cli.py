@@ -136,6 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_libraries() -> None:
+    """No per-file progress bars from transformers / datasets on our console (our own lines say what runs)."""
+    from datasets.utils.logging import disable_progress_bar as datasets_quiet
+    from transformers.utils.logging import disable_progress_bar as transformers_quiet
+
+    transformers_quiet()
+    datasets_quiet()
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -146,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, overrides = argv[:head], argv[head:]
     args = build_parser().parse_args(argv)
     args.overrides = overrides
+    _quiet_libraries()
     try:
         return args.fn(args)
     except ConfigError as exc:
