@@ -124,3 +124,31 @@ def test_stacked_groups_equal_one_group_at_a_time(name):
     for i in range(5):
         torch.testing.assert_close(stacked[i], fn(rewards_N_G[i]), atol=1e-12, rtol=0)
     assert bool((stacked[3] == 0).all()) and bool((stacked[4] == 0).all()) and stacked[1, 2] == 0
+
+
+def test_reinforce_pp_normalises_over_the_batch_by_hand():
+    from tokenmill.algorithms import reinforce_pp_advantages
+
+    rewards = t([[1, 0, 0, 1], [1, 1, 1, 0]])
+    # group means 0.5 and 0.75 -> centred [[.5, -.5, -.5, .5], [.25, .25, .25, -.75]]; batch mean 0;
+    # unbiased batch std = sqrt((4 * .25 + 3 * .0625 + .5625) / 7) = sqrt(0.25) = 0.5
+    adv = reinforce_pp_advantages(rewards)
+    expected = t([[0.5, -0.5, -0.5, 0.5], [0.25, 0.25, 0.25, -0.75]]) / (0.5 + 1e-4)
+    torch.testing.assert_close(adv, expected, atol=1e-12, rtol=0)
+    # a group with a small spread is not blown up as per-group std scaling would: [1, 1, 1, 0.9]
+    rewards = t([[1, 0, 0, 1], [1, 1, 1, 0.9]])
+    assert abs(reinforce_pp_advantages(rewards)[1, 3].item()) < 0.2 < abs(grpo_advantages(rewards)[1, 3].item())
+
+
+def test_assign_advantages_pads_groups_of_different_sizes():
+    def group(i, rewards):
+        return Group(i, tuple(Sample(tokens=(1, 2), loss_mask=(0, 1), logprobs=(0.0, -1.0), prompt_len=1,
+                                     prompt="p", completion="c", stop_reason=StopReason.STOP, reward=r)
+                              for r in rewards))
+
+    out = assign_advantages([group(0, [1.0, 0.0]), group(1, [1.0, 0.0, 0.0, 1.0])], "grpo")
+    # [1, 0]: centred +-0.5, unbiased std sqrt(0.5); the padding of the shorter group changes nothing
+    assert [s.advantage for s in out[0].samples] == pytest.approx([0.5 / (0.5**0.5 + 1e-4), -0.5 / (0.5**0.5 + 1e-4)])
+    assert len(out[1].samples) == 4
+    assert [s.advantage for s in out[1].samples] == pytest.approx(
+        [a / (((4 * 0.25) / 3) ** 0.5 + 1e-4) for a in (0.5, -0.5, -0.5, 0.5)])

@@ -175,3 +175,57 @@ def test_token_weights_edge_cases():
     assert token_weights([0, 0], "token_mean") == [0.0, 0.0]
     with pytest.raises(ValueError, match="unknown"):
         token_weights([1], "mean")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------- GSPO and CISPO, on one short sequence
+# position 0 is the prompt; trained tokens t=1, 2 with logp = -1.0, -2.0 and old logp = -1.2, -1.9,
+# so the token log-ratios are +0.2 and -0.1.
+def _one_sequence(advantage: float):
+    logprobs = torch.tensor([[0.0, -1.0, -2.0]], dtype=F64, requires_grad=True)
+    old = torch.tensor([[0.0, -1.2, -1.9]], dtype=F64)
+    return logprobs, old, torch.tensor([advantage], dtype=F64), torch.tensor([[0.0, 0.5, 0.5]], dtype=F64)
+
+
+def test_gspo_uses_the_sequence_ratio():
+    from tokenmill.algorithms import gspo_loss
+
+    logprobs, old, adv, w = _one_sequence(1.0)
+    # s = exp((0.2 - 0.1) / 2) = exp(0.05) = 1.051271; inside [0.8, 1.2]: loss = -s, each token's grad = -s/2
+    loss, metrics = gspo_loss(logprobs, old, adv, w, clip_low=0.2, clip_high=0.2)
+    assert loss.item() == pytest.approx(-math.exp(0.05), abs=1e-12)
+    assert metrics["ratio_mean"].item() == pytest.approx(math.exp(0.05), abs=1e-12)
+    assert metrics["clip_fraction"].item() == 0.0
+    loss.backward()
+    assert logprobs.grad.tolist()[0] == pytest.approx([0.0, -math.exp(0.05) / 2, -math.exp(0.05) / 2], abs=1e-12)
+    # a clip range of 1% clips s = 1.051 for a positive advantage: loss -1.01, no gradient
+    logprobs, old, adv, w = _one_sequence(1.0)
+    loss, metrics = gspo_loss(logprobs, old, adv, w, clip_low=0.01, clip_high=0.01)
+    assert loss.item() == pytest.approx(-1.01, abs=1e-12)
+    assert metrics["clip_fraction"].item() == pytest.approx(1.0)
+    loss.backward()
+    assert logprobs.grad.abs().sum().item() == 0.0
+
+
+def test_cispo_clips_the_weight_not_the_gradient():
+    from tokenmill.algorithms import cispo_loss
+
+    logprobs, old, adv, w = _one_sequence(2.0)
+    # ratios e^0.2 = 1.2214 (clipped to 1.1) and e^-0.1 = 0.9048 (kept); A = 2
+    # loss = -(0.5 * 1.1 * 2 * -1.0 + 0.5 * 0.9048 * 2 * -2.0) = 1.1 + 1.8097 = 2.9097
+    loss, metrics = cispo_loss(logprobs, old, adv, w, clip_low=0.1, clip_high=0.1)
+    assert loss.item() == pytest.approx(1.1 + 2 * math.exp(-0.1), abs=1e-12)
+    assert metrics["clip_fraction"].item() == pytest.approx(0.5)
+    loss.backward()
+    # d loss / d logp_t = -0.5 * weight_t * A: the clipped token still has a gradient (PPO-clip's would be 0)
+    assert logprobs.grad.tolist()[0] == pytest.approx([0.0, -1.1, -math.exp(-0.1)], abs=1e-12)
+
+
+@pytest.mark.parametrize("name", ["gspo", "cispo"])
+def test_new_losses_add_the_kl_term(name):
+    logprobs, old, adv, w = _one_sequence(1.0)
+    ref = torch.tensor([[0.0, -1.1, -2.1]], dtype=F64)
+    base, _ = LOSSES[name](logprobs, old, adv, w)
+    with_kl, metrics = LOSSES[name](logprobs, old, adv, w, ref_logprobs_B_T=ref, kl_coef=0.5, kl_estimator="k1")
+    # k1 = logp - ref = +0.1 at both tokens; weighted 0.5 + 0.5 -> KL metric 0.1, loss + 0.5 * 0.1
+    assert metrics["kl"].item() == pytest.approx(0.1, abs=1e-12)
+    assert with_kl.item() == pytest.approx(base.item() + 0.05, abs=1e-12)

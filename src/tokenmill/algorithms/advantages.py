@@ -56,20 +56,36 @@ def rloo_advantages(rewards_G: torch.Tensor, **_: object) -> torch.Tensor:
     return torch.where(valid & (count >= 2), r - others, torch.zeros_like(r))
 
 
-def assign_advantages(groups: list[Group], name: str, **kwargs: object) -> list[Group]:
-    """Apply the estimator `name` inside every group; return groups whose samples carry `advantage`.
+@register_advantage("reinforce_pp")
+def reinforce_pp_advantages(rewards_G: torch.Tensor, eps: float = 1e-4, **_: object) -> torch.Tensor:
+    """REINFORCE++ with a group baseline (Hu et al. 2025): subtract each group's mean, then normalise by the
+    mean and unbiased std of those centred rewards over the *whole batch* (every valid sample of every
+    group), not per group, which keeps small groups from inflating their advantages. Expects all groups
+    at once, `[N, G]` (NaN = missing)."""
+    valid = ~torch.isnan(rewards_G)
+    count = valid.sum(-1, keepdim=True)
+    r = torch.where(valid, rewards_G, torch.zeros_like(rewards_G))
+    centred = torch.where(valid, r - r.sum(-1, keepdim=True) / count.clamp(min=1), torch.zeros_like(r))
+    n = int(valid.sum())
+    if n < 2:
+        return torch.zeros_like(r)
+    mean = centred[valid].mean()
+    std = centred[valid].std(unbiased=True)
+    return torch.where(valid, (centred - mean) / (std + eps), torch.zeros_like(r))
 
-    Groups of the same size are stacked and computed in one call (the estimators work on `[..., G]`)."""
+
+def assign_advantages(groups: list[Group], name: str, **kwargs: object) -> list[Group]:
+    """Apply the estimator `name` to all groups at once, as one `[N, G]` tensor (NaN-padded where groups
+    differ in size; NaN is "left out" for every estimator); return groups whose samples carry `advantage`."""
+    if not groups:
+        return []
     fn = ADVANTAGES[name]
-    by_size: dict[int, list[int]] = {}
+    width = max(len(g.samples) for g in groups)
+    rewards_N_G = torch.full((len(groups), width), float("nan"), dtype=torch.float64)
     for i, g in enumerate(groups):
-        by_size.setdefault(len(g.samples), []).append(i)
-    advantages: list[list[float]] = [[] for _ in groups]
-    for members in by_size.values():
-        rewards_N_G = torch.tensor([groups[i].rewards_G for i in members], dtype=torch.float64)
-        for i, adv in zip(members, fn(rewards_N_G, **kwargs).tolist(), strict=True):
-            advantages[i] = adv
+        rewards_N_G[i, : len(g.samples)] = torch.tensor(g.rewards_G, dtype=torch.float64)
+    adv_N_G = fn(rewards_N_G, **kwargs).tolist()
     return [
-        Group(g.group_id, tuple(s.with_(advantage=a) for s, a in zip(g.samples, adv, strict=True)))
-        for g, adv in zip(groups, advantages, strict=True)
+        Group(g.group_id, tuple(s.with_(advantage=a) for s, a in zip(g.samples, adv, strict=False)))
+        for g, adv in zip(groups, adv_N_G, strict=True)
     ]

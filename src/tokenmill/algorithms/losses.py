@@ -72,6 +72,20 @@ def ppo_clip_loss(
     with torch.no_grad():
         metrics["clip_fraction"] = ((clipped_B_T < unclipped_B_T).float() * weights_B_T).sum()
         metrics["ratio_mean"] = (ratio_B_T * weights_B_T).sum()
+    return _finish(per_token_B_T, logprobs_B_T, weights_B_T, metrics, ref_logprobs_B_T, kl_coef, kl_estimator)
+
+
+def _finish(
+    per_token_B_T: torch.Tensor,
+    logprobs_B_T: torch.Tensor,
+    weights_B_T: torch.Tensor,
+    metrics: dict[str, torch.Tensor],
+    ref_logprobs_B_T: torch.Tensor | None,
+    kl_coef: float,
+    kl_estimator: Literal["k1", "k3"],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Add the KL penalty (and its metric) where a reference is given; reduce with the weights."""
+    with torch.no_grad():
         metrics["policy_loss"] = (per_token_B_T * weights_B_T).sum()
     if ref_logprobs_B_T is not None:
         kl_B_T = kl_penalty(logprobs_B_T, ref_logprobs_B_T, kl_estimator)
@@ -79,6 +93,75 @@ def ppo_clip_loss(
         if kl_coef:
             per_token_B_T = per_token_B_T + kl_coef * kl_B_T
     return (per_token_B_T * weights_B_T).sum(), metrics
+
+
+def _sequence_mean(values_B_T: torch.Tensor, weights_B_T: torch.Tensor) -> torch.Tensor:
+    """Mean of `values` over each sequence's trained tokens (those with a non-zero weight): `[B, 1]`."""
+    mask_B_T = (weights_B_T != 0).to(values_B_T.dtype)
+    return (values_B_T * mask_B_T).sum(-1, keepdim=True) / mask_B_T.sum(-1, keepdim=True).clamp(min=1.0)
+
+
+@register_loss("gspo")
+def gspo_loss(
+    logprobs_B_T: torch.Tensor,
+    old_logprobs_B_T: torch.Tensor,
+    advantages_B: torch.Tensor,
+    weights_B_T: torch.Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    ref_logprobs_B_T: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: Literal["k1", "k3"] = "k3",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): the clip acts on a sequence ratio.
+
+    s_i    = exp(mean_t (logp_t - logp_old_t))        over sequence i's trained tokens
+    loss_i = -min(s_i * A_i, clip(s_i, 1 - clip_low, 1 + clip_high) * A_i)
+    Every trained token of sequence i carries loss_i, so with `loss_agg: sequence_mean` the loss is the
+    paper's mean over sequences (token_mean weights sequences by length). The paper's clip ranges are tiny
+    (3e-4 / 4e-4) because a sequence ratio moves far less than a token ratio.
+    """
+    adv_B_1 = advantages_B[:, None]
+    seq_ratio_B_1 = torch.exp(_sequence_mean(logprobs_B_T - old_logprobs_B_T, weights_B_T))
+    unclipped_B_1 = seq_ratio_B_1 * adv_B_1
+    clipped_B_1 = torch.clamp(seq_ratio_B_1, 1.0 - clip_low, 1.0 + clip_high) * adv_B_1
+    per_token_B_T = (-torch.minimum(unclipped_B_1, clipped_B_1)).expand_as(logprobs_B_T)
+    metrics: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        clipped_B_T = (clipped_B_1 < unclipped_B_1).float().expand_as(weights_B_T)
+        metrics["clip_fraction"] = (clipped_B_T * weights_B_T).sum()
+        metrics["ratio_mean"] = (seq_ratio_B_1.expand_as(weights_B_T) * weights_B_T).sum()
+    return _finish(per_token_B_T, logprobs_B_T, weights_B_T, metrics, ref_logprobs_B_T, kl_coef, kl_estimator)
+
+
+@register_loss("cispo")
+def cispo_loss(
+    logprobs_B_T: torch.Tensor,
+    old_logprobs_B_T: torch.Tensor,
+    advantages_B: torch.Tensor,
+    weights_B_T: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    ref_logprobs_B_T: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: Literal["k1", "k3"] = "k3",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, 2025): clip the importance weight, never the gradient.
+
+    loss_t = -sg(clip(ratio_t, 1 - clip_low, 1 + clip_high)) * A * logp_t
+    Unlike PPO-clip, a token whose ratio left the range still gets a (bounded) gradient, so rare
+    high-ratio tokens keep contributing.
+    """
+    adv_B_1 = advantages_B[:, None]
+    ratio_B_T = torch.exp(logprobs_B_T - old_logprobs_B_T)
+    weight_B_T = torch.clamp(ratio_B_T, 1.0 - clip_low, 1.0 + clip_high).detach()
+    per_token_B_T = -weight_B_T * adv_B_1 * logprobs_B_T
+    metrics: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        outside_B_T = ((ratio_B_T < 1.0 - clip_low) | (ratio_B_T > 1.0 + clip_high)).float()
+        metrics["clip_fraction"] = (outside_B_T * weights_B_T).sum()
+        metrics["ratio_mean"] = (ratio_B_T * weights_B_T).sum()
+    return _finish(per_token_B_T, logprobs_B_T, weights_B_T, metrics, ref_logprobs_B_T, kl_coef, kl_estimator)
 
 
 @register_loss("sft")

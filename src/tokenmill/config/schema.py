@@ -98,11 +98,17 @@ RewardConfig = Annotated[
 
 
 class AlgorithmConfig(_Section):
-    advantage: Literal["grpo", "rloo"] = Field("grpo", description="Advantage estimator.")
+    advantage: Literal["grpo", "rloo", "reinforce_pp"] = Field(
+        "grpo", description="Advantage estimator: grpo (group mean/std), rloo (leave-one-out mean), "
+        "reinforce_pp (group mean, then batch-wide mean/std normalisation)."
+    )
     scale_rewards: bool = Field(
         True, description="GRPO: divide by the group's reward std (False = Dr.GRPO)."
     )
-    loss: Literal["ppo_clip"] = Field("ppo_clip", description="Policy loss.")
+    loss: Literal["ppo_clip", "gspo", "cispo"] = Field(
+        "ppo_clip", description="Policy loss: ppo_clip (token ratio clipped), gspo (sequence ratio clipped; "
+        "use loss_agg sequence_mean and clip ranges ~3e-4/4e-4), cispo (clipped importance weight times logp)."
+    )
     clip_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip range below 1 (ratio >= 1 - clip_low).")
     clip_high: float = Field(0.2, ge=0.0, le=10.0, description="PPO clip range above 1 (DAPO raises it).")
     loss_agg: Literal["token_mean", "sequence_mean", "token_sum_norm"] = Field(
