@@ -61,6 +61,8 @@ def test_parse_overrides_rejects_malformed(args, needle):
     ({"algorithm.clip_low": -0.1}, "algorithm.clip_low", "greater than or equal to 0"),
     ({"algorithm.loss_agg": "mean"}, "algorithm.loss_agg", "token_mean"),
     ({"algorithm.kl_estimator": "k2"}, "algorithm.kl_estimator", "k3"),
+    ({"algorithm.loss": "dpo"}, "algorithm.loss", "cispo"),
+    ({"algorithm.max_sampling_rounds": 0}, "algorithm.max_sampling_rounds", "greater than or equal to 1"),
     ({"generation.temperature": 0}, "generation.temperature", "greater than 0"),
     ({"generation.temperature": "hot"}, "generation.temperature", "valid number"),
     ({"generation.top_p": 1.5}, "generation.top_p", "less than or equal to 1"),
@@ -280,3 +282,9 @@ def test_cli_validate_resolves_reward_references(tmp_path, reward, needle, capsy
     assert main(["validate", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+
+
+def test_cross_field_checks_name_both_fields():
+    with pytest.raises(ConfigError) as err:
+        load_config(RLConfig, base(), {"algorithm.overlong_buffer": 64, "generation.max_tokens": 64})
+    assert "algorithm.overlong_buffer (64) must be below generation.max_tokens (64)" in str(err.value)

@@ -120,6 +120,16 @@ class AlgorithmConfig(_Section):
     kl_estimator: Literal["k1", "k3"] = Field("k3", description="KL estimator (Schulman's k1 or k3).")
     ppo_epochs: int = Field(1, ge=1, description="Optimiser passes over each rollout batch.")
     mini_batches: int = Field(1, ge=1, description="Optimiser steps per pass (the batch is split in this many).")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO dynamic sampling: drop groups whose rewards are all equal and sample more "
+        "prompts to refill the step, for at most max_sampling_rounds generation rounds."
+    )
+    max_sampling_rounds: int = Field(3, ge=1, description="Generation rounds per step with dynamic_sampling.")
+    overlong_buffer: int = Field(
+        0, ge=0, description="DAPO soft overlong punishment: responses in the last N tokens before "
+        "generation.max_tokens lose up to overlong_penalty reward linearly; truncated ones lose all of it (0 = off)."
+    )
+    overlong_penalty: float = Field(1.0, ge=0.0, description="Largest overlong punishment (see overlong_buffer).")
     skip_zero_advantage: bool = Field(
         True,
         description="Do not run forward/backward on samples whose advantage is 0 (identical gradient when "
@@ -199,6 +209,11 @@ class RLConfig(_Section):
             )
         if self.algorithm.advantage == "rloo" and self.generation.group_size < 2:
             raise ValueError("algorithm.advantage 'rloo' needs generation.group_size >= 2")
+        if self.algorithm.overlong_buffer >= self.generation.max_tokens:
+            raise ValueError(
+                f"algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must be below generation.max_tokens "
+                f"({self.generation.max_tokens})"
+            )
         return self
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenmill.algorithms.advantages import assign_advantages
+from tokenmill.algorithms.shaping import has_spread, shape_overlong
 from tokenmill.checkpoint.atomic import (
     latest_checkpoint,
     load_checkpoint,
@@ -18,6 +19,7 @@ from tokenmill.controller.metrics import evaluate, rollout_metrics
 from tokenmill.controller.setup import Run
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.update import policy_update
+from tokenmill.types import Group
 
 
 def run_rl(run: Run) -> dict[str, Any]:
@@ -42,31 +44,26 @@ def run_rl(run: Run) -> dict[str, Any]:
         last = min(last, start + cfg.controller.max_steps_per_run)
     for step in range(start + 1, last + 1):
         with step_timer() as timer:
-            # 1. sample prompts
-            rows = run.source.next_rows(cfg.controller.prompts_per_step)
-            # 2. generate: G completions per prompt, all groups in one engine batch
-            with stage("generate") as t:
-                prompt_ids, completions = run.generator.sample(rows)
-                t.add_tokens("generate", sum(len(c.token_ids) for g in completions for c in g))
-            # 3. score every completion with every reward
-            with stage("reward"):
-                groups = run.generator.score(rows, prompt_ids, completions, version=step - 1)
+            # 1-3. sample prompts, generate G completions each (all groups in one engine batch), score them
+            groups, sampling = rollout(run, step)
             # 4. advantages inside each group
             groups = assign_advantages(groups, cfg.algorithm.advantage, scale_rewards=cfg.algorithm.scale_rewards)
             samples = [s for g in groups for s in g.samples if s.trainable]
             # 5. policy update (reference forward included when KL is on)
-            with stage("train") as t:
-                train_metrics = policy_update(
-                    samples, run.backend, cfg.algorithm, pad_id=run.engine.pad_id,
-                    max_tokens=cfg.generation.max_tokens, rng=run.update_rng, reference=run.reference,
-                )
-                t.add_tokens("train", sum(len(s.tokens) for s in samples))
+            train_metrics: dict[str, Any] = {}
+            if samples:
+                with stage("train") as t:
+                    train_metrics = policy_update(
+                        samples, run.backend, cfg.algorithm, pad_id=run.engine.pad_id,
+                        max_tokens=cfg.generation.max_tokens, rng=run.update_rng, reference=run.reference,
+                    )
+                    t.add_tokens("train", sum(len(s.tokens) for s in samples))
             # 6. sync weights to the engine (a version bump when it shares the module)
             with stage("sync"):
                 run.engine.update_weights(run.backend.weights(), version=step)
         # 7. log
         metrics, errors = rollout_metrics(groups)
-        metrics |= train_metrics | timer.report()
+        metrics |= sampling | train_metrics | timer.report()
         metrics["throughput/e2e_tok_s"] = timer.tokens.get("generate", 0) / metrics["timing_s/step"]
         for e in errors:
             log.message(f"step {step}: {e}")
@@ -91,6 +88,37 @@ def run_rl(run: Run) -> dict[str, Any]:
         log.log(cfg.controller.steps, result["eval_after"])
     result["last_metrics"] = metrics
     return result
+
+
+def rollout(run: Run, step: int) -> tuple[list[Group], dict[str, float]]:
+    """Sample prompts, generate and score one step's groups (timed as the generate and reward stages).
+
+    With `algorithm.dynamic_sampling` (DAPO), groups whose rewards are all equal are dropped and more
+    prompts are drawn to refill the step, for at most `max_sampling_rounds` rounds; the step then trains on
+    what it has. DAPO's overlong shaping is added to the rewards here too.
+    """
+    cfg, algo = run.cfg, run.cfg.algorithm
+    want = cfg.controller.prompts_per_step
+    rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
+    groups: list[Group] = []
+    dropped = 0
+    for _ in range(rounds):
+        rows = run.source.next_rows(want - len(groups))
+        with stage("generate") as t:
+            prompt_ids, completions = run.generator.sample(rows)
+            t.add_tokens("generate", sum(len(c.token_ids) for g in completions for c in g))
+        with stage("reward"):
+            new = run.generator.score(rows, prompt_ids, completions, version=step - 1, first_group=len(groups))
+        new = shape_overlong(new, cfg.generation.max_tokens, algo.overlong_buffer, algo.overlong_penalty)
+        if algo.dynamic_sampling:
+            kept = [g for g in new if has_spread(g)]
+            dropped += len(new) - len(kept)
+            new = kept
+        groups += new
+        if len(groups) >= want:
+            break
+    info = {"sampling/dropped_groups": float(dropped)} if algo.dynamic_sampling else {}
+    return groups, info
 
 
 def sample_records(groups, k: int) -> list[dict[str, Any]]:
