@@ -17,6 +17,15 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
+class LoRAConfig(_Section):
+    rank: int = Field(0, ge=0, description="LoRA rank; 0 trains every weight (full fine-tuning).")
+    alpha: float = Field(16.0, gt=0.0, description="LoRA scaling numerator (the update is scaled by alpha / rank).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names to adapt, or 'all-linear' (every linear layer but the output head)."
+    )
+
+
 class ModelConfig(_Section):
     path: str = Field(..., min_length=1, description="Hugging Face model folder (or hub id) of the policy.")
     tokenizer_path: str | None = Field(None, description="Tokenizer folder; defaults to the model path.")
@@ -25,6 +34,7 @@ class ModelConfig(_Section):
     )
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'.")
     attn_implementation: str | None = Field(None, description="Passed to from_pretrained (sdpa, eager, ...).")
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters (peft); off when rank is 0.")
 
 
 class DataConfig(_Section):

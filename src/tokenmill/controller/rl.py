@@ -16,7 +16,7 @@ from tokenmill.checkpoint.atomic import (
     set_rng_state,
 )
 from tokenmill.controller.metrics import evaluate, rollout_metrics
-from tokenmill.controller.setup import Run
+from tokenmill.controller.setup import Run, export_model, parameter_counts
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.update import policy_update
 from tokenmill.types import Group
@@ -31,6 +31,8 @@ def run_rl(run: Run) -> dict[str, Any]:
         f"per step; {cfg.algorithm.ppo_epochs} epoch(s) x {cfg.algorithm.mini_batches} mini-batch(es) = "
         f"{cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches} optimiser step(s) per step"
     )
+    trainable, total = parameter_counts(run.model)
+    log.message(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / max(1, total):.2f}%)")
     start = resume(run) if cfg.checkpoint.resume else 0
     if start >= cfg.controller.steps:
         log.message(f"checkpoint is at step {start} of {cfg.controller.steps}: nothing left to train")
@@ -81,8 +83,7 @@ def run_rl(run: Run) -> dict[str, Any]:
         return result
     if cfg.checkpoint.save_final and start < cfg.controller.steps:
         save(run, cfg.controller.steps)
-        run.model.save_pretrained(run.output_dir / "final")
-        run.tokenizer.save_pretrained(run.output_dir / "final")
+        export_model(run.model, run.tokenizer, run.output_dir / "final")
     if run.eval_rows is not None:
         result["eval_after"] = evaluate(run.generator, run.eval_rows, cfg.controller.eval_max_rows)
         log.log(cfg.controller.steps, result["eval_after"])

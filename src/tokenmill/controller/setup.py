@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import yaml
 
-from tokenmill.config.schema import ModelConfig, RewardFunctionConfig, RLConfig
+from tokenmill.config.schema import LoRAConfig, ModelConfig, RewardFunctionConfig, RLConfig
 from tokenmill.data.prompts import PromptSource, load_rows
 from tokenmill.engines.hf import HFEngine
 from tokenmill.rewards.base import FunctionReward
@@ -131,7 +131,41 @@ def load_policy(cfg: ModelConfig, device: torch.device):
         model = AutoModelForCausalLM.from_pretrained(cfg.path, **kwargs).to(device)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model.path: cannot load {cfg.path!r}: {exc}") from None
+    if cfg.lora.rank > 0:
+        model = add_lora(model, cfg.lora)
     return model, tokenizer
+
+
+def add_lora(model: torch.nn.Module, cfg: LoRAConfig) -> torch.nn.Module:
+    """Wrap the policy with peft LoRA adapters: only they train; the engine samples from the same module."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ConfigError("model.lora.rank: LoRA needs peft (pip install 'tokenmill[lora]')") from None
+    lora = LoraConfig(
+        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=cfg.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, lora)
+    except ValueError as exc:
+        raise ConfigError(f"model.lora.target_modules: {exc}") from None
+
+
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def export_model(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
+    """A plain HF folder any tool loads; with LoRA the adapters are merged into it (a copy: the training
+    module keeps its adapters) and the adapter alone is saved in `path/adapter` for peft."""
+    if hasattr(model, "merge_and_unload"):
+        model.save_pretrained(path / "adapter")
+        model = copy.deepcopy(model).merge_and_unload()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
 
 
 @dataclass
