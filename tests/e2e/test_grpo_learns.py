@@ -1,7 +1,7 @@
 """GRPO really improves a model: held-out greedy accuracy on addition rises by at least 15 points.
 
 The quickstart recipe at a smaller size, seeded, on the CPU: build a tiny Llama, give it a supervised warm
-start on a sloppy teacher's answers (built once for this module, ~40 s), then GRPO with the exact-match
+start on a sloppy teacher's answers (built once per session in conftest.py, ~40 s), then GRPO with the exact-match
 verifier, full fine-tuning (~25 s) and LoRA (~25 s).
 """
 
@@ -9,16 +9,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
-from tokenmill.testing.quickstart import grpo, warm_start
-
-
-@pytest.fixture(scope="module")
-def warm(tmp_path_factory):
-    torch.set_num_threads(2)
-    return warm_start(tmp_path_factory.mktemp("quickstart"), num_eval=500, say=lambda _: None)
+from tokenmill.testing.quickstart import grpo
 
 
 def _run(warm, out, **overrides):

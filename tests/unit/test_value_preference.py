@@ -79,3 +79,29 @@ def test_dpo_gradient_raises_chosen_and_lowers_rejected():
     # d/d pi_c = -beta * sigmoid(-beta h) < 0 (descending raises pi_c); d/d pi_r is its negative
     g = -0.1 / (1 + math.exp(0.15))
     assert chosen.grad.item() == pytest.approx(g) and rejected.grad.item() == pytest.approx(-g)
+
+
+def test_pair_logprobs_match_one_sequence_at_a_time(tiny_model_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.training.local import token_logprobs
+    from tokenmill.training.preference import pair_logprobs
+    from tokenmill.training.sft import sft_sample
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    rows = [{"prompt": "1+2=", "chosen": "3", "rejected": "12345"},
+            {"prompt": "10+20=", "chosen": "30", "rejected": "4"}]
+    with torch.no_grad():
+        chosen, rejected, chosen_len, rejected_len = pair_logprobs(model, tokenizer, rows)
+
+        def alone(prompt, completion):
+            s = sft_sample(tokenizer, prompt, completion)
+            ids = torch.tensor([s.tokens])
+            lp = token_logprobs(model(input_ids=ids).logits, ids, 1.0)[0]
+            return float((lp * torch.tensor(s.loss_mask, dtype=lp.dtype)).sum()), sum(s.loss_mask)
+
+        for i, r in enumerate(rows):
+            c, nc = alone(r["prompt"], r["chosen"])
+            j, nj = alone(r["prompt"], r["rejected"])
+            assert chosen[i].item() == pytest.approx(c, abs=1e-5) and chosen_len[i].item() == nc
+            assert rejected[i].item() == pytest.approx(j, abs=1e-5) and rejected_len[i].item() == nj

@@ -85,6 +85,32 @@ def addition_digit_reward(
     return scores
 
 
+def addition_preferences(n: int, seed: int = 0, exclude: set[str] | None = None):
+    """`n` preference pairs on two-digit addition: `chosen` is the true sum, `rejected` a plausible slip (the
+    carry forgotten where there is one, else one digit off by one). The hidden rule a reward model or DPO
+    must learn is correctness. Columns: prompt, chosen, rejected, answer."""
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    rows: dict[str, list[Any]] = {"prompt": [], "chosen": [], "rejected": [], "answer": []}
+    banned = set(exclude or ())
+    while len(rows["prompt"]) < n:
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        prompt = f"{a}+{b}="
+        if prompt in banned:
+            continue
+        wrong = forgot_carry(a, b)
+        if wrong == a + b:
+            wrong = a + b + rng.choice([1, -1, 10, -10])
+            if wrong < 0:
+                wrong = a + b + 1
+        rows["prompt"].append(prompt)
+        rows["chosen"].append(str(a + b))
+        rows["rejected"].append(str(wrong))
+        rows["answer"].append(str(a + b))
+    return Dataset.from_dict(rows)
+
+
 # ---------------------------------------------------------------------------------------------- countdown
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}

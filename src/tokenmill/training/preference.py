@@ -1,0 +1,189 @@
+"""Offline preference training (DPO / IPO / SimPO) and Bradley-Terry reward-model training.
+
+Both read rows with `prompt`, `chosen` and `rejected` columns. DPO-family losses compare the policy's summed
+log-probability of the chosen and the rejected completion (end-of-sequence token included, prompt excluded),
+against a frozen copy of the starting policy where the loss needs one. The reward model is an
+`AutoModelForSequenceClassification` (one label) trained on `prompt + completion` text, the exact text
+`rewards.ModelReward` scores, so its folder plugs straight into an RL config's `rewards`.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from tokenmill.algorithms.preference import bradley_terry_loss, dpo_loss, ipo_loss, simpo_loss
+from tokenmill.training.batch import collate
+from tokenmill.training.local import _adamw, lr_lambda, token_logprobs
+from tokenmill.training.sft import sft_sample
+
+PreferenceLoss = Literal["dpo", "ipo", "simpo"]
+
+
+def pair_logprobs(model, tokenizer, rows: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
+    """(chosen logprob sums, rejected logprob sums, chosen lengths, rejected lengths), each `[P]`."""
+    samples = [sft_sample(tokenizer, r["prompt"], r[key]) for key in ("chosen", "rejected") for r in rows]
+    batch = collate(samples, [1.0] * len(samples), tokenizer.pad_token_id)
+    order = sorted(range(len(samples)), key=lambda i: -len(samples[i].tokens))  # collate's (stable) order
+    device = next(model.parameters()).device
+    ids = batch.input_ids_B_T.to(device)
+    logprobs_B_T = token_logprobs(model(input_ids=ids, use_cache=False).logits, ids, 1.0)
+    mask_B_T = batch.weights_B_T.to(device)
+    sums_B = (logprobs_B_T * mask_B_T).sum(-1)
+    lengths_B = mask_B_T.sum(-1)
+    back = torch.empty(len(order), dtype=torch.long, device=device)
+    back[torch.tensor(order, device=device)] = torch.arange(len(order), device=device)
+    sums_B, lengths_B = sums_B[back], lengths_B[back]
+    p = len(rows)
+    return sums_B[:p], sums_B[p:], lengths_B[:p], lengths_B[p:]
+
+
+def preference_loss(
+    name: PreferenceLoss, policy: tuple[torch.Tensor, ...], reference: tuple[torch.Tensor, ...] | None,
+    beta: float, simpo_gamma: float = 0.5,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    chosen, rejected, chosen_len, rejected_len = policy
+    if name == "simpo":
+        return simpo_loss(chosen, rejected, chosen_len, rejected_len, beta=beta, gamma=simpo_gamma)
+    assert reference is not None
+    fn = dpo_loss if name == "dpo" else ipo_loss
+    return fn(chosen, rejected, reference[0], reference[1], beta=beta)
+
+
+def run_dpo(
+    model,
+    tokenizer,
+    rows,
+    *,
+    steps: int,
+    loss: PreferenceLoss = "dpo",
+    beta: float = 0.1,
+    batch_size: int = 32,
+    learning_rate: float = 1e-4,
+    warmup_steps: int = 10,
+    seed: int = 0,
+    output_dir: str | Path | None = None,
+) -> list[float]:
+    """Train `model` in place on preference pairs; return the loss of each step."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    rows = [rows[i] for i in range(len(rows))]
+    reference = None
+    if loss != "simpo":
+        reference = copy.deepcopy(model).eval().requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = _adamw(params, lr=learning_rate, betas=(0.9, 0.999), weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda("cosine", warmup_steps, steps))
+    model.train()
+    losses = []
+    for _ in range(steps):
+        picked = rng.sample(rows, min(batch_size, len(rows)))
+        ref = None
+        if reference is not None:
+            with torch.no_grad():
+                ref = pair_logprobs(reference, tokenizer, picked)
+        value, _ = preference_loss(loss, pair_logprobs(model, tokenizer, picked), ref, beta)
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(value.detach()))
+    if output_dir is not None:
+        model.save_pretrained(output_dir)
+        tokenizer.save_pretrained(output_dir)
+    return losses
+
+
+@torch.no_grad()
+def implicit_margin(model, reference, tokenizer, rows, chunk: int = 128) -> dict[str, float]:
+    """Held-out DPO diagnostics: mean implicit reward margin (pi_c - ref_c) - (pi_r - ref_r) and the share of
+    pairs where the policy gives the chosen completion the higher log-probability."""
+    model.eval()
+    rows = [rows[i] for i in range(len(rows))]
+    margins, ranked = [], []
+    for start in range(0, len(rows), chunk):
+        part = rows[start : start + chunk]
+        c, r, _, _ = pair_logprobs(model, tokenizer, part)
+        rc, rr, _, _ = pair_logprobs(reference, tokenizer, part)
+        margins += ((c - rc) - (r - rr)).tolist()
+        ranked += (c > r).tolist()
+    return {"margin": sum(margins) / len(margins), "chosen_preferred": sum(ranked) / len(ranked)}
+
+
+def _rm_scores(model, tokenizer, prompts: list[str], completions: list[str]) -> torch.Tensor:
+    texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+    enc = tokenizer(texts, return_tensors="pt", padding=True).to(next(model.parameters()).device)
+    return model(**enc).logits[:, 0].float()
+
+
+def load_reward_model_for_training(path: str | Path, seed: int = 0):
+    """A one-label sequence classifier on top of a causal LM folder (the head starts fresh, seeded)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "right"
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def run_reward_model(
+    model,
+    tokenizer,
+    rows,
+    *,
+    steps: int,
+    batch_size: int = 32,
+    learning_rate: float = 1e-4,
+    warmup_steps: int = 10,
+    seed: int = 0,
+    output_dir: str | Path | None = None,
+) -> list[float]:
+    """Bradley-Terry training on preference pairs; return the loss of each step. Saves an HF folder that
+    `rewards.ModelReward` (an RL config's `rewards: [{path: ...}]`) loads."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    rows = [rows[i] for i in range(len(rows))]
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = _adamw(params, lr=learning_rate, betas=(0.9, 0.999), weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda("cosine", warmup_steps, steps))
+    model.train()
+    losses = []
+    for _ in range(steps):
+        picked = rng.sample(rows, min(batch_size, len(rows)))
+        prompts = [r["prompt"] for r in picked]
+        chosen = _rm_scores(model, tokenizer, prompts, [r["chosen"] for r in picked])
+        rejected = _rm_scores(model, tokenizer, prompts, [r["rejected"] for r in picked])
+        value, _ = bradley_terry_loss(chosen, rejected)
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(value.detach()))
+    if output_dir is not None:
+        model.save_pretrained(output_dir)
+        tokenizer.save_pretrained(output_dir)
+    return losses
+
+
+@torch.no_grad()
+def pairwise_accuracy(model, tokenizer, rows, chunk: int = 256) -> float:
+    """Share of pairs whose chosen completion the reward model scores higher."""
+    model.eval()
+    rows = [rows[i] for i in range(len(rows))]
+    right = 0
+    for start in range(0, len(rows), chunk):
+        part = rows[start : start + chunk]
+        prompts = [r["prompt"] for r in part]
+        c = _rm_scores(model, tokenizer, prompts, [r["chosen"] for r in part])
+        r = _rm_scores(model, tokenizer, prompts, [r["rejected"] for r in part])
+        right += int((c > r).sum())
+    return right / max(1, len(rows))
