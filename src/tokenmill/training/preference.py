@@ -70,24 +70,37 @@ def run_dpo(
     output_dir: str | Path | None = None,
 ) -> list[float]:
     """Train `model` in place on preference pairs; return the loss of each step."""
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    rows = [rows[i] for i in range(len(rows))]
     reference = None
     if loss != "simpo":
         reference = copy.deepcopy(model).eval().requires_grad_(False)
+
+    def step_loss(picked: list[dict[str, Any]]) -> torch.Tensor:
+        ref = None
+        if reference is not None:
+            with torch.no_grad():
+                ref = pair_logprobs(reference, tokenizer, picked)
+        return preference_loss(loss, pair_logprobs(model, tokenizer, picked), ref, beta)[0]
+
+    return _pairwise_training(model, tokenizer, rows, step_loss, steps=steps, batch_size=batch_size,
+                              learning_rate=learning_rate, warmup_steps=warmup_steps, seed=seed,
+                              output_dir=output_dir)
+
+
+def _pairwise_training(
+    model, tokenizer, rows, step_loss, *, steps: int, batch_size: int, learning_rate: float, warmup_steps: int,
+    seed: int, output_dir: str | Path | None,
+) -> list[float]:
+    """The shared loop: sample pairs, loss, clip, AdamW, cosine schedule; save an HF folder at the end."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    rows = [rows[i] for i in range(len(rows))]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = _adamw(params, lr=learning_rate, betas=(0.9, 0.999), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda("cosine", warmup_steps, steps))
     model.train()
     losses = []
     for _ in range(steps):
-        picked = rng.sample(rows, min(batch_size, len(rows)))
-        ref = None
-        if reference is not None:
-            with torch.no_grad():
-                ref = pair_logprobs(reference, tokenizer, picked)
-        value, _ = preference_loss(loss, pair_logprobs(model, tokenizer, picked), ref, beta)
+        value = step_loss(rng.sample(rows, min(batch_size, len(rows))))
         value.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
@@ -148,30 +161,16 @@ def run_reward_model(
 ) -> list[float]:
     """Bradley-Terry training on preference pairs; return the loss of each step. Saves an HF folder that
     `rewards.ModelReward` (an RL config's `rewards: [{path: ...}]`) loads."""
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    rows = [rows[i] for i in range(len(rows))]
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = _adamw(params, lr=learning_rate, betas=(0.9, 0.999), weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda("cosine", warmup_steps, steps))
-    model.train()
-    losses = []
-    for _ in range(steps):
-        picked = rng.sample(rows, min(batch_size, len(rows)))
+
+    def step_loss(picked: list[dict[str, Any]]) -> torch.Tensor:
         prompts = [r["prompt"] for r in picked]
         chosen = _rm_scores(model, tokenizer, prompts, [r["chosen"] for r in picked])
         rejected = _rm_scores(model, tokenizer, prompts, [r["rejected"] for r in picked])
-        value, _ = bradley_terry_loss(chosen, rejected)
-        value.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(value.detach()))
-    if output_dir is not None:
-        model.save_pretrained(output_dir)
-        tokenizer.save_pretrained(output_dir)
-    return losses
+        return bradley_terry_loss(chosen, rejected)[0]
+
+    return _pairwise_training(model, tokenizer, rows, step_loss, steps=steps, batch_size=batch_size,
+                              learning_rate=learning_rate, warmup_steps=warmup_steps, seed=seed,
+                              output_dir=output_dir)
 
 
 @torch.no_grad()
