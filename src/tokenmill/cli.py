@@ -14,7 +14,7 @@ from typing import Any
 
 from tokenmill.types import ConfigError
 
-CONFIG_COMMANDS = {"train", "sft", "eval", "validate"}
+CONFIG_COMMANDS = {"train", "sft", "eval", "validate", "preference"}
 
 
 def _rl_config(path: str | None, overrides: list[str]):
@@ -66,6 +66,41 @@ def cmd_sft(args: argparse.Namespace) -> int:
                      prompt_column=cfg.data.prompt_column, completion_column=cfg.completion_column,
                      output_dir=cfg.output_dir, log_every=max(1, cfg.steps // 10))
     print(f"sft: loss {losses[0]:.3f} -> {losses[-1]:.3f}; model written to {cfg.output_dir}")
+    return 0
+
+
+def cmd_preference(args: argparse.Namespace) -> int:
+    import copy
+
+    from tokenmill.config import PreferenceConfig, load_config, parse_overrides
+    from tokenmill.controller.setup import load_policy, resolve_device
+    from tokenmill.data import load_rows
+    from tokenmill.testing.tasks import addition_preferences
+    from tokenmill.training import preference as pref
+
+    cfg = load_config(PreferenceConfig, args.config, parse_overrides(args.overrides))
+    held = None
+    if cfg.data.task:
+        held = addition_preferences(cfg.data.num_eval, seed=cfg.seed + 10_000) if cfg.data.num_eval else None
+        rows = addition_preferences(cfg.data.num_train, seed=cfg.seed, exclude=set(held["prompt"]) if held else None)
+    else:
+        rows = load_rows(cfg.data.path, cfg.data.split)
+    missing = {"prompt", "chosen", "rejected"} - set(rows.column_names)
+    if missing:
+        raise ConfigError(f"data.path: the pairs need columns {sorted(missing)}")
+    common = {"steps": cfg.steps, "batch_size": cfg.batch_size, "learning_rate": cfg.learning_rate,
+              "warmup_steps": cfg.warmup_steps, "seed": cfg.seed, "output_dir": cfg.output_dir}
+    if cfg.objective == "reward_model":
+        model, tok = pref.load_reward_model_for_training(cfg.model.path, seed=cfg.seed)
+        losses = pref.run_reward_model(model, tok, rows, **common)
+        report = {"pairwise_accuracy": pref.pairwise_accuracy(model, tok, held)} if held else {}
+    else:
+        model, tok = load_policy(cfg.model, resolve_device(cfg.model.device))
+        reference = copy.deepcopy(model).eval()
+        losses = pref.run_dpo(model, tok, rows, loss=cfg.objective, beta=cfg.beta, **common)
+        report = pref.implicit_margin(model, reference, tok, held) if held else {}
+    print(json.dumps({"objective": cfg.objective, "loss_first": losses[0], "loss_last": losses[-1],
+                      "output_dir": cfg.output_dir, **{f"heldout_{k}": v for k, v in report.items()}}))
     return 0
 
 
@@ -128,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("sft", cmd_sft, "supervised fine-tuning from a YAML config"),
         ("eval", cmd_eval, "greedy evaluation of a model on a config's data"),
         ("validate", cmd_validate, "check a config without loading anything"),
+        ("preference", cmd_preference, "DPO / IPO / SimPO or a reward model on preference pairs"),
     ]:
         p = sub.add_parser(name, help=text,
                            description=f"{text}. Override any field with --section.field VALUE.")

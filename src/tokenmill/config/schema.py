@@ -239,3 +239,39 @@ class SFTConfig(_Section):
     learning_rate: float = Field(1e-3, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
     seed: int = Field(0, description="Seed.")
+
+
+class PreferenceDataConfig(_Section):
+    task: Literal["addition"] | None = Field(
+        None, description="Built-in synthetic preference task: 'addition' (the true sum chosen over a slip)."
+    )
+    path: str | None = Field(
+        None, description="Pairs with prompt / chosen / rejected columns: a json/jsonl/parquet/csv file or folder."
+    )
+    split: str = Field("train", description="Split to read when `path` is a dataset name or folder.")
+    num_train: int = Field(5000, ge=1, description="Pairs generated for the built-in task.")
+    num_eval: int = Field(400, ge=0, description="Held-out pairs (built-in task) for the final report.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PreferenceDataConfig:
+        if (self.task is None) == (self.path is None):
+            raise ValueError("set exactly one of data.task or data.path")
+        return self
+
+
+class PreferenceConfig(_Section):
+    """Offline preference training (DPO / IPO / SimPO) or a Bradley-Terry reward model, on pairs."""
+
+    model: ModelConfig
+    data: PreferenceDataConfig
+    objective: Literal["dpo", "ipo", "simpo", "reward_model"] = Field(
+        "dpo", description="dpo / ipo (frozen reference), simpo (no reference), or reward_model (Bradley-Terry "
+        "on a one-label sequence classifier that an RL config's rewards can load)."
+    )
+    beta: float = Field(0.1, gt=0.0, description="DPO / IPO / SimPO temperature.")
+    output_dir: str = Field("runs/preference", description="Where the trained model folder is written.")
+    steps: int = Field(200, ge=1, description="Optimiser steps.")
+    batch_size: int = Field(32, ge=1, description="Pairs per optimiser step.")
+    learning_rate: float = Field(2e-5, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
+    warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps (then cosine decay).")
+    seed: int = Field(0, description="Seed.")
