@@ -96,3 +96,27 @@ def test_packed_gradients_equal_padded_gradients(tiny_model_path, tokenizer, bud
         torch.testing.assert_close(packed[name], plain[name], atol=2e-6, rtol=1e-4, msg=name)
     for key in ("loss", "ratio_mean", "weight", "entropy"):
         assert m_packed[key] == pytest.approx(m_plain[key], abs=1e-5), key
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_entropy_bonus_gradient_by_autograd(tiny_model_path, tokenizer, share):
+    """With zero advantages the policy term has no gradient, so the update is exactly -coef x grad(entropy)."""
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.training.local import token_entropy
+
+    samples = [s.with_(advantage=0.0) for s in _groups(len(tokenizer), seed=2)]
+    weights = token_weights([sum(s.loss_mask) for s in samples], "token_mean")
+    batch = collate(samples, weights, pad_id=0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    backend = LocalBackend(model, learning_rate=1e-3, total_steps=1, share_prompts=share)
+    metrics = backend.forward_backward(batch, _batch_loss("ppo_clip", AlgorithmConfig()), entropy_coef=0.3)
+    got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    manual = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    entropy = (token_entropy(manual(input_ids=batch.input_ids_B_T).logits, 1.0) * batch.weights_B_T).sum()
+    (-0.3 * entropy).backward()
+    assert metrics["loss"] == pytest.approx(-0.3 * entropy.item(), abs=1e-5)
+    assert metrics["entropy"] == pytest.approx(entropy.item(), abs=1e-5)
+    for name, p in manual.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, atol=2e-6, rtol=1e-4, msg=name)

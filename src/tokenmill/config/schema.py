@@ -128,6 +128,9 @@ class AlgorithmConfig(_Section):
     )
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL penalty to the frozen reference model.")
     kl_estimator: Literal["k1", "k3"] = Field("k3", description="KL estimator (Schulman's k1 or k3).")
+    entropy_coef: float = Field(
+        0.0, ge=0.0, description="Entropy bonus: the loss minus this times the (aggregated) token entropy."
+    )
     ppo_epochs: int = Field(1, ge=1, description="Optimiser passes over each rollout batch.")
     mini_batches: int = Field(1, ge=1, description="Optimiser steps per pass (the batch is split in this many).")
     dynamic_sampling: bool = Field(

@@ -19,8 +19,9 @@ BatchLoss = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.
 
 
 class TrainBackend(Protocol):
-    def forward_backward(self, batch: Batch, loss_fn: BatchLoss) -> dict[str, float]:
-        """Accumulate gradients of `loss_fn` over the batch (micro-batched inside); return summed metrics."""
+    def forward_backward(self, batch: Batch, loss_fn: BatchLoss, entropy_coef: float = 0.0) -> dict[str, float]:
+        """Accumulate gradients of `loss_fn` (minus an entropy bonus when `entropy_coef` > 0) over the batch
+        (micro-batched inside); return summed metrics."""
         ...
 
     def forward(self, batch: Batch) -> torch.Tensor:

@@ -126,30 +126,40 @@ class LocalBackend:
         with torch.autocast(self.device.type, dtype=self.autocast_dtype):
             return self.model(input_ids=input_ids_B_T, use_cache=False).logits
 
-    def _micro_stats(self, batch: Batch, entropy: bool) -> Iterator[tuple[Batch, torch.Tensor, torch.Tensor | None]]:
+    def _micro_stats(
+        self, batch: Batch, entropy: bool, entropy_grad: bool = False
+    ) -> Iterator[tuple[Batch, torch.Tensor, torch.Tensor | None]]:
         """(micro-batch, its token logprobs, its token entropies or None), packed by shared prompt if on."""
         if self.share_prompts and shares_prompts(batch):
             for micro, packed in micro_packs(batch, self.micro_batch_tokens):
                 micro = micro.to(self.device)
                 logprobs, ent = packed_token_stats(
                     self.model, packed, tuple(micro.input_ids_B_T.shape), temperature=self.temperature,
-                    entropy=entropy, autocast_dtype=self.autocast_dtype,
+                    entropy=entropy, entropy_grad=entropy_grad, autocast_dtype=self.autocast_dtype,
                 )
                 yield micro, logprobs, ent
             return
         for micro in batch.micro_batches(self.micro_batch_tokens):
             micro = micro.to(self.device)
             logits_B_T_V = self._logits(micro.input_ids_B_T)
-            ent = token_entropy(logits_B_T_V.detach(), self.temperature) if entropy else None
+            ent = None
+            if entropy:
+                ent = token_entropy(logits_B_T_V if entropy_grad else logits_B_T_V.detach(), self.temperature)
             yield micro, token_logprobs(logits_B_T_V, micro.input_ids_B_T, self.temperature), ent
 
-    def forward_backward(self, batch: Batch, loss_fn: BatchLoss) -> dict[str, float]:
+    def forward_backward(self, batch: Batch, loss_fn: BatchLoss, entropy_coef: float = 0.0) -> dict[str, float]:
+        """Accumulate gradients of `loss_fn` (minus `entropy_coef` x the weighted token entropy: an entropy
+        bonus) over the micro-batches; return the metrics summed over them."""
         self.model.train()
         totals: dict[str, float] = {}
-        for micro, logprobs_B_T, ent in self._micro_stats(batch, self.track_entropy):
+        bonus = entropy_coef > 0
+        for micro, logprobs_B_T, ent in self._micro_stats(batch, self.track_entropy or bonus, bonus):
             loss, metrics = loss_fn(logprobs_B_T, micro)
             if ent is not None:
-                metrics["entropy"] = (ent * micro.weights_B_T).sum()
+                weighted = (ent * micro.weights_B_T).sum()
+                metrics["entropy"] = weighted.detach()
+                if bonus:
+                    loss = loss - entropy_coef * weighted
             loss.backward()
             metrics["loss"] = loss.detach()
             metrics["weight"] = micro.weights_B_T.sum()

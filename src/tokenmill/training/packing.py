@@ -148,6 +148,7 @@ def packed_token_stats(
     *,
     temperature: float,
     entropy: bool,
+    entropy_grad: bool = False,
     autocast_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (and entropies) of every completion token, scattered into a `[B, T]` tensor (0 elsewhere)."""
@@ -171,8 +172,8 @@ def packed_token_stats(
     logprobs_B_T = torch.zeros(out_shape, dtype=torch.float32, device=device).index_put(dst, logprob_K)
     ent_B_T = None
     if entropy:
-        with torch.no_grad():
-            logp_K_V = picked_K_V.detach() - lse_K.detach()[:, None]
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            logp_K_V = torch.log_softmax(picked_K_V if entropy_grad else picked_K_V.detach(), dim=-1)
             ent_K = -(logp_K_V.exp() * logp_K_V).sum(-1)
             ent_B_T = torch.zeros(out_shape, dtype=torch.float32, device=device).index_put(dst, ent_K)
     return logprobs_B_T, ent_B_T

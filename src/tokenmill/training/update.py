@@ -57,7 +57,8 @@ def policy_update(
 ) -> dict[str, float]:
     """Train on `samples` (advantages already set); return metrics averaged over optimiser steps."""
     loss_fn = _batch_loss(algo.loss, algo)
-    skip_zero = algo.skip_zero_advantage and reference is None
+    # a zero-advantage sample still carries gradient through the KL term or the entropy bonus
+    skip_zero = algo.skip_zero_advantage and reference is None and algo.entropy_coef == 0
     totals: dict[str, float] = {}
     steps = 0
     trained_seqs = 0
@@ -71,7 +72,7 @@ def policy_update(
             # when all are zero so that AdamW still takes its (zero-gradient) step as the peers would
             keep = [i for i, s in enumerate(picked) if not (skip_zero and s.advantage == 0.0)] or [0]
             batch = collate([picked[i] for i in keep], [weights[i] for i in keep], pad_id)
-            metrics = backend.forward_backward(_with_reference(batch, reference), loss_fn)
+            metrics = backend.forward_backward(_with_reference(batch, reference), loss_fn, algo.entropy_coef)
             trained_seqs += len(keep)
             # per-token metrics were summed with weights of the whole mini-batch: renormalise to the kept part
             mass = metrics.pop("weight", 0.0)
