@@ -120,3 +120,20 @@ def test_entropy_bonus_gradient_by_autograd(tiny_model_path, tokenizer, share):
     assert metrics["entropy"] == pytest.approx(entropy.item(), abs=1e-5)
     for name, p in manual.named_parameters():
         torch.testing.assert_close(got[name], p.grad, atol=2e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("budget", [10_000, 12])
+def test_reference_logprobs_packed_equal_padded_on_trained_tokens(tiny_model_path, tokenizer, budget):
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.training.local import batch_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    samples = _groups(len(tokenizer), seed=3)
+    batch = collate(samples, [1.0] * len(samples), pad_id=0)
+    packed = batch_logprobs(model, batch, temperature=0.7, token_budget=budget, share_prompts=True)
+    padded = batch_logprobs(model, batch, temperature=0.7, token_budget=budget, share_prompts=False)
+    trained = batch.weights_B_T > 0
+    assert int(trained.sum()) > 10
+    torch.testing.assert_close(packed[trained], padded[trained], atol=1e-5, rtol=0)
+    assert bool((packed[~trained] == 0).all())

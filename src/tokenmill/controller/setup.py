@@ -214,7 +214,8 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     reference = None
     if cfg.algorithm.kl_coef > 0:
         reference = ReferenceModel(
-            copy.deepcopy(model), temperature=gen.temperature, token_budget=tr.micro_batch_tokens
+            copy.deepcopy(model), temperature=gen.temperature, token_budget=tr.micro_batch_tokens,
+            share_prompts=tr.share_prompts,
         )
     out = Path(cfg.tracking.output_dir)
     out.mkdir(parents=True, exist_ok=True)

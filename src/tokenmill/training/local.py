@@ -36,11 +36,19 @@ def token_entropy(logits_B_T_V: torch.Tensor, temperature: float) -> torch.Tenso
 
 @torch.no_grad()
 def batch_logprobs(
-    model: torch.nn.Module, batch: Batch, *, temperature: float, token_budget: int
+    model: torch.nn.Module, batch: Batch, *, temperature: float, token_budget: int, share_prompts: bool = True
 ) -> torch.Tensor:
-    """Logprobs of every token of `batch` under `model`, micro-batched, on the CPU, aligned with the batch."""
+    """Logprobs of the tokens of `batch` under `model`, micro-batched, on the CPU, aligned with the batch.
+    With shared prompts (and `share_prompts`) the groups are packed and only completion tokens get a value
+    (prompt positions stay 0; no loss weight falls there)."""
     device = next(model.parameters()).device
     out = torch.zeros_like(batch.old_logprobs_B_T)
+    if share_prompts and shares_prompts(batch):
+        for micro, packed in micro_packs(batch, token_budget):
+            lp, _ = packed_token_stats(model, packed, tuple(micro.input_ids_B_T.shape), temperature=temperature,
+                                       entropy=False)
+            out[packed.batch_rows, : lp.shape[1]] = lp.float().cpu()
+        return out
     start = 0
     for micro in batch.micro_batches(token_budget):
         ids = micro.input_ids_B_T.to(device)
@@ -54,13 +62,17 @@ def batch_logprobs(
 class ReferenceModel:
     """A frozen copy of the initial policy, used only for the KL term (loaded only when kl_coef > 0)."""
 
-    def __init__(self, model: torch.nn.Module, *, temperature: float, token_budget: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, *, temperature: float, token_budget: int, share_prompts: bool = True
+    ) -> None:
         self.model = model.eval().requires_grad_(False)
         self.temperature = temperature
         self.token_budget = token_budget
+        self.share_prompts = share_prompts
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        return batch_logprobs(self.model, batch, temperature=self.temperature, token_budget=self.token_budget)
+        return batch_logprobs(self.model, batch, temperature=self.temperature, token_budget=self.token_budget,
+                              share_prompts=self.share_prompts)
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -169,7 +181,8 @@ class LocalBackend:
 
     def forward(self, batch: Batch) -> torch.Tensor:
         return batch_logprobs(
-            self.model, batch, temperature=self.temperature, token_budget=self.micro_batch_tokens
+            self.model, batch, temperature=self.temperature, token_budget=self.micro_batch_tokens,
+            share_prompts=self.share_prompts,
         )
 
     def optim_step(self) -> dict[str, float]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,6 +35,7 @@ class PackedRows:
     target_K: torch.Tensor  # the token id being predicted
     dst_b_K: torch.Tensor  # where its logprob goes in the Batch: row b
     dst_t_K: torch.Tensor  # ... token t
+    batch_rows: torch.Tensor | None = None  # which rows of the full batch the sub-batch holds (micro_packs)
 
 
 def _segments(batch: Batch) -> list[tuple[tuple[int, ...], list[int]]]:
@@ -129,7 +130,8 @@ def micro_packs(batch: Batch, token_budget: int) -> Iterator[tuple[Batch, Packed
         members = [b for _, m in chosen for b in m]
         local = {b: i for i, b in enumerate(members)}
         sub = batch.select(members)
-        yield sub, pack(sub, [(p, [local[b] for b in m]) for p, m in chosen])
+        packed = pack(sub, [(p, [local[b] for b in m]) for p, m in chosen])
+        yield sub, replace(packed, batch_rows=torch.tensor(members, dtype=torch.long))
         start = stop
 
 
