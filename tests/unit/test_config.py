@@ -150,11 +150,11 @@ def test_mini_batches_cannot_exceed_sequences():
     with pytest.raises(ConfigError) as err:
         load_config(RLConfig, base(), {"controller.prompts_per_step": 2, "generation.group_size": 4,
                                        "algorithm.mini_batches": 9})
-    assert "algorithm.mini_batches (9) exceeds the sequences per step (8" in str(err.value)
+    assert str(err.value).startswith("algorithm.mini_batches: algorithm.mini_batches (9) exceeds the sequences per step (8")
 
 
 def test_rloo_needs_a_group():
-    with pytest.raises(ConfigError, match="rloo' needs generation.group_size >= 2"):
+    with pytest.raises(ConfigError, match="^algorithm.advantage: 'rloo' needs generation.group_size >= 2"):
         load_config(RLConfig, base(), {"algorithm.advantage": "rloo", "generation.group_size": 1})
 
 
@@ -287,4 +287,6 @@ def test_cli_validate_resolves_reward_references(tmp_path, reward, needle, capsy
 def test_cross_field_checks_name_both_fields():
     with pytest.raises(ConfigError) as err:
         load_config(RLConfig, base(), {"algorithm.overlong_buffer": 64, "generation.max_tokens": 64})
-    assert "algorithm.overlong_buffer (64) must be below generation.max_tokens (64)" in str(err.value)
+    assert str(err.value) == (
+        "algorithm.overlong_buffer: algorithm.overlong_buffer (64) must be below generation.max_tokens (64)"
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -56,6 +57,9 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+FIELD_PREFIX = re.compile(r"^([a-z_]+(?:\.[a-z_0-9]+)+): ")
+
+
 def format_validation_error(err: ValidationError) -> str:
     """One line per problem: `algorithm.clip_low: Input should be less than or equal to 1 (got 3)`."""
     lines = []
@@ -67,6 +71,9 @@ def format_validation_error(err: ValidationError) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         got = e.get("input")
         shown = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
+        named = FIELD_PREFIX.match(msg)
+        if not loc and named:  # a cross-field check names the field it blames: `section.field: ...`
+            loc, msg = named.group(1), msg[named.end() :]
         lines.append(f"{loc or 'config'}: {msg}{shown}")
     return "\n".join(lines)
 

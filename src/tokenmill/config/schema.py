@@ -217,15 +217,15 @@ class RLConfig(_Section):
         seqs = self.controller.prompts_per_step * self.generation.group_size
         if self.algorithm.mini_batches > seqs:
             raise ValueError(
-                f"algorithm.mini_batches ({self.algorithm.mini_batches}) exceeds the sequences per step "
-                f"({seqs} = controller.prompts_per_step x generation.group_size)"
+                f"algorithm.mini_batches: algorithm.mini_batches ({self.algorithm.mini_batches}) exceeds the "
+                f"sequences per step ({seqs} = controller.prompts_per_step x generation.group_size)"
             )
         if self.algorithm.advantage == "rloo" and self.generation.group_size < 2:
-            raise ValueError("algorithm.advantage 'rloo' needs generation.group_size >= 2")
+            raise ValueError("algorithm.advantage: 'rloo' needs generation.group_size >= 2")
         if self.algorithm.overlong_buffer >= self.generation.max_tokens:
             raise ValueError(
-                f"algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must be below generation.max_tokens "
-                f"({self.generation.max_tokens})"
+                f"algorithm.overlong_buffer: algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must be "
+                f"below generation.max_tokens ({self.generation.max_tokens})"
             )
         return self
 
