@@ -61,15 +61,27 @@ def autocast_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype | None
     return {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
 
 
+def _reward_function(rc: RewardFunctionConfig, i: int) -> Callable[..., Any]:
+    fn = import_string(rc.function, f"rewards.{i}.function")
+    if not callable(fn):
+        raise ConfigError(f"rewards.{i}.function: {rc.function!r} is not callable")
+    return fn
+
+
+def _reward_model_path(rc: Any, i: int) -> str:
+    if not Path(rc.path).exists():
+        raise ConfigError(f"rewards.{i}.path: no reward model folder at {rc.path!r}")
+    return rc.path
+
+
 def check_references(cfg: RLConfig) -> None:
     """What `validate` can check without loading a model: reward functions import and are callable, reward
     model folders exist. Raises ConfigError naming the field."""
     for i, rc in enumerate(cfg.rewards):
         if isinstance(rc, RewardFunctionConfig):
-            if not callable(import_string(rc.function, f"rewards.{i}.function")):
-                raise ConfigError(f"rewards.{i}.function: {rc.function!r} is not callable")
-        elif not Path(rc.path).exists():
-            raise ConfigError(f"rewards.{i}.path: no reward model folder at {rc.path!r}")
+            _reward_function(rc, i)
+        else:
+            _reward_model_path(rc, i)
 
 
 def build_rewards(cfg: RLConfig, extra: list[Callable[..., Any]] | None = None, task_reward=None) -> RewardSet:
@@ -78,19 +90,15 @@ def build_rewards(cfg: RLConfig, extra: list[Callable[..., Any]] | None = None, 
         rewards.append(FunctionReward(task_reward, name=cfg.data.task))
     for i, rc in enumerate(cfg.rewards):
         if isinstance(rc, RewardFunctionConfig):
-            fn = import_string(rc.function, f"rewards.{i}.function")
-            if not callable(fn):
-                raise ConfigError(f"rewards.{i}.function: {rc.function!r} is not callable")
             rewards.append(
                 FunctionReward(
-                    fn, name=rc.name, weight=rc.weight, timeout_s=rc.timeout_s,
+                    _reward_function(rc, i), name=rc.name, weight=rc.weight, timeout_s=rc.timeout_s,
                     per_sample=rc.per_sample, isolation=rc.isolation,
                 )
             )
         else:
-            if not Path(rc.path).exists():
-                raise ConfigError(f"rewards.{i}.path: no reward model folder at {rc.path!r}")
-            rewards.append(ModelReward(rc.path, name=rc.name, weight=rc.weight, batch_size=rc.batch_size))
+            path = _reward_model_path(rc, i)
+            rewards.append(ModelReward(path, name=rc.name, weight=rc.weight, batch_size=rc.batch_size))
     for fn in extra or []:
         rewards.append(fn if hasattr(fn, "weight") else FunctionReward(fn))
     if not rewards:
