@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -10,7 +11,7 @@ import torch
 
 from tokenmill.training.base import BatchLoss
 from tokenmill.training.batch import Batch
-from tokenmill.training.packing import micro_packs, packed_token_stats, shares_prompts
+from tokenmill.training.packing import micro_packs, packed_token_stats, prompt_segments
 
 
 def token_logprobs(logits_B_T_V: torch.Tensor, input_ids_B_T: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -34,28 +35,62 @@ def token_entropy(logits_B_T_V: torch.Tensor, temperature: float) -> torch.Tenso
     return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
 
 
+def micro_token_stats(
+    model: torch.nn.Module,
+    batch: Batch,
+    *,
+    temperature: float,
+    token_budget: int,
+    share_prompts: bool = True,
+    entropy: bool = False,
+    entropy_grad: bool = False,
+    autocast_dtype: torch.dtype | None = None,
+) -> Iterator[tuple[torch.Tensor, Batch, torch.Tensor, torch.Tensor | None]]:
+    """Per micro-batch: (its rows in `batch`, the micro-batch on the model's device, its token logprobs, its
+    token entropies or None). Groups sharing a prompt are packed (`training.packing`; only completion tokens
+    get values there), otherwise length-bucketed padded rows; gradients flow unless the caller disables them."""
+    device = next(model.parameters()).device
+    segments = prompt_segments(batch) if share_prompts and batch.prompt_lens_B is not None else None
+    if segments is not None and len(segments) < batch.size:
+        for micro, packed in micro_packs(batch, token_budget, segments):
+            micro = micro.to(device)
+            logprobs, ent = packed_token_stats(
+                model, packed, tuple(micro.input_ids_B_T.shape), temperature=temperature, entropy=entropy,
+                entropy_grad=entropy_grad, autocast_dtype=autocast_dtype,
+            )
+            yield packed.batch_rows, micro, logprobs, ent
+        return
+    start = 0
+    for micro in batch.micro_batches(token_budget):
+        micro = micro.to(device)
+        autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+        with autocast:
+            logits_B_T_V = model(input_ids=micro.input_ids_B_T, use_cache=False).logits
+        ent = None
+        if entropy:
+            ent = token_entropy(logits_B_T_V if entropy_grad else logits_B_T_V.detach(), temperature)
+        rows = torch.arange(start, start + micro.size)
+        start += micro.size
+        yield rows, micro, token_logprobs(logits_B_T_V, micro.input_ids_B_T, temperature), ent
+
+
 @torch.no_grad()
 def batch_logprobs(
-    model: torch.nn.Module, batch: Batch, *, temperature: float, token_budget: int, share_prompts: bool = True
+    model: torch.nn.Module,
+    batch: Batch,
+    *,
+    temperature: float,
+    token_budget: int,
+    share_prompts: bool = True,
+    autocast_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Logprobs of the tokens of `batch` under `model`, micro-batched, on the CPU, aligned with the batch.
     With shared prompts (and `share_prompts`) the groups are packed and only completion tokens get a value
     (prompt positions stay 0; no loss weight falls there)."""
-    device = next(model.parameters()).device
     out = torch.zeros_like(batch.old_logprobs_B_T)
-    if share_prompts and shares_prompts(batch):
-        for micro, packed in micro_packs(batch, token_budget):
-            lp, _ = packed_token_stats(model, packed, tuple(micro.input_ids_B_T.shape), temperature=temperature,
-                                       entropy=False)
-            out[packed.batch_rows, : lp.shape[1]] = lp.float().cpu()
-        return out
-    start = 0
-    for micro in batch.micro_batches(token_budget):
-        ids = micro.input_ids_B_T.to(device)
-        logits = model(input_ids=ids, use_cache=False).logits
-        lp = token_logprobs(logits, ids, temperature)
-        out[start : start + micro.size, : lp.shape[1]] = lp.float().cpu()
-        start += micro.size
+    for rows, _, lp, _ in micro_token_stats(model, batch, temperature=temperature, token_budget=token_budget,
+                                            share_prompts=share_prompts, autocast_dtype=autocast_dtype):
+        out[rows, : lp.shape[1]] = lp.float().cpu()
     return out
 
 
@@ -132,40 +167,18 @@ class LocalBackend:
         self.autocast_dtype = autocast_dtype
         self.share_prompts = share_prompts
 
-    def _logits(self, input_ids_B_T: torch.Tensor) -> torch.Tensor:
-        if self.autocast_dtype is None:
-            return self.model(input_ids=input_ids_B_T, use_cache=False).logits
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
-            return self.model(input_ids=input_ids_B_T, use_cache=False).logits
-
-    def _micro_stats(
-        self, batch: Batch, entropy: bool, entropy_grad: bool = False
-    ) -> Iterator[tuple[Batch, torch.Tensor, torch.Tensor | None]]:
-        """(micro-batch, its token logprobs, its token entropies or None), packed by shared prompt if on."""
-        if self.share_prompts and shares_prompts(batch):
-            for micro, packed in micro_packs(batch, self.micro_batch_tokens):
-                micro = micro.to(self.device)
-                logprobs, ent = packed_token_stats(
-                    self.model, packed, tuple(micro.input_ids_B_T.shape), temperature=self.temperature,
-                    entropy=entropy, entropy_grad=entropy_grad, autocast_dtype=self.autocast_dtype,
-                )
-                yield micro, logprobs, ent
-            return
-        for micro in batch.micro_batches(self.micro_batch_tokens):
-            micro = micro.to(self.device)
-            logits_B_T_V = self._logits(micro.input_ids_B_T)
-            ent = None
-            if entropy:
-                ent = token_entropy(logits_B_T_V if entropy_grad else logits_B_T_V.detach(), self.temperature)
-            yield micro, token_logprobs(logits_B_T_V, micro.input_ids_B_T, self.temperature), ent
-
     def forward_backward(self, batch: Batch, loss_fn: BatchLoss, entropy_coef: float = 0.0) -> dict[str, float]:
         """Accumulate gradients of `loss_fn` (minus `entropy_coef` x the weighted token entropy: an entropy
         bonus) over the micro-batches; return the metrics summed over them."""
         self.model.train()
         totals: dict[str, float] = {}
         bonus = entropy_coef > 0
-        for micro, logprobs_B_T, ent in self._micro_stats(batch, self.track_entropy or bonus, bonus):
+        stats = micro_token_stats(
+            self.model, batch, temperature=self.temperature, token_budget=self.micro_batch_tokens,
+            share_prompts=self.share_prompts, entropy=self.track_entropy or bonus, entropy_grad=bonus,
+            autocast_dtype=self.autocast_dtype,
+        )
+        for _, micro, logprobs_B_T, ent in stats:
             loss, metrics = loss_fn(logprobs_B_T, micro)
             if ent is not None:
                 weighted = (ent * micro.weights_B_T).sum()
@@ -182,7 +195,7 @@ class LocalBackend:
     def forward(self, batch: Batch) -> torch.Tensor:
         return batch_logprobs(
             self.model, batch, temperature=self.temperature, token_budget=self.micro_batch_tokens,
-            share_prompts=self.share_prompts,
+            share_prompts=self.share_prompts, autocast_dtype=self.autocast_dtype,
         )
 
     def optim_step(self) -> dict[str, float]:

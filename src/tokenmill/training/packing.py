@@ -38,7 +38,7 @@ class PackedRows:
     batch_rows: torch.Tensor | None = None  # which rows of the full batch the sub-batch holds (micro_packs)
 
 
-def _segments(batch: Batch) -> list[tuple[tuple[int, ...], list[int]]]:
+def prompt_segments(batch: Batch) -> list[tuple[tuple[int, ...], list[int]]]:
     """Batch rows grouped by identical prompt tokens, in first-seen order."""
     ids = batch.input_ids_B_T.tolist()
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -50,14 +50,18 @@ def _segments(batch: Batch) -> list[tuple[tuple[int, ...], list[int]]]:
 
 def shares_prompts(batch: Batch) -> bool:
     """Whether any two sequences share their prompt (otherwise packing has nothing to save)."""
-    return batch.prompt_lens_B is not None and len(_segments(batch)) < batch.size
+    return batch.prompt_lens_B is not None and len(prompt_segments(batch)) < batch.size
 
 
-def plan_rows(batch: Batch, token_budget: int) -> list[tuple[tuple[int, ...], list[int]]]:
-    """Packed rows as (prompt, batch rows), each within `token_budget` tokens where a row can be."""
+Segments = list[tuple[tuple[int, ...], list[int]]]
+
+
+def plan_rows(batch: Batch, token_budget: int, segments: Segments | None = None) -> Segments:
+    """Packed rows as (prompt, batch rows), each within `token_budget` tokens where a row can be.
+    `segments` (from `prompt_segments`) may be passed when the caller already has them."""
     lengths = batch.lengths_B.tolist()
-    rows: list[tuple[tuple[int, ...], list[int]]] = []
-    for prompt, members in _segments(batch):
+    rows: Segments = []
+    for prompt, members in segments if segments is not None else prompt_segments(batch):
         current: list[int] = []
         size = len(prompt)
         for b in members:
@@ -113,10 +117,12 @@ def pack(batch: Batch, rows: list[tuple[tuple[int, ...], list[int]]]) -> PackedR
     )
 
 
-def micro_packs(batch: Batch, token_budget: int) -> Iterator[tuple[Batch, PackedRows]]:
+def micro_packs(
+    batch: Batch, token_budget: int, segments: Segments | None = None
+) -> Iterator[tuple[Batch, PackedRows]]:
     """Micro-batches as (the sub-batch of their sequences, its packed rows), each packed micro-batch's padded
     size (rows x longest row) within `token_budget`; the packed rows index into the sub-batch."""
-    rows = plan_rows(batch, token_budget)
+    rows = plan_rows(batch, token_budget, segments)
     lengths = batch.lengths_B.tolist()
     sized = sorted(rows, key=lambda row: -(len(row[0]) + sum(lengths[b] - len(row[0]) for b in row[1])))
     start = 0
@@ -175,7 +181,8 @@ def packed_token_stats(
     ent_B_T = None
     if entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            logp_K_V = torch.log_softmax(picked_K_V if entropy_grad else picked_K_V.detach(), dim=-1)
+            logp_K_V = picked_K_V - lse_K[:, None]  # the log-softmax, from the log-sum-exp already taken
+            logp_K_V = logp_K_V if entropy_grad else logp_K_V.detach()
             ent_K = -(logp_K_V.exp() * logp_K_V).sum(-1)
             ent_B_T = torch.zeros(out_shape, dtype=torch.float32, device=device).index_put(dst, ent_K)
     return logprobs_B_T, ent_B_T
