@@ -36,6 +36,7 @@ def test_collate_sorts_pads_and_weights_by_hand():
     batch = collate(samples, [0.1, 0.2, 0.3], pad_id=PAD)
     # longest first: samples 1, 0, 2
     assert batch.lengths_B.tolist() == [5, 3, 2]
+    assert batch.sample_index_B.tolist() == [1, 0, 2] and batch.prompt_lens_B.tolist() == [2, 1, 1]
     assert batch.input_ids_B_T.tolist() == [
         [21, 22, 23, 24, 25],
         [11, 12, 13, PAD, PAD],

@@ -26,6 +26,7 @@ class Batch:
     advantages_B: torch.Tensor  # float
     ref_logprobs_B_T: torch.Tensor | None = None
     prompt_lens_B: torch.Tensor | None = None  # long: leading tokens shared by a group (see training.packing)
+    sample_index_B: torch.Tensor | None = None  # long: which of the collated samples each row holds
 
     @property
     def size(self) -> int:
@@ -90,4 +91,5 @@ def collate(samples: Sequence[Sample], weights: Sequence[float], pad_id: int) ->
         old_logprobs_B_T=torch.tensor(old, dtype=torch.float32),
         advantages_B=torch.tensor([s.advantage for s in picked], dtype=torch.float32),
         prompt_lens_B=torch.tensor([s.prompt_len for s in picked], dtype=torch.long),
+        sample_index_B=torch.tensor(order, dtype=torch.long),
     )

@@ -19,7 +19,7 @@ import torch
 
 from tokenmill.algorithms.preference import bradley_terry_loss, dpo_loss, ipo_loss, simpo_loss
 from tokenmill.training.batch import collate
-from tokenmill.training.local import _adamw, lr_lambda, token_logprobs
+from tokenmill.training.local import LocalBackend, token_logprobs
 from tokenmill.training.sft import sft_sample
 
 PreferenceLoss = Literal["dpo", "ipo", "simpo"]
@@ -29,16 +29,13 @@ def pair_logprobs(model, tokenizer, rows: Sequence[dict[str, Any]]) -> tuple[tor
     """(chosen logprob sums, rejected logprob sums, chosen lengths, rejected lengths), each `[P]`."""
     samples = [sft_sample(tokenizer, r["prompt"], r[key]) for key in ("chosen", "rejected") for r in rows]
     batch = collate(samples, [1.0] * len(samples), tokenizer.pad_token_id)
-    order = sorted(range(len(samples)), key=lambda i: -len(samples[i].tokens))  # collate's (stable) order
     device = next(model.parameters()).device
     ids = batch.input_ids_B_T.to(device)
     logprobs_B_T = token_logprobs(model(input_ids=ids, use_cache=False).logits, ids, 1.0)
     mask_B_T = batch.weights_B_T.to(device)
-    sums_B = (logprobs_B_T * mask_B_T).sum(-1)
-    lengths_B = mask_B_T.sum(-1)
-    back = torch.empty(len(order), dtype=torch.long, device=device)
-    back[torch.tensor(order, device=device)] = torch.arange(len(order), device=device)
-    sums_B, lengths_B = sums_B[back], lengths_B[back]
+    in_sample_order = batch.sample_index_B.argsort().to(device)  # collate sorted the rows by length
+    sums_B = (logprobs_B_T * mask_B_T).sum(-1)[in_sample_order]
+    lengths_B = mask_B_T.sum(-1)[in_sample_order]
     p = len(rows)
     return sums_B[:p], sums_B[p:], lengths_B[:p], lengths_B[p:]
 
@@ -90,22 +87,19 @@ def _pairwise_training(
     model, tokenizer, rows, step_loss, *, steps: int, batch_size: int, learning_rate: float, warmup_steps: int,
     seed: int, output_dir: str | Path | None,
 ) -> list[float]:
-    """The shared loop: sample pairs, loss, clip, AdamW, cosine schedule; save an HF folder at the end."""
+    """The shared loop: sample pairs, loss, then `LocalBackend.optim_step` (grad-norm clip 1.0, AdamW, cosine
+    schedule after warm-up); save an HF folder at the end."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     rows = [rows[i] for i in range(len(rows))]
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = _adamw(params, lr=learning_rate, betas=(0.9, 0.999), weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda("cosine", warmup_steps, steps))
+    backend = LocalBackend(model, learning_rate=learning_rate, total_steps=steps, warmup_steps=warmup_steps,
+                           lr_schedule="cosine", track_entropy=False)
     model.train()
     losses = []
     for _ in range(steps):
         value = step_loss(rng.sample(rows, min(batch_size, len(rows))))
         value.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
+        backend.optim_step()
         losses.append(float(value.detach()))
     if output_dir is not None:
         model.save_pretrained(output_dir)
