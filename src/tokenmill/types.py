@@ -70,6 +70,9 @@ class Sample:
     version:    policy version (optimizer steps taken) that produced the completion
     reward:     weighted total over reward functions; NaN if every function failed (not trained)
     rewards:    each reward function's value by name (None = abstained / failed)
+    advantage:  one advantage for the whole sequence (GRPO family)
+    token_advantages, returns, values: per-token (aligned with tokens, 0 where not trained), set by GAE
+                for PPO with a critic; empty otherwise
     """
 
     tokens: tuple[int, ...]
@@ -85,6 +88,9 @@ class Sample:
     rewards: dict[str, float | None] = field(default_factory=dict)
     reward_errors: dict[str, str] = field(default_factory=dict)
     advantage: float = 0.0
+    token_advantages: tuple[float, ...] = ()
+    returns: tuple[float, ...] = ()
+    values: tuple[float, ...] = ()
     row: dict[str, Any] = field(default_factory=dict)
 
     @property

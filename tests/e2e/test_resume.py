@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -16,12 +17,15 @@ def digit_share(prompts, completions, **_):
     return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
 
 
-def _config(model: str, out: str, **controller) -> dict:
+PPO = {"advantage": "gae", "kl_coef": 0.05, "kl_in_reward": True}
+
+
+def _config(model: str, out: str, algorithm: dict | None = None, **controller) -> dict:
     return {
         "model": {"path": model},
         "data": {"task": "addition", "num_train": 500, "num_eval": 0},
         "generation": {"group_size": 4, "max_tokens": 4},
-        "algorithm": {"ppo_epochs": 2, "mini_batches": 2},
+        "algorithm": {"ppo_epochs": 2, "mini_batches": 2, **(algorithm or {})},
         "training": {"learning_rate": 1e-3, "lr_schedule": "cosine", "warmup_steps": 2, "seed": 3},
         "controller": {"steps": 6, "prompts_per_step": 4, **controller},
         "tracking": {"output_dir": out, "console": "none"},
@@ -34,21 +38,33 @@ def _final_weights(out) -> dict[str, torch.Tensor]:
     return load_file(str(ckpts[-1] / "model.safetensors"))
 
 
-def test_resume_equals_uninterrupted(tmp_path):
+def _critic_weights(out) -> dict[str, torch.Tensor]:
+    ckpts = sorted((out / "checkpoints").glob("step_*"))
+    return torch.load(ckpts[-1] / "trainer.pt", weights_only=True)["critic"]["weights"]
+
+
+@pytest.mark.parametrize("algorithm", [None, PPO], ids=["grpo", "ppo_critic"])
+def test_resume_equals_uninterrupted(tmp_path, algorithm):
     torch.set_num_threads(1)
     model = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
     full, split = tmp_path / "full", tmp_path / "split"
-    tokenmill.train(_config(model, str(full)), rewards=[digit_share])
-    first = tokenmill.train(_config(model, str(split), max_steps_per_run=3), rewards=[digit_share])
+    tokenmill.train(_config(model, str(full), algorithm), rewards=[digit_share])
+    first = tokenmill.train(_config(model, str(split), algorithm, max_steps_per_run=3), rewards=[digit_share])
     assert first["resumed_from"] == 0
     assert [p.name for p in (split / "checkpoints").glob("step_*")] == ["step_00000003"]
-    second = tokenmill.train(_config(model, str(split)), rewards=[digit_share], checkpoint__resume=True)
+    second = tokenmill.train(_config(model, str(split), algorithm), rewards=[digit_share],
+                             checkpoint__resume=True)
     assert second["resumed_from"] == 3
 
     a, b = _final_weights(full), _final_weights(split)
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+    if algorithm is not None:  # PPO: the critic's weights resume exactly too, and they moved
+        critics = [_critic_weights(out) for out in (full, split)]
+        assert critics[0].keys() == critics[1].keys()
+        assert all(torch.equal(critics[0][k], critics[1][k]) for k in critics[0])
+        assert float(critics[0]["score.weight"].abs().sum()) > 0  # the value head started at zero
     # the weights really moved, so equality is not trivial
     init = load_file(f"{model}/model.safetensors")
     assert any(not torch.equal(init[k], a[k]) for k in a.keys() & init.keys())

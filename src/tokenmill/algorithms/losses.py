@@ -3,7 +3,8 @@
 Shapes: B sequences, T tokens. Every per-token tensor is aligned with the tokens: position t holds
 log p(token_t | tokens_<t). `weights_B_T` carries both the loss mask and the aggregation: it is 0 on prompt,
 environment and padding tokens, and the weights of a whole mini-batch sum to 1 (see
-`algorithms.aggregation`). So a loss is `sum(per_token_loss * weights)`, gradients add up exactly across
+`algorithms.aggregation`). Advantages come per sequence (`[B]`, the GRPO family) or per token (`[B, T]`, PPO
+with GAE); `_per_token` lines both up with the tokens. So a loss is `sum(per_token_loss * weights)`, gradients add up exactly across
 micro-batches, and a weighted sum of any per-token metric is that metric's mini-batch mean.
 """
 
@@ -48,7 +49,7 @@ def kl_penalty(
 def ppo_clip_loss(
     logprobs_B_T: torch.Tensor,
     old_logprobs_B_T: torch.Tensor,
-    advantages_B: torch.Tensor,
+    advantages: torch.Tensor,
     weights_B_T: torch.Tensor,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
@@ -63,16 +64,21 @@ def ppo_clip_loss(
     loss    = sum_t loss_t * w_t
     Returns the loss and weighted metrics (clip fraction, KL, ratio), each summed with the same weights.
     """
-    adv_B_1 = advantages_B[:, None]
+    adv = _per_token(advantages)
     ratio_B_T = torch.exp(logprobs_B_T - old_logprobs_B_T)
-    unclipped_B_T = ratio_B_T * adv_B_1
-    clipped_B_T = torch.clamp(ratio_B_T, 1.0 - clip_low, 1.0 + clip_high) * adv_B_1
+    unclipped_B_T = ratio_B_T * adv
+    clipped_B_T = torch.clamp(ratio_B_T, 1.0 - clip_low, 1.0 + clip_high) * adv
     per_token_B_T = -torch.minimum(unclipped_B_T, clipped_B_T)
     metrics: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         metrics["clip_fraction"] = ((clipped_B_T < unclipped_B_T).float() * weights_B_T).sum()
         metrics["ratio_mean"] = (ratio_B_T * weights_B_T).sum()
     return _finish(per_token_B_T, logprobs_B_T, weights_B_T, metrics, ref_logprobs_B_T, kl_coef, kl_estimator)
+
+
+def _per_token(advantages: torch.Tensor) -> torch.Tensor:
+    """`[B]` -> `[B, 1]` (broadcast over tokens); `[B, T]` stays as it is."""
+    return advantages[:, None] if advantages.dim() == 1 else advantages
 
 
 def _finish(
@@ -105,7 +111,7 @@ def _sequence_mean(values_B_T: torch.Tensor, weights_B_T: torch.Tensor) -> torch
 def gspo_loss(
     logprobs_B_T: torch.Tensor,
     old_logprobs_B_T: torch.Tensor,
-    advantages_B: torch.Tensor,
+    advantages: torch.Tensor,
     weights_B_T: torch.Tensor,
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
@@ -121,7 +127,9 @@ def gspo_loss(
     paper's mean over sequences (token_mean weights sequences by length). The paper's clip ranges are tiny
     (3e-4 / 4e-4) because a sequence ratio moves far less than a token ratio.
     """
-    adv_B_1 = advantages_B[:, None]
+    if advantages.dim() != 1:
+        raise ValueError("gspo needs one advantage per sequence (it clips a sequence ratio)")
+    adv_B_1 = advantages[:, None]
     seq_ratio_B_1 = torch.exp(_sequence_mean(logprobs_B_T - old_logprobs_B_T, weights_B_T))
     unclipped_B_1 = seq_ratio_B_1 * adv_B_1
     clipped_B_1 = torch.clamp(seq_ratio_B_1, 1.0 - clip_low, 1.0 + clip_high) * adv_B_1
@@ -138,7 +146,7 @@ def gspo_loss(
 def cispo_loss(
     logprobs_B_T: torch.Tensor,
     old_logprobs_B_T: torch.Tensor,
-    advantages_B: torch.Tensor,
+    advantages: torch.Tensor,
     weights_B_T: torch.Tensor,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
@@ -152,10 +160,9 @@ def cispo_loss(
     Unlike PPO-clip, a token whose ratio left the range still gets a (bounded) gradient, so rare
     high-ratio tokens keep contributing.
     """
-    adv_B_1 = advantages_B[:, None]
     ratio_B_T = torch.exp(logprobs_B_T - old_logprobs_B_T)
     weight_B_T = torch.clamp(ratio_B_T, 1.0 - clip_low, 1.0 + clip_high).detach()
-    per_token_B_T = -weight_B_T * adv_B_1 * logprobs_B_T
+    per_token_B_T = -weight_B_T * _per_token(advantages) * logprobs_B_T
     metrics: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         outside_B_T = ((ratio_B_T < 1.0 - clip_low) | (ratio_B_T > 1.0 + clip_high)).float()

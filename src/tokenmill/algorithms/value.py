@@ -59,3 +59,49 @@ def value_loss(
             metrics["vf_clip_fraction"] = ((clipped_error_B_T > error_B_T).float() * weights_B_T).sum()
         error_B_T = torch.maximum(error_B_T, clipped_error_B_T)
     return 0.5 * (error_B_T * weights_B_T).sum(), metrics
+
+
+def token_rewards(
+    scores_B: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    logprobs_B_T: torch.Tensor | None = None,
+    ref_logprobs_B_T: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> torch.Tensor:
+    """Per-token rewards for GAE: the sequence's score on its last policy token, and with KL-in-reward (the
+    classic RLHF PPO of Ziegler et al. 2019 / Ouyang et al. 2022) a penalty on every policy token:
+
+    r_t = -kl_coef * (logp_t - logp_ref_t) + [t is the last policy token] * score
+    """
+    mask = mask_B_T.to(torch.float32)
+    positions_B_T = torch.arange(mask.shape[1]).expand_as(mask)
+    last_B = torch.where(mask > 0, positions_B_T, -1).max(dim=1).values
+    rewards_B_T = torch.zeros_like(mask)
+    has_token_B = last_B >= 0
+    rows_B = torch.arange(mask.shape[0])[has_token_B]
+    rewards_B_T[rows_B, last_B[has_token_B]] = scores_B[has_token_B].to(torch.float32)
+    if kl_coef and ref_logprobs_B_T is not None and logprobs_B_T is not None:
+        rewards_B_T = rewards_B_T - kl_coef * (logprobs_B_T - ref_logprobs_B_T) * mask
+    return rewards_B_T
+
+
+def whiten(values_B_T: torch.Tensor, mask_B_T: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the masked tokens of the whole batch; 0 on masked-out tokens."""
+    mask = mask_B_T.to(values_B_T.dtype)
+    n = mask.sum().clamp(min=1.0)
+    mean = (values_B_T * mask).sum() / n
+    var = (((values_B_T - mean) * mask) ** 2).sum() / n
+    return (values_B_T - mean) * torch.rsqrt(var + eps) * mask
+
+
+def explained_variance(values_B_T: torch.Tensor, returns_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> float:
+    """1 - Var[R - V] / Var[R] over the masked tokens: 1 is a perfect critic, 0 no better than a constant."""
+    mask = mask_B_T.to(values_B_T.dtype)
+    n = mask.sum().clamp(min=1.0)
+
+    def var(x: torch.Tensor) -> torch.Tensor:
+        mean = (x * mask).sum() / n
+        return (((x - mean) * mask) ** 2).sum() / n
+
+    total = var(returns_B_T)
+    return float(1.0 - var(returns_B_T - values_B_T) / total) if total > 0 else 0.0

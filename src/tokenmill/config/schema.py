@@ -108,9 +108,19 @@ RewardConfig = Annotated[
 
 
 class AlgorithmConfig(_Section):
-    advantage: Literal["grpo", "rloo", "reinforce_pp"] = Field(
+    advantage: Literal["grpo", "rloo", "reinforce_pp", "gae"] = Field(
         "grpo", description="Advantage estimator: grpo (group mean/std), rloo (leave-one-out mean), "
-        "reinforce_pp (group mean, then batch-wide mean/std normalisation)."
+        "reinforce_pp (group mean, then batch-wide mean/std normalisation), gae (PPO: a critic's values and "
+        "generalised advantage estimation per token; configure `critic`)."
+    )
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="GAE discount per policy token (PPO).")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda: bias (0) vs variance (1) (PPO).")
+    whiten_advantages: bool = Field(
+        True, description="GAE: normalise the batch's token advantages to mean 0, std 1 (PPO)."
+    )
+    kl_in_reward: bool = Field(
+        False, description="GAE: subtract kl_coef x (logp - logp_ref) from each token's reward (classic RLHF "
+        "PPO) instead of adding the KL penalty to the loss (GRPO's way)."
     )
     scale_rewards: bool = Field(
         True, description="GRPO: divide by the group's reward std (False = Dr.GRPO)."
@@ -148,6 +158,23 @@ class AlgorithmConfig(_Section):
         description="Do not run forward/backward on samples whose advantage is 0 (identical gradient when "
         "kl_coef is 0; their tokens still count in the loss normaliser).",
     )
+
+
+class CriticConfig(_Section):
+    """The value model of PPO (`algorithm.advantage: gae`): a one-label token classifier (a transformer with a
+    scalar head), trained on the GAE returns by its own optimiser."""
+
+    path: str | None = Field(
+        None, description="Folder of the critic; default: the policy's weights with a fresh, zeroed value head."
+    )
+    learning_rate: float = Field(1e-4, gt=0.0, le=1.0, description="Critic AdamW learning rate.")
+    value_clip: float | None = Field(
+        0.2, gt=0.0, description="Clip the new value to old +- this in the value loss (None = plain MSE)."
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="RL steps at the start that train only the critic (the policy waits for useful values)."
+    )
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Clip the critic's gradient norm to this.")
 
 
 class TrainingConfig(_Section):
@@ -207,6 +234,9 @@ class RLConfig(_Section):
         default_factory=list, description="Reward functions / models; a built-in task adds its own."
     )
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = Field(
+        default_factory=CriticConfig, description="Value model; used only with algorithm.advantage: gae (PPO)."
+    )
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
@@ -222,6 +252,11 @@ class RLConfig(_Section):
             )
         if self.algorithm.advantage == "rloo" and self.generation.group_size < 2:
             raise ValueError("algorithm.advantage: 'rloo' needs generation.group_size >= 2")
+        if self.algorithm.advantage == "gae" and self.algorithm.loss == "gspo":
+            raise ValueError("algorithm.loss: 'gspo' clips a sequence ratio and needs one advantage per sequence; "
+                             "with algorithm.advantage 'gae' use ppo_clip or cispo")
+        if self.algorithm.kl_in_reward and self.algorithm.advantage != "gae":
+            raise ValueError("algorithm.kl_in_reward: only PPO (algorithm.advantage 'gae') has per-token rewards")
         if self.algorithm.overlong_buffer >= self.generation.max_tokens:
             raise ValueError(
                 f"algorithm.overlong_buffer: algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must be "

@@ -18,8 +18,9 @@ from tokenmill.checkpoint.atomic import (
 from tokenmill.controller.metrics import evaluate, rollout_metrics
 from tokenmill.controller.setup import Run, export_model, parameter_counts
 from tokenmill.tracking.stages import stage, step_timer
-from tokenmill.training.update import policy_update
-from tokenmill.types import Group
+from tokenmill.training.critic import gae_advantages
+from tokenmill.training.update import policy_update, value_update
+from tokenmill.types import Group, Sample
 
 
 def run_rl(run: Run) -> dict[str, Any]:
@@ -48,18 +49,24 @@ def run_rl(run: Run) -> dict[str, Any]:
         with step_timer() as timer:
             # 1-3. sample prompts, generate G completions each (all groups in one engine batch), score them
             groups, sampling = rollout(run, step)
-            # 4. advantages inside each group
-            groups = assign_advantages(groups, cfg.algorithm.advantage, scale_rewards=cfg.algorithm.scale_rewards)
-            samples = [s for g in groups for s in g.samples if s.trainable]
-            # 5. policy update (reference forward included when KL is on)
-            train_metrics: dict[str, Any] = {}
-            if samples:
+            # 4. advantages: inside each group (GRPO family), or per token from the critic's values (PPO)
+            samples, train_metrics = advantages(run, groups)
+            # 5. policy update (reference forward included when KL is in the loss), then the critic's
+            critic_warmup = run.critic is not None and step <= cfg.critic.warmup_steps
+            if samples and not critic_warmup:
                 with stage("train") as t:
-                    train_metrics = policy_update(
+                    train_metrics |= policy_update(
                         samples, run.backend, cfg.algorithm, pad_id=run.engine.pad_id,
-                        max_tokens=cfg.generation.max_tokens, rng=run.update_rng, reference=run.reference,
+                        max_tokens=cfg.generation.max_tokens, rng=run.update_rng,
+                        reference=None if cfg.algorithm.kl_in_reward else run.reference,
                     )
                     t.add_tokens("train", sum(len(s.tokens) for s in samples))
+            if samples and run.critic is not None:
+                with stage("critic") as t:
+                    train_metrics |= value_update(
+                        samples, run.critic, cfg.algorithm, pad_id=run.engine.pad_id, rng=run.update_rng
+                    )
+                    t.add_tokens("critic", sum(len(s.tokens) for s in samples))
             # 6. sync weights to the engine (a version bump when it shares the module)
             with stage("sync"):
                 run.engine.update_weights(run.backend.weights(), version=step)
@@ -89,6 +96,19 @@ def run_rl(run: Run) -> dict[str, Any]:
         log.log(cfg.controller.steps, result["eval_after"])
     result["last_metrics"] = metrics
     return result
+
+
+def advantages(run: Run, groups: list[Group]) -> tuple[list[Sample], dict[str, float]]:
+    """The trainable samples with their advantages set, and any metrics of computing them."""
+    algo = run.cfg.algorithm
+    if run.critic is None:
+        groups = assign_advantages(groups, algo.advantage, scale_rewards=algo.scale_rewards)
+        return [s for g in groups for s in g.samples if s.trainable], {}
+    samples = [s for g in groups for s in g.samples if s.trainable]
+    if not samples:
+        return [], {}
+    with stage("critic"):
+        return gae_advantages(samples, run.critic, algo, pad_id=run.engine.pad_id, reference=run.reference)
 
 
 def rollout(run: Run, step: int) -> tuple[list[Group], dict[str, float]]:
@@ -139,6 +159,8 @@ def save(run: Run, step: int) -> None:
         "rng": rng_state(),
         "data": run.source.state_dict(),
     }
+    if run.critic is not None:
+        state["critic"] = run.critic.state_dict()
     save_checkpoint(run.output_dir / "checkpoints", step, run.model, state, keep_last=run.cfg.checkpoint.keep_last)
 
 
@@ -155,6 +177,8 @@ def resume(run: Run) -> int:
     run.update_rng.setstate((version, tuple(internal), gauss))
     set_rng_state(state["rng"])
     run.source.load_state_dict(state["data"])
+    if run.critic is not None:
+        run.critic.load_state_dict(state["critic"])
     run.engine.update_weights(run.backend.weights(), version=step)
     run.logger.message(f"resumed from {path} (step {step})")
     return step

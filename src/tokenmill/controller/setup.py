@@ -25,6 +25,7 @@ from tokenmill.rewards.model import ModelReward
 from tokenmill.rewards.set import RewardSet
 from tokenmill.rollout.generator import Generator
 from tokenmill.tracking.logger import MetricsLogger
+from tokenmill.training.critic import Critic, load_critic
 from tokenmill.training.local import LocalBackend, ReferenceModel
 from tokenmill.types import ConfigError, SamplingParams
 
@@ -185,6 +186,7 @@ class Run:
     generator: Generator
     backend: LocalBackend
     reference: ReferenceModel | None
+    critic: Critic | None
     source: PromptSource
     eval_rows: Any
     logger: MetricsLogger
@@ -225,6 +227,13 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
             copy.deepcopy(model), temperature=gen.temperature, token_budget=tr.micro_batch_tokens,
             share_prompts=tr.share_prompts,
         )
+    critic = None
+    if cfg.algorithm.advantage == "gae":
+        critic = Critic(
+            load_critic(cfg.critic, cfg.model.path, device), learning_rate=cfg.critic.learning_rate,
+            total_steps=optimizer_steps, value_clip=cfg.critic.value_clip, max_grad_norm=cfg.critic.max_grad_norm,
+            micro_batch_tokens=tr.micro_batch_tokens, autocast_dtype=amp,
+        )
     out = Path(cfg.tracking.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
@@ -236,7 +245,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     return Run(
         cfg=cfg, model=model, tokenizer=tokenizer, engine=engine,
         generator=Generator(engine, tokenizer, reward_set, params, cfg.data.prompt_column),
-        backend=backend, reference=reference,
+        backend=backend, reference=reference, critic=critic,
         source=PromptSource(train_rows, seed=cfg.training.seed, shuffle=cfg.data.shuffle),
         eval_rows=eval_rows, logger=logger, update_rng=random.Random(cfg.training.seed + 1), output_dir=out,
     )

@@ -27,6 +27,14 @@ class Batch:
     ref_logprobs_B_T: torch.Tensor | None = None
     prompt_lens_B: torch.Tensor | None = None  # long: leading tokens shared by a group (see training.packing)
     sample_index_B: torch.Tensor | None = None  # long: which of the collated samples each row holds
+    advantages_B_T: torch.Tensor | None = None  # float: per-token advantages (GAE); overrides advantages_B
+    returns_B_T: torch.Tensor | None = None  # float: the critic's regression targets (GAE)
+    old_values_B_T: torch.Tensor | None = None  # float: the critic's values at rollout time (value clipping)
+
+    @property
+    def advantages(self) -> torch.Tensor:
+        """What the policy loss multiplies: per token `[B, T]` where GAE set them, else per sequence `[B]`."""
+        return self.advantages_B if self.advantages_B_T is None else self.advantages_B_T
 
     @property
     def size(self) -> int:
@@ -84,6 +92,12 @@ def collate(samples: Sequence[Sample], weights: Sequence[float], pad_id: int) ->
         w.append([m * weights[i] for m in s.loss_mask] + [0.0] * pad)
         old.append([*s.logprobs, *([0.0] * pad)])
     picked = [samples[i] for i in order]
+    per_token = {}
+    if all(s.token_advantages for s in picked):  # PPO with a critic: GAE gave every token its own values
+        for name, attr in (("advantages_B_T", "token_advantages"), ("returns_B_T", "returns"),
+                           ("old_values_B_T", "values")):
+            rows = [[*getattr(s, attr), *([0.0] * (width - len(s.tokens)))] for s in picked]
+            per_token[name] = torch.tensor(rows, dtype=torch.float32)
     return Batch(
         input_ids_B_T=torch.tensor(ids, dtype=torch.long),
         lengths_B=torch.tensor([len(s.tokens) for s in picked], dtype=torch.long),
@@ -92,4 +106,5 @@ def collate(samples: Sequence[Sample], weights: Sequence[float], pad_id: int) ->
         advantages_B=torch.tensor([s.advantage for s in picked], dtype=torch.float32),
         prompt_lens_B=torch.tensor([s.prompt_len for s in picked], dtype=torch.long),
         sample_index_B=torch.tensor(order, dtype=torch.long),
+        **per_token,
     )

@@ -7,7 +7,7 @@ reference model (only loaded when kl_coef > 0) is just another forward pass.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import torch
@@ -29,7 +29,7 @@ def _batch_loss(name: str, algo: AlgorithmConfig):
         return fn(
             logprobs_B_T,
             old_logprobs_B_T=batch.old_logprobs_B_T,
-            advantages_B=batch.advantages_B,
+            advantages=batch.advantages,
             weights_B_T=batch.weights_B_T,
             clip_low=algo.clip_low,
             clip_high=algo.clip_high,
@@ -43,6 +43,19 @@ def _batch_loss(name: str, algo: AlgorithmConfig):
 
 def _with_reference(batch: Batch, reference) -> Batch:
     return replace(batch, ref_logprobs_B_T=reference.forward(batch)) if reference is not None else batch
+
+
+def mini_batch_splits(samples: Sequence[Sample], algo: AlgorithmConfig, rng: random.Random) -> Iterator[list[Sample]]:
+    """`ppo_epochs` shuffled passes over `samples`, each cut into `mini_batches` interleaved parts."""
+    for _ in range(algo.ppo_epochs):
+        order = list(range(len(samples)))
+        rng.shuffle(order)
+        for mb in range(algo.mini_batches):
+            yield [samples[i] for i in order[mb :: algo.mini_batches]]
+
+
+def _zero_advantage(s: Sample) -> bool:
+    return not any(s.token_advantages) if s.token_advantages else s.advantage == 0.0
 
 
 def policy_update(
@@ -62,28 +75,41 @@ def policy_update(
     totals: dict[str, float] = {}
     steps = 0
     trained_seqs = 0
-    for _ in range(algo.ppo_epochs):
-        order = list(range(len(samples)))
-        rng.shuffle(order)
-        for mb in range(algo.mini_batches):
-            picked = [samples[i] for i in order[mb :: algo.mini_batches]]
-            weights = token_weights([sum(s.loss_mask) for s in picked], algo.loss_agg, max_tokens)
-            # a zero-advantage sample adds exactly zero gradient (kl off), so it is not run; one is kept
-            # when all are zero so that AdamW still takes its (zero-gradient) step as the peers would
-            keep = [i for i, s in enumerate(picked) if not (skip_zero and s.advantage == 0.0)] or [0]
-            batch = collate([picked[i] for i in keep], [weights[i] for i in keep], pad_id)
-            metrics = backend.forward_backward(_with_reference(batch, reference), loss_fn, algo.entropy_coef)
-            trained_seqs += len(keep)
-            # per-token metrics were summed with weights of the whole mini-batch: renormalise to the kept part
-            mass = metrics.pop("weight", 0.0)
-            for k in MEAN_METRICS & metrics.keys():
-                metrics[k] = metrics[k] / mass if mass > 0 else 0.0
-            metrics.update(backend.optim_step())
-            for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + v
-            steps += 1
+    for picked in mini_batch_splits(samples, algo, rng):
+        weights = token_weights([sum(s.loss_mask) for s in picked], algo.loss_agg, max_tokens)
+        # a zero-advantage sample adds exactly zero gradient (kl off), so it is not run; one is kept
+        # when all are zero so that AdamW still takes its (zero-gradient) step as the peers would
+        keep = [i for i, s in enumerate(picked) if not (skip_zero and _zero_advantage(s))] or [0]
+        batch = collate([picked[i] for i in keep], [weights[i] for i in keep], pad_id)
+        metrics = backend.forward_backward(_with_reference(batch, reference), loss_fn, algo.entropy_coef)
+        trained_seqs += len(keep)
+        # per-token metrics were summed with weights of the whole mini-batch: renormalise to the kept part
+        mass = metrics.pop("weight", 0.0)
+        for k in MEAN_METRICS & metrics.keys():
+            metrics[k] = metrics[k] / mass if mass > 0 else 0.0
+        metrics.update(backend.optim_step())
+        for k, v in metrics.items():
+            totals[k] = totals.get(k, 0.0) + v
+        steps += 1
     out = {k: v / steps for k, v in totals.items()}
     out["train/optimizer_steps"] = steps
     out["train/sequences_trained"] = trained_seqs
     return out
 
+
+
+def value_update(
+    samples: Sequence[Sample], critic, algo: AlgorithmConfig, *, pad_id: int, rng: random.Random
+) -> dict[str, float]:
+    """Train the critic on the GAE returns of `samples`, with the policy's epochs and mini-batches (token-mean
+    value loss); return its metrics averaged over optimiser steps, prefixed `critic/`."""
+    totals: dict[str, float] = {}
+    steps = 0
+    for picked in mini_batch_splits(samples, algo, rng):
+        weights = token_weights([sum(s.loss_mask) for s in picked], "token_mean")
+        metrics = critic.forward_backward(collate(picked, weights, pad_id))
+        metrics.update(critic.optim_step())
+        for k, v in metrics.items():
+            totals[k] = totals.get(k, 0.0) + v
+        steps += 1
+    return {f"critic/{k}": v / steps for k, v in totals.items()}

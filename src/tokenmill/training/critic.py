@@ -1,0 +1,156 @@
+"""PPO's critic: a value model trained beside the policy, and the GAE step that turns its values into
+per-token advantages.
+
+The critic is a one-label `AutoModelForTokenClassification` (the policy's transformer with a scalar head
+instead of the vocabulary head), so it saves and loads as a plain HF folder. Its value at position t is read
+from the hidden state *before* token t, which aligns values with `token_logprobs`: `V_t` is the value of the
+state in which the policy chose token t.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tokenmill.algorithms.value import explained_variance, gae, token_rewards, value_loss, whiten
+from tokenmill.config.schema import AlgorithmConfig, CriticConfig
+from tokenmill.training.batch import Batch, collate
+from tokenmill.training.local import LocalBackend
+from tokenmill.types import ConfigError, Sample
+
+
+def load_critic(cfg: CriticConfig, policy_path: str, device: torch.device) -> torch.nn.Module:
+    """The critic's model: `cfg.path`, or the policy's weights with a zeroed value head (every value starts at
+    0, so the first advantages are plain returns and the critic learns from there)."""
+    from transformers import AutoModelForTokenClassification
+    from transformers.utils import logging as hf_logging
+
+    path = cfg.path or policy_path
+    quiet = cfg.path is None  # the value head is missing from a policy folder by design: no warning about it
+    level = hf_logging.get_verbosity()
+    try:
+        if quiet:
+            hf_logging.set_verbosity_error()
+        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        field = "critic.path" if cfg.path else "model.path"
+        raise ConfigError(f"{field}: cannot load a value model from {path!r}: {exc}") from None
+    finally:
+        hf_logging.set_verbosity(level)
+    if cfg.path is None:
+        with torch.no_grad():
+            for p in model.score.parameters():
+                p.zero_()
+    return model.to(device)
+
+
+class Critic:
+    """The value model and its optimiser (a `LocalBackend`, so schedule, clipping and state are shared)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        learning_rate: float,
+        total_steps: int,
+        value_clip: float | None = 0.2,
+        max_grad_norm: float = 1.0,
+        micro_batch_tokens: int = 8192,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.model = model
+        self.value_clip = value_clip
+        self.micro_batch_tokens = micro_batch_tokens
+        self.autocast_dtype = autocast_dtype
+        self.optim = LocalBackend(
+            model, learning_rate=learning_rate, total_steps=total_steps, max_grad_norm=max_grad_norm,
+            micro_batch_tokens=micro_batch_tokens, track_entropy=False, autocast_dtype=autocast_dtype,
+        )
+
+    def _values(self, micro: Batch) -> torch.Tensor:
+        device = next(self.model.parameters()).device
+        with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            out_B_T = self.model(input_ids=micro.input_ids_B_T).logits[..., 0].float()
+        return torch.nn.functional.pad(out_B_T[:, :-1], (1, 0))
+
+    @torch.no_grad()
+    def values(self, batch: Batch) -> torch.Tensor:
+        """`V_t` for every token of `batch` (on the CPU, aligned with it), micro-batched."""
+        self.model.eval()
+        device = next(self.model.parameters()).device
+        out = torch.zeros_like(batch.old_logprobs_B_T)
+        start = 0
+        for micro in batch.micro_batches(self.micro_batch_tokens):
+            v = self._values(micro.to(device)).cpu()
+            out[start : start + micro.size, : v.shape[1]] = v
+            start += micro.size
+        return out
+
+    def forward_backward(self, batch: Batch) -> dict[str, float]:
+        """Accumulate the (clipped) value-loss gradient over the micro-batches; return summed metrics."""
+        self.model.train()
+        device = next(self.model.parameters()).device
+        totals: dict[str, float] = {}
+        for micro in batch.micro_batches(self.micro_batch_tokens):
+            micro = micro.to(device)
+            loss, metrics = value_loss(
+                self._values(micro), micro.old_values_B_T, micro.returns_B_T, micro.weights_B_T, self.value_clip
+            )
+            loss.backward()
+            metrics["value_loss"] = loss.detach()
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+        return totals
+
+    def optim_step(self) -> dict[str, float]:
+        return self.optim.optim_step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"weights": self.model.state_dict(), "optimizer": self.optim.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["weights"])
+        self.optim.load_state_dict(state["optimizer"])
+
+
+def gae_advantages(
+    samples: Sequence[Sample],
+    critic: Critic,
+    algo: AlgorithmConfig,
+    *,
+    pad_id: int,
+    reference=None,
+) -> tuple[list[Sample], dict[str, float]]:
+    """Score every policy token with the critic and run GAE over each trajectory; return the samples with
+    `token_advantages`, `returns` and `values` set (whitened over the batch if asked) and the step's critic
+    metrics. With `algo.kl_in_reward` the reference's logprobs put a per-token KL penalty into the rewards."""
+    batch = collate(samples, [1.0] * len(samples), pad_id)  # weights = the loss mask
+    mask_B_T = batch.weights_B_T > 0
+    values_B_T = critic.values(batch) * mask_B_T
+    order = batch.sample_index_B.tolist()
+    scores_B = torch.tensor([samples[i].reward for i in order], dtype=torch.float32)
+    ref_B_T = reference.forward(batch) if reference is not None and algo.kl_in_reward else None
+    kl_coef = algo.kl_coef if algo.kl_in_reward else 0.0
+    rewards_B_T = token_rewards(scores_B, mask_B_T, batch.old_logprobs_B_T, ref_B_T, kl_coef)
+    adv_B_T, returns_B_T = gae(rewards_B_T, values_B_T, mask_B_T, gamma=algo.gamma, lam=algo.lam)
+    if algo.whiten_advantages:
+        adv_B_T = whiten(adv_B_T, mask_B_T)
+    n_tokens = max(1.0, float(mask_B_T.sum()))
+    metrics = {
+        "critic/value_mean": float(values_B_T.sum()) / n_tokens,
+        "critic/return_mean": float(returns_B_T.sum()) / n_tokens,
+        "critic/explained_variance": explained_variance(values_B_T, returns_B_T, mask_B_T),
+    }
+    if ref_B_T is not None:
+        metrics["kl"] = float(((batch.old_logprobs_B_T - ref_B_T) * mask_B_T).sum()) / n_tokens
+    out = list(samples)
+    for b, i in enumerate(order):
+        n = len(samples[i].tokens)
+        adv = tuple(adv_B_T[b, :n].tolist())
+        out[i] = samples[i].with_(
+            token_advantages=adv, returns=tuple(returns_B_T[b, :n].tolist()),
+            values=tuple(values_B_T[b, :n].tolist()), advantage=sum(adv) / max(1, sum(samples[i].loss_mask)),
+        )
+    return out, metrics
