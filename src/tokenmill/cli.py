@@ -60,11 +60,19 @@ def cmd_sft(args: argparse.Namespace) -> int:
                                  **cfg.data.task_kwargs)
     else:
         rows = load_rows(cfg.data.path, cfg.data.split)
+    needed = {"messages_column": cfg.messages_column} if cfg.messages_column else {
+        "data.prompt_column": cfg.data.prompt_column, "completion_column": cfg.completion_column}
+    for field, column in needed.items():
+        if column not in rows.column_names:
+            columns = ", ".join(rows.column_names)
+            raise ConfigError(f"{field}: column {column!r} not in the dataset (columns: {columns})")
     model, tok = load_policy(cfg.model, resolve_device(cfg.model.device))
     losses = run_sft(model, tok, rows, steps=cfg.steps, batch_size=cfg.batch_size,
                      learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps, seed=cfg.seed,
                      prompt_column=cfg.data.prompt_column, completion_column=cfg.completion_column,
-                     output_dir=cfg.output_dir, log_every=max(1, cfg.steps // 10))
+                     messages_column=cfg.messages_column, packing=cfg.packing,
+                     micro_batch_tokens=cfg.micro_batch_tokens, output_dir=cfg.output_dir,
+                     log_every=max(1, cfg.steps // 10))
     print(f"sft: loss {losses[0]:.3f} -> {losses[-1]:.3f}; model written to {cfg.output_dir}")
     return 0
 
@@ -118,7 +126,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     gen = Generator(HFEngine(model, tok), tok, rewards, SamplingParams(max_tokens=cfg.generation.max_tokens,
                     stop=tuple(cfg.generation.stop)), cfg.data.prompt_column)
     try:
-        result = evaluate(gen, eval_rows if eval_rows is not None else train_rows, cfg.controller.eval_max_rows)
+        result = evaluate(gen, eval_rows if eval_rows is not None else train_rows, cfg.controller.eval_max_rows,
+                          accuracy_reward=cfg.data.task)
     finally:
         rewards.close()
     print(json.dumps(result))

@@ -49,6 +49,10 @@ class DataConfig(_Section):
     num_train: int = Field(20000, ge=1, description="Rows generated for a built-in task's training set.")
     num_eval: int = Field(1000, ge=0, description="Held-out rows for greedy evaluation (0 = no eval).")
     task_kwargs: dict = Field(default_factory=dict, description="Arguments for the built-in task generator.")
+    task_reward_weight: float = Field(
+        1.0, ge=0.0, description="Weight of the built-in task's verifier in the total reward; 0 keeps it as a "
+        "measurement only (e.g. when training against a reward model of the same task)."
+    )
     shuffle: bool = Field(True, description="Shuffle rows each epoch (seeded; resumes exactly).")
 
     @model_validator(mode="after")
@@ -272,6 +276,15 @@ class SFTConfig(_Section):
     data: DataConfig
     output_dir: str = Field("runs/sft", description="Where the fine-tuned model folder is written.")
     completion_column: str = Field("completion", description="Column with the target completion text.")
+    messages_column: str | None = Field(
+        None, description="Column of chat conversations (lists of {role, content}) rendered with the tokenizer's "
+        "chat template; the loss then covers the assistant messages only (prompt/completion columns unused)."
+    )
+    packing: bool = Field(
+        False, description="Pack sequences side by side into rows of up to micro_batch_tokens tokens "
+        "(block-diagonal attention, positions restarting per sequence): no compute spent on padding."
+    )
+    micro_batch_tokens: int = Field(8192, ge=16, description="Token budget of one micro-batch (and packed row).")
     steps: int = Field(300, ge=1, description="Optimiser steps.")
     batch_size: int = Field(64, ge=1, description="Sequences per optimiser step.")
     learning_rate: float = Field(1e-3, gt=0.0, le=1.0, description="Peak AdamW learning rate.")

@@ -45,19 +45,25 @@ def rollout_metrics(groups: list[Group]) -> tuple[dict[str, Any], list[str]]:
     return m, [f"{e} (x{n})" for e, n in errors.most_common(3)]
 
 
-def evaluate(generator: Generator, rows, max_rows: int, chunk: int = 256) -> dict[str, float]:
-    """Greedy decoding on held-out rows: mean total reward and accuracy (share of rows scoring 1.0)."""
+def evaluate(
+    generator: Generator, rows, max_rows: int, chunk: int = 256, accuracy_reward: str | None = None
+) -> dict[str, float]:
+    """Greedy decoding on held-out rows: mean total reward, each reward's mean, and accuracy: the share of rows
+    whose `accuracy_reward` (a built-in task's verifier) scores 1.0, or whose total does when none is named."""
     params = replace(generator.params, n=1, greedy=True)
     rows = [rows[i] for i in range(min(len(rows), max_rows))]
-    totals: list[float] = []
+    samples = []
     for start in range(0, len(rows), chunk):
         part = rows[start : start + chunk]
         prompt_ids, completions = generator.sample(part, params)
-        groups = generator.score(part, prompt_ids, completions, version=0)
-        totals.extend(s.reward for g in groups for s in g.samples)
+        samples += [s for g in generator.score(part, prompt_ids, completions, version=0) for s in g.samples]
+    totals = [s.reward for s in samples]
     valid = [t for t in totals if not math.isnan(t)]
-    return {
-        "eval/reward_mean": statistics.fmean(valid) if valid else math.nan,
-        "eval/accuracy": sum(t >= ACCURACY_THRESHOLD for t in valid) / max(1, len(totals)),
-        "eval/rows": len(totals),
-    }
+    out = {"eval/reward_mean": statistics.fmean(valid) if valid else math.nan}
+    for name in dict.fromkeys(k for s in samples for k in s.rewards):
+        scores = [v for s in samples if (v := s.rewards.get(name)) is not None]
+        out[f"eval/reward/{name}"] = statistics.fmean(scores) if scores else math.nan
+    hits = [s.rewards.get(accuracy_reward) if accuracy_reward else s.reward for s in samples]
+    out["eval/accuracy"] = sum(h is not None and h >= ACCURACY_THRESHOLD for h in hits) / max(1, len(samples))
+    out["eval/rows"] = len(samples)
+    return out

@@ -39,7 +39,7 @@ def run_rl(run: Run) -> dict[str, Any]:
         log.message(f"checkpoint is at step {start} of {cfg.controller.steps}: nothing left to train")
     result: dict[str, Any] = {"resumed_from": start}
     if run.eval_rows is not None and start == 0:
-        result["eval_before"] = evaluate(run.generator, run.eval_rows, cfg.controller.eval_max_rows)
+        result["eval_before"] = held_out(run)
         log.log(0, result["eval_before"])
     metrics: dict[str, Any] = {}
     last = cfg.controller.steps
@@ -77,7 +77,7 @@ def run_rl(run: Run) -> dict[str, Any]:
         for e in errors:
             log.message(f"step {step}: {e}")
         if cfg.controller.eval_every and step % cfg.controller.eval_every == 0 and run.eval_rows is not None:
-            metrics |= evaluate(run.generator, run.eval_rows, cfg.controller.eval_max_rows)
+            metrics |= held_out(run)
         log.log(step, metrics)
         log.log_samples(step, sample_records(groups, cfg.tracking.log_samples))
         # 8. checkpoint
@@ -92,10 +92,16 @@ def run_rl(run: Run) -> dict[str, Any]:
         save(run, cfg.controller.steps)
         export_model(run.model, run.tokenizer, run.output_dir / "final")
     if run.eval_rows is not None:
-        result["eval_after"] = evaluate(run.generator, run.eval_rows, cfg.controller.eval_max_rows)
+        result["eval_after"] = held_out(run)
         log.log(cfg.controller.steps, result["eval_after"])
     result["last_metrics"] = metrics
     return result
+
+
+def held_out(run: Run) -> dict[str, float]:
+    """Greedy evaluation on the held-out rows; accuracy is the built-in task's verifier where there is one."""
+    cfg = run.cfg
+    return evaluate(run.generator, run.eval_rows, cfg.controller.eval_max_rows, accuracy_reward=cfg.data.task)
 
 
 def advantages(run: Run, groups: list[Group]) -> tuple[list[Sample], dict[str, float]]:

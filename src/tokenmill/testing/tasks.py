@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import operator
 import random
+import string
 from collections import Counter
 from typing import Any
 
@@ -85,10 +86,15 @@ def addition_digit_reward(
     return scores
 
 
-def addition_preferences(n: int, seed: int = 0, exclude: set[str] | None = None):
-    """`n` preference pairs on two-digit addition: `chosen` is the true sum, `rejected` a plausible slip (the
-    carry forgotten where there is one, else one digit off by one). The hidden rule a reward model or DPO
-    must learn is correctness. Columns: prompt, chosen, rejected, answer."""
+def addition_preferences(n: int, seed: int = 0, exclude: set[str] | None = None, other_wrong: float = 0.5):
+    """`n` preference pairs on two-digit addition: `chosen` is the true sum, `rejected` a wrong answer. The hidden
+    rule a reward model or DPO must learn is correctness. Columns: prompt, chosen, rejected, answer.
+
+    A share `1 - other_wrong` of the rejected answers is the plausible slip (the carry forgotten where there is
+    one, else one digit off by one); the rest is some other wrong number (off by a few, or any 1-3 digit
+    number). A reward model that only ever saw slips scores unseen wrong answers at random, and PPO against
+    it finds them at once (reward hacking); the mixture covers what a policy will try.
+    """
     from datasets import Dataset
 
     rng = random.Random(seed)
@@ -99,16 +105,40 @@ def addition_preferences(n: int, seed: int = 0, exclude: set[str] | None = None)
         prompt = f"{a}+{b}="
         if prompt in banned:
             continue
-        wrong = forgot_carry(a, b)
-        if wrong == a + b:
-            wrong = a + b + rng.choice([1, -1, 10, -10])
-            if wrong < 0:
-                wrong = a + b + 1
+        if rng.random() >= other_wrong:
+            wrong = forgot_carry(a, b)
+            if wrong == a + b:
+                wrong = a + b + rng.choice([1, -1, 10, -10])
+        elif rng.random() < 0.5:
+            wrong = a + b + rng.choice([-3, -2, -1, 1, 2, 3, 9, 11, -9, -11, 20, -20])
+        else:
+            wrong = rng.randint(0, 999)
+        if wrong < 0 or wrong == a + b:
+            wrong = a + b + 1
         rows["prompt"].append(prompt)
         rows["chosen"].append(str(a + b))
         rows["rejected"].append(str(wrong))
         rows["answer"].append(str(a + b))
     return Dataset.from_dict(rows)
+
+
+def shout_chats(n: int, seed: int = 0, turns: int = 2, exclude: set[str] | None = None):
+    """`n` chat conversations for SFT tests: the user writes a few lowercase letters, the assistant answers with
+    them in capitals, for `turns` turns after a system message. Column: messages."""
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    banned = set(exclude or ())
+    chats: list[list[dict[str, str]]] = []
+    while len(chats) < n:
+        words = ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 5))) for _ in range(turns)]
+        if words[-1] in banned:
+            continue
+        chat = [{"role": "system", "content": "shout"}]
+        for w in words:
+            chat += [{"role": "user", "content": w}, {"role": "assistant", "content": w.upper()}]
+        chats.append(chat)
+    return Dataset.from_dict({"messages": chats})
 
 
 # ---------------------------------------------------------------------------------------------- countdown

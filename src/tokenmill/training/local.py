@@ -11,7 +11,7 @@ import torch
 
 from tokenmill.training.base import BatchLoss
 from tokenmill.training.batch import Batch
-from tokenmill.training.packing import micro_packs, packed_token_stats, prompt_segments
+from tokenmill.training.packing import micro_packs, packed_token_stats, prompt_segments, sequence_segments
 
 
 def token_logprobs(logits_B_T_V: torch.Tensor, input_ids_B_T: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -42,16 +42,23 @@ def micro_token_stats(
     temperature: float,
     token_budget: int,
     share_prompts: bool = True,
+    pack_sequences: bool = False,
     entropy: bool = False,
     entropy_grad: bool = False,
     autocast_dtype: torch.dtype | None = None,
 ) -> Iterator[tuple[torch.Tensor, Batch, torch.Tensor, torch.Tensor | None]]:
     """Per micro-batch: (its rows in `batch`, the micro-batch on the model's device, its token logprobs, its
     token entropies or None). Groups sharing a prompt are packed (`training.packing`; only completion tokens
-    get values there), otherwise length-bucketed padded rows; gradients flow unless the caller disables them."""
+    get values there); with `pack_sequences` whole sequences are packed side by side (SFT); otherwise
+    length-bucketed padded rows. Gradients flow unless the caller disables them."""
     device = next(model.parameters()).device
-    segments = prompt_segments(batch) if share_prompts and batch.prompt_lens_B is not None else None
-    if segments is not None and len(segments) < batch.size:
+    segments = None
+    if pack_sequences:
+        segments = sequence_segments(batch)
+    elif share_prompts and batch.prompt_lens_B is not None:
+        segments = prompt_segments(batch)
+        segments = segments if len(segments) < batch.size else None
+    if segments is not None:
         for micro, packed in micro_packs(batch, token_budget, segments):
             micro = micro.to(device)
             logprobs, ent = packed_token_stats(
@@ -152,6 +159,7 @@ class LocalBackend:
         track_entropy: bool = True,
         autocast_dtype: torch.dtype | None = None,
         share_prompts: bool = True,
+        pack_sequences: bool = False,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -166,6 +174,7 @@ class LocalBackend:
         self.track_entropy = track_entropy
         self.autocast_dtype = autocast_dtype
         self.share_prompts = share_prompts
+        self.pack_sequences = pack_sequences
 
     def forward_backward(self, batch: Batch, loss_fn: BatchLoss, entropy_coef: float = 0.0) -> dict[str, float]:
         """Accumulate gradients of `loss_fn` (minus `entropy_coef` x the weighted token entropy: an entropy
@@ -175,7 +184,8 @@ class LocalBackend:
         bonus = entropy_coef > 0
         stats = micro_token_stats(
             self.model, batch, temperature=self.temperature, token_budget=self.micro_batch_tokens,
-            share_prompts=self.share_prompts, entropy=self.track_entropy or bonus, entropy_grad=bonus,
+            share_prompts=self.share_prompts, pack_sequences=self.pack_sequences,
+            entropy=self.track_entropy or bonus, entropy_grad=bonus,
             autocast_dtype=self.autocast_dtype,
         )
         for _, micro, logprobs_B_T, ent in stats:

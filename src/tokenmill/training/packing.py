@@ -56,6 +56,12 @@ def shares_prompts(batch: Batch) -> bool:
 Segments = list[tuple[tuple[int, ...], list[int]]]
 
 
+def sequence_segments(batch: Batch) -> Segments:
+    """Every row as its own segment with no shared prompt: `plan_rows` then packs whole sequences side by side
+    (block-diagonal attention, positions restarting at 0), the usual SFT packing."""
+    return [((), list(range(batch.size)))]
+
+
 def plan_rows(batch: Batch, token_budget: int, segments: Segments | None = None) -> Segments:
     """Packed rows as (prompt, batch rows), each within `token_budget` tokens where a row can be.
     `segments` (from `prompt_segments`) may be passed when the caller already has them."""
@@ -91,12 +97,14 @@ def pack(batch: Batch, rows: list[tuple[tuple[int, ...], list[int]]]) -> PackedR
             row_pos += range(p, p + n)
             row_seg += [k] * n
             # token t of sequence b (t >= p) is predicted from token t-1: the prompt's last position for the
-            # first completion token, the completion's own previous position after that
-            src_row += [r] * n
-            src_pos += [p - 1] + list(range(q, q + n - 1))
-            dst_b += [b] * n
-            dst_t += range(p, p + n)
-            target += ids[b][p : p + n]
+            # first completion token, the completion's own previous position after that. With no shared
+            # prompt (sequence packing) the sequence's first token has nothing to be predicted from.
+            predicted = range(max(p, 1), p + n)
+            src_row += [r] * len(predicted)
+            src_pos += [t - 1 if t - 1 < p else q + t - 1 - p for t in predicted]
+            dst_b += [b] * len(predicted)
+            dst_t += predicted
+            target += ids[b][predicted.start : p + n]
         pad = width - len(row_ids)
         input_ids.append(row_ids + [0] * pad)
         positions.append(row_pos + [0] * pad)

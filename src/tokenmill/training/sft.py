@@ -1,7 +1,11 @@
-"""Supervised fine-tuning on (prompt, completion) rows: the warm start before RL.
+"""Supervised fine-tuning: on (prompt, completion) rows (the warm start before RL) or on chat conversations
+with the loss on assistant tokens only.
 
-It reuses the RL machinery: samples whose loss mask covers the completion (and the end-of-sequence token),
-token-mean weights, the same backend and the registered `sft` loss.
+It reuses the RL machinery: samples whose loss mask covers what the model should say (the completion and its
+end-of-sequence token, or every assistant message as `data.chat` locates it), token-mean weights, the same
+backend and the registered `sft` loss. With `packing`, the sequences of a batch are packed side by side
+into rows of up to `micro_batch_tokens` tokens (block-diagonal attention, positions restarting per sequence),
+so short conversations waste no compute on padding.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 
 from tokenmill.algorithms.aggregation import token_weights
 from tokenmill.algorithms.losses import sft_loss
+from tokenmill.data.chat import chat_tokens
 from tokenmill.rollout.generator import encode_prompt
 from tokenmill.training.batch import Batch, collate
 from tokenmill.training.local import LocalBackend
@@ -34,6 +39,16 @@ def sft_sample(tokenizer, prompt: Any, completion: str) -> Sample:
     )
 
 
+def chat_sample(tokenizer, messages: list[dict[str, Any]], tools=None) -> Sample:
+    """A conversation as a `Sample` whose loss mask covers the assistant messages only."""
+    ids, mask = chat_tokens(tokenizer, messages, tools=tools)
+    first = mask.index(1) if 1 in mask else len(ids)
+    return Sample(
+        tokens=tuple(ids), loss_mask=tuple(mask), logprobs=(0.0,) * len(ids), prompt_len=first,
+        prompt=messages[:1], completion=tokenizer.decode(ids[first:]), stop_reason=StopReason.STOP,
+    )
+
+
 def _loss(logprobs_B_T: torch.Tensor, batch: Batch):
     return sft_loss(logprobs_B_T, weights_B_T=batch.weights_B_T)
 
@@ -50,16 +65,27 @@ def run_sft(
     seed: int = 0,
     prompt_column: str = "prompt",
     completion_column: str = "completion",
+    messages_column: str | None = None,
+    packing: bool = False,
+    micro_batch_tokens: int = 8192,
     output_dir: str | Path | None = None,
     log_every: int = 0,
 ) -> list[float]:
-    """Train `model` in place for `steps` optimiser steps; return the loss of each step."""
+    """Train `model` in place for `steps` optimiser steps; return the loss of each step. With
+    `messages_column`, rows are conversations (OpenAI-style message lists) trained on assistant tokens only."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    samples = [sft_sample(tokenizer, r[prompt_column], r[completion_column]) for r in rows]
+    if messages_column is not None:
+        samples = [chat_sample(tokenizer, r[messages_column]) for r in rows]
+    else:
+        samples = [sft_sample(tokenizer, r[prompt_column], r[completion_column]) for r in rows]
+    samples = [s for s in samples if any(s.loss_mask)]
+    if not samples:
+        raise ValueError("no row has a token to train on (no assistant message / empty completions)")
     backend = LocalBackend(
         model, learning_rate=learning_rate, total_steps=steps, warmup_steps=warmup_steps,
-        lr_schedule="cosine", track_entropy=False,
+        lr_schedule="cosine", track_entropy=False, micro_batch_tokens=micro_batch_tokens,
+        share_prompts=not packing, pack_sequences=packing,
     )
     losses = []
     for step in range(steps):
