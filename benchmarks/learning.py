@@ -1,12 +1,14 @@
 """Does every objective learn? One warm start, then each variant from it, with held-out numbers.
 
-    python benchmarks/learning.py                # all rows (~6 min on 2 cores)
+    python benchmarks/learning.py                # all rows (~12 min on 2 cores)
     python benchmarks/learning.py --only grpo,gspo
 
 Rows: GRPO (full fine-tuning and LoRA), REINFORCE++, GSPO, CISPO, DAPO (clip-higher + dynamic sampling),
 each 150 steps of 16 prompts x 8 from the quickstart's warm model, held-out greedy accuracy on 500 problems;
-DPO (held-out implicit margin and chosen-preferred share) and a Bradley-Terry reward model (held-out
-pairwise accuracy, 2,000 steps) on the synthetic preference pairs. Results go to benchmarks/results/.
+PPO with a critic (one sample per prompt, 128 prompts); DPO (held-out implicit margin and chosen-preferred
+share) and a Bradley-Terry reward model (held-out pairwise accuracy, 2,000 steps) on the synthetic preference
+pairs; and the RLHF pipeline, PPO against a learned reward model alone (held-out RM score and the hidden rule's
+accuracy). Results go to benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ RL_VARIANTS = {
              "algorithm.clip_high": 4e-4},
     "cispo": {"algorithm.loss": "cispo"},
     "dapo": {"algorithm.clip_high": 0.28, "algorithm.dynamic_sampling": True},
+    # classic PPO: one sample per prompt, a critic, GAE, KL to the reference inside the reward
+    "ppo": {"algorithm.advantage": "gae", "generation.group_size": 1, "prompts_per_step": 128,
+            "algorithm.kl_coef": 0.05, "algorithm.kl_in_reward": True, "critic.warmup_steps": 5},
 }
+
 
 
 def main() -> None:
@@ -37,10 +43,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--out", default="benchmarks/results/learning.json")
     args = p.parse_args()
-    wanted = set(filter(None, args.only.split(","))) or {*RL_VARIANTS, "dpo", "reward_model"}
+    wanted = set(filter(None, args.only.split(","))) or {*RL_VARIANTS, "dpo", "reward_model", "ppo_rm"}
     torch.set_num_threads(2)
 
-    from tokenmill.testing.quickstart import grpo, warm_start
+    from tokenmill.testing.quickstart import grpo, rlhf, warm_start
     from tokenmill.testing.tasks import addition_preferences
     from tokenmill.training import preference as pref
 
@@ -84,6 +90,16 @@ def main() -> None:
         rows.append({"objective": "reward_model", "metric": "held-out pairwise accuracy", "before": before,
                      "after": after, "seconds": round(time.time() - start, 1)})
         print(f"reward_model   pairwise accuracy {before:.3f} -> {after:.3f}", flush=True)
+    if "ppo_rm" in wanted:  # SFT (the warm start) -> reward model -> PPO against it alone
+        start = time.time()
+        r = rlhf(warm, work / "rlhf", steps=args.steps)
+        seconds = round(time.time() - start, 1)
+        for metric, key in (("held-out RM score", "eval/reward/rm"), ("held-out hidden-rule accuracy", "eval/accuracy")):
+            rows.append({"objective": "ppo_rm", "metric": metric, "before": r["eval_before"][key],
+                         "after": r["eval_after"][key], "rm_pairwise_accuracy": r["rm_accuracy"],
+                         "seconds": seconds})
+        print(f"ppo_rm         RM score {rows[-2]['before']:.3f} -> {rows[-2]['after']:.3f}, hidden rule accuracy "
+              f"{rows[-1]['before']:.3f} -> {rows[-1]['after']:.3f} (RM pairwise {r['rm_accuracy']:.3f})", flush=True)
 
     print("\n| objective | metric | before | after | seconds |\n|---|---|---|---|---|")
     for r in rows:

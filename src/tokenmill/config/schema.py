@@ -37,6 +37,9 @@ class ModelConfig(_Section):
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters (peft); off when rank is 0.")
 
 
+ENV_TASKS = ("guess_number", "calculator", "coding", "gym")  # built-in environments' task generators
+
+
 class DataConfig(_Section):
     task: str | None = Field(
         None, description="Built-in synthetic task: 'addition' or 'countdown' (rows and reward come with it)."
@@ -59,8 +62,9 @@ class DataConfig(_Section):
     def _one_source(self) -> DataConfig:
         if (self.task is None) == (self.path is None):
             raise ValueError("set exactly one of data.task or data.path")
-        if self.task is not None and self.task not in ("addition", "countdown"):
-            raise ValueError(f"data.task must be 'addition' or 'countdown', got {self.task!r}")
+        tasks = ("addition", "countdown", *ENV_TASKS)
+        if self.task is not None and self.task not in tasks:
+            raise ValueError(f"data.task must be one of {', '.join(tasks)}; got {self.task!r}")
         return self
 
 
@@ -109,6 +113,30 @@ RewardConfig = Annotated[
     Annotated[RewardFunctionConfig, Tag("function")] | Annotated[RewardModelConfig, Tag("model")],
     Discriminator(_reward_kind),
 ]
+
+
+class EnvConfig(_Section):
+    """Multi-turn episodes against an environment instead of single completions scored by rewards."""
+
+    name: str | None = Field(
+        None, description="Environment: a built-in name (guess_number, calculator, coding, gym) or 'module:Class' "
+        "of your own (reset(task) -> messages, step(message) -> StepResult, close())."
+    )
+    url: str | None = Field(None, description="A remote environment served by `tokenmill env serve` (http://host:port).")
+    token: str | None = Field(None, description="Bearer token for `url` (default: $TOKENMILL_ENV_TOKEN).")
+    kwargs: dict = Field(default_factory=dict, description="Keyword arguments for the environment's constructor.")
+    max_turns: int = Field(8, ge=1, description="Policy turns per episode.")
+    max_episode_tokens: int = Field(
+        1024, ge=8, description="Token budget of an episode (prompt, turns and observations); it ends when spent."
+    )
+    step_timeout_s: float = Field(30.0, gt=0, description="Seconds a reset / step / close may take; then the episode fails.")
+    max_concurrent: int = Field(256, ge=1, description="Live episodes at once (the engine's batch is at most this).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvConfig:
+        if (self.name is None) == (self.url is None):
+            raise ValueError("set exactly one of env.name or env.url")
+        return self
 
 
 class AlgorithmConfig(_Section):
@@ -233,6 +261,7 @@ class RLConfig(_Section):
 
     model: ModelConfig
     data: DataConfig
+    env: EnvConfig | None = Field(None, description="Multi-turn environment; its episodes' returns are the reward.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     rewards: list[RewardConfig] = Field(
         default_factory=list, description="Reward functions / models; a built-in task adds its own."

@@ -67,3 +67,18 @@ def evaluate(
     out["eval/accuracy"] = sum(h is not None and h >= ACCURACY_THRESHOLD for h in hits) / max(1, len(samples))
     out["eval/rows"] = len(samples)
     return out
+
+
+def evaluate_agent(agent, rows, max_rows: int) -> dict[str, float]:
+    """Held-out episodes, one per row: greedy, and sampled as in training. accuracy is the share of episodes
+    whose return reaches 1.0 (solved); failed episodes count as unsolved."""
+    rows = [rows[i] for i in range(min(len(rows), max_rows))]
+    out: dict[str, float] = {"eval/rows": len(rows)}
+    for tag, params in (("", replace(agent.params, n=1, greedy=True)), ("sampled_", None)):
+        groups = agent.rollout(rows, group_size=1, params=params)
+        returns = [s.reward for g in groups for s in g.samples]
+        valid = [r for r in returns if not math.isnan(r)]
+        out[f"eval/{tag}reward_mean"] = statistics.fmean(valid) if valid else math.nan
+        out[f"eval/{tag}accuracy"] = sum(r >= ACCURACY_THRESHOLD for r in valid) / max(1, len(returns))
+        out[f"eval/{tag}turns_mean"] = statistics.fmean(s.row["turns"] for g in groups for s in g.samples)
+    return out

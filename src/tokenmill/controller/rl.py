@@ -15,7 +15,7 @@ from tokenmill.checkpoint.atomic import (
     save_checkpoint,
     set_rng_state,
 )
-from tokenmill.controller.metrics import evaluate, rollout_metrics
+from tokenmill.controller.metrics import evaluate, evaluate_agent, rollout_metrics
 from tokenmill.controller.setup import Run, export_model, parameter_counts
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.critic import gae_advantages
@@ -101,6 +101,8 @@ def run_rl(run: Run) -> dict[str, Any]:
 def held_out(run: Run) -> dict[str, float]:
     """Greedy evaluation on the held-out rows; accuracy is the built-in task's verifier where there is one."""
     cfg = run.cfg
+    if run.agent is not None:
+        return evaluate_agent(run.agent, run.eval_rows, cfg.controller.eval_max_rows)
     return evaluate(run.generator, run.eval_rows, cfg.controller.eval_max_rows, accuracy_reward=cfg.data.task)
 
 
@@ -129,13 +131,20 @@ def rollout(run: Run, step: int) -> tuple[list[Group], dict[str, float]]:
     rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
     groups: list[Group] = []
     dropped = 0
+    info: dict[str, float] = {}
     for _ in range(rounds):
         rows = run.source.next_rows(want - len(groups))
-        with stage("generate") as t:
-            prompt_ids, completions = run.generator.sample(rows)
-            t.add_tokens("generate", sum(len(c.token_ids) for g in completions for c in g))
-        with stage("reward"):
-            new = run.generator.score(rows, prompt_ids, completions, version=step - 1, first_group=len(groups))
+        if run.agent is not None:  # multi-turn episodes: the environment's returns are the rewards
+            with stage("generate") as t:
+                new = run.agent.rollout(rows, version=step - 1, first_group=len(groups))
+                t.add_tokens("generate", sum(sum(s.loss_mask) for g in new for s in g.samples))
+            info |= run.agent.stats.report(cfg.env.max_concurrent)
+        else:
+            with stage("generate") as t:
+                prompt_ids, completions = run.generator.sample(rows)
+                t.add_tokens("generate", sum(len(c.token_ids) for g in completions for c in g))
+            with stage("reward"):
+                new = run.generator.score(rows, prompt_ids, completions, version=step - 1, first_group=len(groups))
         new = shape_overlong(new, cfg.generation.max_tokens, algo.overlong_buffer, algo.overlong_penalty)
         if algo.dynamic_sampling:
             kept = [g for g in new if has_spread(g)]
@@ -144,7 +153,8 @@ def rollout(run: Run, step: int) -> tuple[list[Group], dict[str, float]]:
         groups += new
         if len(groups) >= want:
             break
-    info = {"sampling/dropped_groups": float(dropped)} if algo.dynamic_sampling else {}
+    if algo.dynamic_sampling:
+        info["sampling/dropped_groups"] = float(dropped)
     return groups, info
 
 

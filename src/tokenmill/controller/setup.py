@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,12 +18,13 @@ from typing import Any
 import torch
 import yaml
 
-from tokenmill.config.schema import LoRAConfig, ModelConfig, RewardFunctionConfig, RLConfig
+from tokenmill.config.schema import ENV_TASKS, LoRAConfig, ModelConfig, RewardFunctionConfig, RLConfig
 from tokenmill.data.prompts import PromptSource, load_rows
 from tokenmill.engines.hf import HFEngine
 from tokenmill.rewards.base import FunctionReward
 from tokenmill.rewards.model import ModelReward
 from tokenmill.rewards.set import RewardSet
+from tokenmill.rollout.agent import AgentLimits, AgentLoop
 from tokenmill.rollout.generator import Generator
 from tokenmill.tracking.logger import MetricsLogger
 from tokenmill.training.critic import Critic, load_critic
@@ -102,8 +104,8 @@ def build_rewards(cfg: RLConfig, extra: list[Callable[..., Any]] | None = None, 
             rewards.append(ModelReward(path, name=rc.name, weight=rc.weight, batch_size=rc.batch_size))
     for fn in extra or []:
         rewards.append(fn if hasattr(fn, "weight") else FunctionReward(fn))
-    if not rewards:
-        raise ConfigError("rewards: give at least one reward")
+    if not rewards and cfg.env is None:
+        raise ConfigError("rewards: give at least one reward (or an env, whose episodes' returns are the reward)")
     try:
         return RewardSet(rewards)
     except ValueError as exc:
@@ -116,6 +118,13 @@ def build_datasets(cfg: RLConfig, dataset=None):
 
     if dataset is not None:
         return dataset, None, None
+    if cfg.data.task in ENV_TASKS:  # a built-in environment's tasks: its episodes' returns are the reward
+        from tokenmill.envs import env_tasks
+
+        d = cfg.data
+        train = env_tasks(d.task, d.num_train, seed=cfg.training.seed, **d.task_kwargs)
+        held = env_tasks(d.task, d.num_eval, seed=cfg.training.seed + 10_000, **d.task_kwargs) if d.num_eval else None
+        return train, held, None
     if cfg.data.task is not None:
         return task_splits(
             cfg.data.task, cfg.data.num_train, cfg.data.num_eval, seed=cfg.training.seed, **cfg.data.task_kwargs
@@ -177,6 +186,38 @@ def export_model(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
     tokenizer.save_pretrained(path)
 
 
+def build_agent(cfg: RLConfig, engine: Any, tokenizer: Any, params: SamplingParams) -> AgentLoop:
+    """The agent loop for `cfg.env`: a factory for local or remote environments, the engine, the limits; an
+    environment that exposes `tools` (a registry) gets their specs in the chat template and its calls parsed."""
+    env = cfg.env
+    if env.url is not None:
+        from tokenmill.envs.remote import remote_factory
+
+        factory = remote_factory(env.url, token=env.token or os.environ.get("TOKENMILL_ENV_TOKEN"),
+                                 timeout_s=env.step_timeout_s)
+        tools, parser = None, None
+    else:
+        from tokenmill.envs import resolve_env
+
+        factory = resolve_env(env.name, env.kwargs)
+        try:
+            probe = factory()
+        except Exception as exc:  # noqa: BLE001 - a constructor that fails is a config problem, reported as one
+            raise ConfigError(f"env.kwargs: cannot create {env.name!r}: {type(exc).__name__}: {exc}") from None
+        registry = getattr(probe, "tools", None)
+        tools = registry.specs() if registry is not None else None
+        parser = _tool_parser() if registry is not None else None
+    limits = AgentLimits(max_turns=env.max_turns, max_episode_tokens=env.max_episode_tokens,
+                         step_timeout_s=env.step_timeout_s, max_concurrent=env.max_concurrent)
+    return AgentLoop(engine, tokenizer, factory, params, limits, tool_parser=parser, tools=tools)
+
+
+def _tool_parser():
+    from tokenmill.tools import HermesToolCallParser
+
+    return HermesToolCallParser().parse
+
+
 @dataclass
 class Run:
     cfg: RLConfig
@@ -187,6 +228,7 @@ class Run:
     backend: LocalBackend
     reference: ReferenceModel | None
     critic: Critic | None
+    agent: AgentLoop | None
     source: PromptSource
     eval_rows: Any
     logger: MetricsLogger
@@ -234,6 +276,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
             total_steps=optimizer_steps, value_clip=cfg.critic.value_clip, max_grad_norm=cfg.critic.max_grad_norm,
             micro_batch_tokens=tr.micro_batch_tokens, autocast_dtype=amp,
         )
+    agent = build_agent(cfg, engine, tokenizer, params) if cfg.env is not None else None
     out = Path(cfg.tracking.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
@@ -245,7 +288,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     return Run(
         cfg=cfg, model=model, tokenizer=tokenizer, engine=engine,
         generator=Generator(engine, tokenizer, reward_set, params, cfg.data.prompt_column),
-        backend=backend, reference=reference, critic=critic,
+        backend=backend, reference=reference, critic=critic, agent=agent,
         source=PromptSource(train_rows, seed=cfg.training.seed, shuffle=cfg.data.shuffle),
         eval_rows=eval_rows, logger=logger, update_rng=random.Random(cfg.training.seed + 1), output_dir=out,
     )

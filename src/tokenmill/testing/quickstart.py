@@ -79,6 +79,42 @@ def grpo(
         run.close()
 
 
+# PPO against a learned reward model alone: the task's verifier only measures (weight 0). A stronger KL and a
+# warmed-up critic keep the policy where the reward model is right.
+PPO_RM = {
+    "algorithm.advantage": "gae", "generation.group_size": 1, "prompts_per_step": 128, "algorithm.kl_coef": 0.2,
+    "algorithm.kl_in_reward": True, "critic.warmup_steps": 20, "critic.learning_rate": 1e-3,
+    "data.task_reward_weight": 0.0,
+}
+
+
+def rlhf(
+    warm: str | Path, output_dir: str | Path, *, rm_steps: int = 2000, steps: int = 150, seed: int = 0,
+    say: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """SFT -> reward model -> PPO: a Bradley-Terry reward model trained from the warm (SFT) model on preference
+    pairs, then PPO with a critic against that reward model alone. Returns `run_rl`'s result plus the reward
+    model's held-out pairwise accuracy (`rm_accuracy`); the eval reports `eval/reward/rm` (its score) and
+    `eval/accuracy` (the hidden rule it was trained to stand for).
+
+    The rejected answers mix the slip with other wrong numbers: a reward model that only ever saw slips scores
+    unseen wrong answers at random, and PPO finds those at once (reward hacking).
+    """
+    from tokenmill.testing.tasks import addition_preferences
+    from tokenmill.training import preference as pref
+
+    out = Path(output_dir)
+    held = addition_preferences(400, seed=10_000, other_wrong=0.5)
+    train = addition_preferences(5000, seed=seed, exclude=set(held["prompt"]), other_wrong=0.5)
+    model, tok = pref.load_reward_model_for_training(warm, seed=seed)
+    pref.run_reward_model(model, tok, train, steps=rm_steps, learning_rate=5e-4, seed=seed, output_dir=out / "rm")
+    accuracy = pref.pairwise_accuracy(model, tok, held)
+    say(f"reward model: held-out pairwise accuracy {accuracy:.3f}")
+    result = grpo(warm, out / "ppo", steps=steps, num_eval=500, eval_every=0, console="none", seed=seed, say=say,
+                  rewards=[{"path": str(out / "rm")}], **PPO_RM)
+    return result | {"rm_accuracy": accuracy}
+
+
 def quickstart(
     output_dir: str | Path,
     *,
@@ -103,3 +139,59 @@ def quickstart(
                   say=say)
     result["seconds"] = time.time() - t0
     return result
+
+
+def game_warm_start(
+    output_dir: str | Path, *, sft_steps: int = 300, bisect: float = 0.3, games: int = 4000, seed: int = 0,
+    say: Callable[[str], None] = print,
+) -> Path:
+    """The tiny model, then SFT on played guess-the-number games (chat data, assistant turns trained, packed):
+    a player who halves the interval with probability `bisect` and otherwise counts up from the lowest
+    allowed number. Returns the warm folder."""
+    import random
+
+    from datasets import Dataset
+
+    from tokenmill.config.schema import ModelConfig
+    from tokenmill.controller.setup import load_policy, resolve_device
+    from tokenmill.envs.guess import guess_demonstration
+    from tokenmill.testing.tiny import build_tiny_model
+    from tokenmill.training.sft import run_sft
+
+    out = Path(output_dir)
+    base = build_tiny_model(out / "base", seed=seed, **MODEL)
+    rng = random.Random(seed)
+    chats = [guess_demonstration(rng.randint(1, 7), 7, 3, rng, bisect) for _ in range(games)]
+    model, tok = load_policy(ModelConfig(path=base), resolve_device("cpu"))
+    losses = run_sft(model, tok, Dataset.from_dict({"messages": chats}), steps=sft_steps, batch_size=64,
+                     learning_rate=1e-3, seed=seed, messages_column="messages", packing=True,
+                     micro_batch_tokens=2048, output_dir=out / "warm")
+    say(f"warm start on {games} played games (halving with p={bisect}): {sft_steps} steps, loss "
+        f"{losses[0]:.2f} -> {losses[-1]:.2f}")
+    return out / "warm"
+
+
+def game_grpo(
+    warm: str | Path, output_dir: str | Path, *, steps: int = 100, learning_rate: float = 5e-5,
+    prompts_per_step: int = 16, group_size: int = 8, num_eval: int = 200, seed: int = 0, console: str = "none",
+    **overrides: Any,
+) -> dict[str, Any]:
+    """GRPO on guess-the-number episodes (3 turns, 1-7) from a warm model."""
+    from tokenmill.config import RLConfig, load_config
+    from tokenmill.controller import build_run, run_rl
+
+    cfg = load_config(RLConfig, {
+        "model": {"path": str(warm)},
+        "data": {"task": "guess_number", "num_train": 5000, "num_eval": num_eval},
+        "env": {"name": "guess_number", "max_turns": 3, "max_episode_tokens": 64},
+        "generation": {"group_size": group_size, "max_tokens": 4, "temperature": 1.0},
+        "training": {"learning_rate": learning_rate, "seed": seed},
+        "controller": {"steps": steps, "prompts_per_step": prompts_per_step, "eval_max_rows": num_eval},
+        "tracking": {"output_dir": str(output_dir), "console": console, "log_every": 10},
+        "checkpoint": {"every": 0},
+    }, overrides)
+    run = build_run(cfg)
+    try:
+        return run_rl(run)
+    finally:
+        run.close()

@@ -86,7 +86,7 @@ def addition_digit_reward(
     return scores
 
 
-def addition_preferences(n: int, seed: int = 0, exclude: set[str] | None = None, other_wrong: float = 0.5):
+def addition_preferences(n: int, seed: int = 0, exclude: set[str] | None = None, other_wrong: float = 0.0):
     """`n` preference pairs on two-digit addition: `chosen` is the true sum, `rejected` a wrong answer. The hidden
     rule a reward model or DPO must learn is correctness. Columns: prompt, chosen, rejected, answer.
 
@@ -119,6 +119,28 @@ def addition_preferences(n: int, seed: int = 0, exclude: set[str] | None = None,
         rows["chosen"].append(str(a + b))
         rows["rejected"].append(str(wrong))
         rows["answer"].append(str(a + b))
+    return Dataset.from_dict(rows)
+
+
+def preferences_from_samples(
+    prompts: list[str], answers: list[str], completions: list[list[str]], seed: int = 0
+):
+    """Preference pairs from a policy's own samples, labelled by the hidden rule (exact answer), as RLHF labels
+    the policy's outputs: for each prompt with a correct and a wrong completion among its samples, one pair
+    (a random correct one chosen over a random wrong one). A reward model trained on these is accurate where
+    the policy actually samples. Columns: prompt, chosen, rejected, answer."""
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    rows: dict[str, list[Any]] = {"prompt": [], "chosen": [], "rejected": [], "answer": []}
+    for prompt, answer, samples in zip(prompts, answers, completions, strict=True):
+        right = [c for c in samples if c.strip() == answer]
+        wrong = [c for c in samples if c.strip() != answer]
+        if right and wrong:
+            rows["prompt"].append(prompt)
+            rows["chosen"].append(rng.choice(right))
+            rows["rejected"].append(rng.choice(wrong))
+            rows["answer"].append(answer)
     return Dataset.from_dict(rows)
 
 

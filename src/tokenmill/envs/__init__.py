@@ -1,0 +1,48 @@
+"""Environments: the protocol (`base`), built-in environments with task generators, remote environments.
+
+`resolve_env(name, kwargs)` turns a config's `env.name` (a built-in name or `module:Class`) into a factory;
+`env_tasks(name, n, seed)` gives a built-in environment's task rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+from tokenmill.envs.base import EnvFactory, Environment, Message, StepResult
+from tokenmill.types import ConfigError
+
+# built-in name -> (environment class, task generator), as import strings (imported only when used)
+BUILTIN_ENVS: dict[str, tuple[str, str]] = {
+    "guess_number": ("tokenmill.envs.guess:GuessNumberEnv", "tokenmill.envs.guess:guess_number_tasks"),
+}
+
+
+def _load(spec: str, field: str) -> Any:
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise ConfigError(f"{field}: expected 'module:Class', got {spec!r}")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"{field}: cannot import {spec!r}: {type(exc).__name__}: {exc}") from None
+
+
+def resolve_env(name: str, kwargs: dict[str, Any] | None = None, field: str = "env.name") -> EnvFactory:
+    """A factory making a fresh environment per episode from a built-in name or 'module:Class'."""
+    spec = BUILTIN_ENVS[name][0] if name in BUILTIN_ENVS else name
+    cls = _load(spec, field)
+    if not callable(cls):
+        raise ConfigError(f"{field}: {spec!r} is not a class or factory")
+    return functools.partial(cls, **(kwargs or {}))
+
+
+def env_tasks(name: str, n: int, seed: int = 0, **kwargs: Any):
+    """Task rows of a built-in environment."""
+    if name not in BUILTIN_ENVS:
+        raise ConfigError(f"data.task: {name!r} has no built-in tasks (built-in: {', '.join(BUILTIN_ENVS)})")
+    return _load(BUILTIN_ENVS[name][1], "data.task")(n, seed=seed, **kwargs)
+
+
+__all__ = ["BUILTIN_ENVS", "EnvFactory", "Environment", "Message", "StepResult", "env_tasks", "resolve_env"]
