@@ -15,8 +15,9 @@ from tokenmill.checkpoint.atomic import (
     save_checkpoint,
     set_rng_state,
 )
+from tokenmill.checkpoint.export import export_model
 from tokenmill.controller.metrics import evaluate, evaluate_agent, rollout_metrics
-from tokenmill.controller.setup import Run, export_model, parameter_counts
+from tokenmill.controller.setup import Run, parameter_counts
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.critic import gae_advantages
 from tokenmill.training.update import policy_update, value_update

@@ -176,16 +176,6 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
-def export_model(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
-    """A plain HF folder any tool loads; with LoRA the adapters are merged into it (a copy: the training
-    module keeps its adapters) and the adapter alone is saved in `path/adapter` for peft."""
-    if hasattr(model, "merge_and_unload"):
-        model.save_pretrained(path / "adapter")
-        model = copy.deepcopy(model).merge_and_unload()
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-
-
 def build_agent(cfg: RLConfig, engine: Any, tokenizer: Any, params: SamplingParams) -> AgentLoop:
     """The agent loop for `cfg.env`: a factory for local or remote environments, the engine, the limits; an
     environment that exposes `tools` (a registry) gets their specs in the chat template and its calls parsed."""

@@ -217,7 +217,11 @@ class LocalBackend:
         return {"grad_norm": float(grad_norm), "lr": lr}
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.model.named_parameters()
+        """What a weight sync must send: the parameters that train (with LoRA, only the adapters; frozen
+        weights never change, so an engine that has the base model needs nothing else)."""
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                yield name, p
 
     def state_dict(self) -> dict[str, Any]:
         """Optimiser and schedule (the weights are saved separately, as safetensors)."""

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from tokenmill.algorithms.preference import bradley_terry_loss, dpo_loss, ipo_loss, simpo_loss
+from tokenmill.checkpoint.export import export_model
 from tokenmill.training.batch import collate
 from tokenmill.training.local import LocalBackend, token_logprobs
 from tokenmill.training.sft import sft_sample
@@ -102,8 +103,7 @@ def _pairwise_training(
         backend.optim_step()
         losses.append(float(value.detach()))
     if output_dir is not None:
-        model.save_pretrained(output_dir)
-        tokenizer.save_pretrained(output_dir)
+        export_model(model, tokenizer, Path(output_dir))
     return losses
 
 

@@ -18,6 +18,7 @@ import torch
 
 from tokenmill.algorithms.aggregation import token_weights
 from tokenmill.algorithms.losses import sft_loss
+from tokenmill.checkpoint.export import export_model
 from tokenmill.data.chat import chat_tokens
 from tokenmill.rollout.generator import encode_prompt
 from tokenmill.training.batch import Batch, collate
@@ -97,6 +98,5 @@ def run_sft(
         if log_every and (step + 1) % log_every == 0:
             print(f"sft step {step + 1}/{steps} nll {metrics['nll']:.4f}", flush=True)
     if output_dir is not None:
-        model.save_pretrained(output_dir)
-        tokenizer.save_pretrained(output_dir)
+        export_model(model, tokenizer, Path(output_dir))
     return losses
