@@ -37,6 +37,8 @@ class AgentLimits:
     max_episode_tokens: int = 1024  # prompt + every turn + every observation
     step_timeout_s: float = 30.0  # one reset / step / close
     max_concurrent: int = 256  # live episodes (the engine batch is at most this)
+    end_on_truncation: bool = True  # a turn cut at max_tokens ends the episode (else it is closed and goes on)
+    length_ratio: float = 0.6  # an engine call holds histories of at least this share of its longest (0 = one call)
 
 
 class ChatFormat:
@@ -66,8 +68,10 @@ class ChatFormat:
         full = self.render([*history, *observation], True)
         if not full.startswith(base):
             raise ChatTemplateError("the chat template rewrites earlier turns; multi-turn token deltas are undefined")
-        # the sampled ids end with the eos token: whatever the template writes after it (e.g. a newline)
-        cut = base.rfind(self.eos_text) + len(self.eos_text) if ended_with_eos and self.eos_text in base else len(base)
+        # the sampled ids end with the eos token: what the template writes after it (e.g. a newline) follows;
+        # a turn cut at max_tokens gets the template's end-of-turn, eos included (not trained)
+        end = base.rfind(self.eos_text)
+        cut = len(base) if end < 0 else end + (len(self.eos_text) if ended_with_eos else 0)
         return self.encode(base[cut:] + full[len(base) :])
 
 
@@ -99,7 +103,8 @@ class Episode:
 @dataclass
 class AgentStats:
     engine_calls: int = 0
-    engine_rows: int = 0  # sum over calls of the rows in the batch
+    rounds: int = 0  # one per turn of all live episodes (one or more engine calls)
+    engine_rows: int = 0  # sum over rounds of the live episodes
     engine_seconds: float = 0.0
     env_seconds: float = 0.0
     episodes: int = 0
@@ -108,8 +113,9 @@ class AgentStats:
     def report(self, max_concurrent: int) -> dict[str, float]:
         return {
             "agent/engine_calls": self.engine_calls,
-            "agent/batch_occupancy": self.engine_rows / max(1, self.engine_calls * max_concurrent),
-            "agent/mean_batch": self.engine_rows / max(1, self.engine_calls),
+            "agent/rounds": self.rounds,
+            "agent/batch_occupancy": self.engine_rows / max(1, self.rounds * max_concurrent),
+            "agent/mean_batch": self.engine_rows / max(1, self.rounds),
             "agent/engine_s": self.engine_seconds,
             "agent/env_s": self.env_seconds,
             "agent/failed_episodes": self.failed,
@@ -238,15 +244,32 @@ class AgentLoop:
         start = time.perf_counter()
         budgets = [min(params.max_tokens, self.limits.max_episode_tokens - len(ep.tokens)) for ep in live]
         out: list[Completion | None] = [None] * len(live)
-        for budget in sorted(set(budgets), reverse=True):
-            idx = [i for i, b in enumerate(budgets) if b == budget]
+        for idx in self._buckets(live, budgets):
+            budget = budgets[idx[0]]
             results = self.engine.generate([live[i].tokens for i in idx], replace(params, max_tokens=budget))
             for i, group in zip(idx, results, strict=True):
                 out[i] = group[0]
             self.stats.engine_calls += 1
-            self.stats.engine_rows += len(idx)
+        self.stats.rounds += 1
+        self.stats.engine_rows += len(live)
         self.stats.engine_seconds += time.perf_counter() - start
         return out  # type: ignore[return-value]
+
+    def _buckets(self, live: list[Episode], budgets: list[int]) -> list[list[int]]:
+        """Engine calls for one round: episodes with the same turn budget, cut by context length so that no
+        call pads a short history to a long one's length (a row shorter than `length_ratio` x the call's
+        longest starts a new call); the engine re-reads each history, so padding costs real compute."""
+        calls: list[list[int]] = []
+        for budget in sorted(set(budgets), reverse=True):
+            idx = sorted((i for i, b in enumerate(budgets) if b == budget), key=lambda i: -len(live[i].tokens))
+            current: list[int] = []
+            for i in idx:
+                if current and len(live[i].tokens) < self.limits.length_ratio * len(live[current[0]].tokens):
+                    calls.append(current)
+                    current = []
+                current.append(i)
+            calls.append(current)
+        return calls
 
     async def _step(self, ep: Episode, turn: Completion) -> None:
         ep.turns += 1
@@ -268,7 +291,8 @@ class AgentLoop:
         if result.done:
             ep.done = True
             return
-        if turn.stop_reason is StopReason.LENGTH:  # cut mid-turn: the episode cannot go on coherently
+        truncated = turn.stop_reason is StopReason.LENGTH
+        if truncated and self.limits.end_on_truncation:  # cut mid-turn: by default the episode ends there
             ep.done, ep.stop = True, StopReason.LENGTH
             return
         if ep.turns >= self.limits.max_turns:
@@ -276,7 +300,7 @@ class AgentLoop:
             ep.info["turn_limit"] = True
             return
         try:
-            delta = self.format.after_turn(ep.messages, result.observation, ended_with_eos=True)
+            delta = self.format.after_turn(ep.messages, result.observation, ended_with_eos=not truncated)
         except ChatTemplateError as exc:
             self._fail(ep, "chat template", exc)
             return
