@@ -1,4 +1,4 @@
-"""`tokenmill quickstart | train | sft | eval | validate`.
+"""`tokenmill quickstart | train | sft | eval | validate | preference | env serve`.
 
 Config errors print one line per bad field and exit with status 2, never a traceback.
 """
@@ -156,6 +156,30 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_env_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from tokenmill.envs.server import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        kwargs = json.loads(args.kwargs)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--kwargs: not JSON ({exc})") from None
+    if not isinstance(kwargs, dict):
+        raise ConfigError("--kwargs: expected a JSON object of constructor arguments")
+    from tokenmill.envs import BUILTIN_ENVS
+
+    spec = BUILTIN_ENVS[args.env][0] if args.env in BUILTIN_ENVS else args.env
+    token = args.token or os.environ.get("TOKENMILL_ENV_TOKEN") or None
+    try:
+        serve(spec, host=args.host, port=args.port, token=token, allow_remote=args.allow_remote, kwargs=kwargs,
+              max_episodes=args.max_episodes, step_timeout_s=args.step_timeout_s)
+    except ValueError as exc:  # a bad spec or an unsafe exposure: one line, no traceback
+        raise ConfigError(f"env serve: {exc}") from None
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -178,6 +202,18 @@ def build_parser() -> argparse.ArgumentParser:
                            description=f"{text}. Override any field with --section.field VALUE.")
         p.add_argument("config", nargs="?", default=None, help="YAML config file")
         p.set_defaults(fn=fn, overrides=[])
+    env = sub.add_parser("env", help="environment tools").add_subparsers(dest="env_command", required=True)
+    srv = env.add_parser("serve", help="serve an environment over HTTP (JSON) for `env.url` in a config")
+    srv.add_argument("env", help="'module:Class' of your environment, or a built-in name (guess_number, coding)")
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    srv.add_argument("--port", type=int, default=8765)
+    srv.add_argument("--token", default=None, help="bearer token (default: $TOKENMILL_ENV_TOKEN)")
+    srv.add_argument("--allow-remote", action="store_true",
+                     help="allow a non-loopback --host (needs a token)")
+    srv.add_argument("--kwargs", default="{}", help="JSON object of constructor arguments")
+    srv.add_argument("--max-episodes", type=int, default=1024, help="live episodes at once")
+    srv.add_argument("--step-timeout-s", type=float, default=60.0, help="seconds one reset / step / close may take")
+    srv.set_defaults(fn=cmd_env_serve)
     return parser
 
 

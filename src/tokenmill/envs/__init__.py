@@ -16,6 +16,7 @@ from tokenmill.types import ConfigError
 # built-in name -> (environment class, task generator), as import strings (imported only when used)
 BUILTIN_ENVS: dict[str, tuple[str, str]] = {
     "guess_number": ("tokenmill.envs.guess:GuessNumberEnv", "tokenmill.envs.guess:guess_number_tasks"),
+    "coding": ("tokenmill.envs.coding:CodingEnv", "tokenmill.envs.coding:coding_tasks"),
 }
 
 
