@@ -203,7 +203,7 @@ def build_agent(cfg: RLConfig, engine: Any, tokenizer: Any, params: SamplingPara
 
 
 def _tool_parser():
-    from tokenmill.tools import HermesToolCallParser
+    from tokenmill.envs.tools import HermesToolCallParser
 
     return HermesToolCallParser().parse
 

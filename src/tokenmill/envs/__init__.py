@@ -17,6 +17,8 @@ from tokenmill.types import ConfigError
 BUILTIN_ENVS: dict[str, tuple[str, str]] = {
     "guess_number": ("tokenmill.envs.guess:GuessNumberEnv", "tokenmill.envs.guess:guess_number_tasks"),
     "coding": ("tokenmill.envs.coding:CodingEnv", "tokenmill.envs.coding:coding_tasks"),
+    "calculator": ("tokenmill.envs.calculator:CalculatorEnv", "tokenmill.envs.calculator:calculator_tasks"),
+    "gym": ("tokenmill.envs.gym:GymTextEnv", "tokenmill.envs.gym:gym_tasks"),
 }
 
 
