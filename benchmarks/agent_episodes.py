@@ -22,6 +22,7 @@ import json
 import random
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -77,6 +78,8 @@ def main() -> None:
     p.add_argument("--episodes", type=int, default=256)
     p.add_argument("--slots", type=int, default=32)
     p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--length-ratio", type=float, default=None,
+                   help="AgentLimits.length_ratio (default: the library's); 0 = one engine call per round")
     p.add_argument("--out", default="benchmarks/results/agent_episodes.json")
     args = p.parse_args()
     torch.set_num_threads(2)
@@ -91,6 +94,8 @@ def main() -> None:
     engine = HFEngine.from_pretrained(path, seed=0)
     limits = AgentLimits(max_turns=args.max_turns, max_episode_tokens=4096, max_concurrent=args.slots,
                          end_on_truncation=False)
+    if args.length_ratio is not None:
+        limits = replace(limits, length_ratio=args.length_ratio)
     loop = AgentLoop(engine, engine.tokenizer, FixedTurns, SamplingParams(max_tokens=8, n=1), limits)
     rng = random.Random(0)
     tasks = [{"turns": rng.randint(1, args.max_turns)} for _ in range(args.episodes)]
