@@ -10,8 +10,10 @@ tiny model. Both schedules run the same episodes with the same engine and at mos
 - waves (what a loop that batches whole episodes does): `--slots` episodes start together and the next wave
   starts when the longest of them has finished.
 
-Printed: wall seconds, episodes/s, engine batch occupancy (rows per engine call / slots), engine calls, and
-the ratio refill / waves. Results go to benchmarks/results/agent_episodes.json.
+Each schedule runs with the engine's prefix cache off (every turn re-reads its whole history, padded to the
+batch's longest) and on (a turn reads only what is new since the last one), `--repeats` times, interleaved.
+Printed: median wall seconds, episodes/s, rounds (one per turn of all live episodes), engine calls, batch
+occupancy (live episodes per round / slots), and ratios. Results go to benchmarks/results/agent_episodes.json.
 """
 
 from __future__ import annotations
@@ -78,8 +80,11 @@ def main() -> None:
     p.add_argument("--episodes", type=int, default=256)
     p.add_argument("--slots", type=int, default=32)
     p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3, help="runs of each schedule (interleaved); the median counts")
     p.add_argument("--length-ratio", type=float, default=None,
                    help="AgentLimits.length_ratio (default: the library's); 0 = one engine call per round")
+    p.add_argument("--prefix-cache-tokens", type=int, default=1 << 18,
+                   help="engine prefix cache for the 'cached' rows (the 'uncached' rows re-read every history)")
     p.add_argument("--out", default="benchmarks/results/agent_episodes.json")
     args = p.parse_args()
     torch.set_num_threads(2)
@@ -99,22 +104,33 @@ def main() -> None:
     loop = AgentLoop(engine, engine.tokenizer, FixedTurns, SamplingParams(max_tokens=8, n=1), limits)
     rng = random.Random(0)
     tasks = [{"turns": rng.randint(1, args.max_turns)} for _ in range(args.episodes)]
-    run_schedule(loop, tasks[: args.slots], args.slots, waves=False)  # warm-up
-    results = {}
-    for name, waves in (("refill", False), ("waves", True)):
-        results[name] = run_schedule(loop, tasks, args.slots, waves)
-        print(f"{name:7s} {results[name]}", flush=True)
-    r, w = results["refill"], results["waves"]
-    ideal = -(-sum(t["turns"] for t in tasks) // args.slots)  # engine calls with every slot always busy
-    summary = {
-        "episodes": args.episodes, "slots": args.slots, "turns": f"1-{args.max_turns}", "ideal_engine_calls": ideal,
-        "refill": r, "waves": w, "episodes_per_s_ratio": round(r["episodes_per_s"] / w["episodes_per_s"], 2),
-    }
-    print(f"\n| schedule | wall s | episodes/s | engine calls (ideal {ideal}) | batch occupancy |\n|---|---|---|---|---|")
-    for name in ("refill", "waves"):
-        x = results[name]
-        print(f"| {name} | {x['seconds']} | {x['episodes_per_s']} | {x['engine_calls']} | {x['batch_occupancy']} |")
-    print(f"\nrefill / waves episodes/s: {summary['episodes_per_s_ratio']}x")
+    results: dict[str, dict] = {}
+    for cache in ("uncached", "cached"):
+        engine.enable_prefix_cache(args.prefix_cache_tokens if cache == "cached" else 0)
+        run_schedule(loop, tasks[: args.slots], args.slots, waves=False)  # warm-up
+        runs: dict[str, list[dict]] = {"refill": [], "waves": []}
+        for _ in range(args.repeats):
+            for name, xs in runs.items():
+                if engine.prefix_cache is not None:
+                    engine.prefix_cache.clear()  # each run starts cold
+                xs.append(run_schedule(loop, tasks, args.slots, waves=name == "waves"))
+        for name, xs in runs.items():
+            best = sorted(xs, key=lambda x: x["seconds"])[len(xs) // 2]  # the median run
+            results[f"{name}, {cache}"] = {**best, "seconds_all": [x["seconds"] for x in xs]}
+            print(f"{name}, {cache}: {results[f'{name}, {cache}']}", flush=True)
+    ideal = -(-sum(t["turns"] for t in tasks) // args.slots)  # rounds with every slot always busy
+    base = results["waves, uncached"]["episodes_per_s"]
+    summary = {"episodes": args.episodes, "slots": args.slots, "turns": f"1-{args.max_turns}",
+               "ideal_rounds": ideal, "length_ratio": limits.length_ratio, "results": results,
+               "episodes_per_s_vs_waves_uncached": {k: round(v["episodes_per_s"] / base, 2) for k, v in results.items()}}
+    print(f"\n| schedule | median wall s | episodes/s | vs waves, uncached | rounds (ideal {ideal}) | engine calls "
+          "| batch occupancy |\n|---|---|---|---|---|---|---|")
+    for name, x in results.items():
+        print(f"| {name} | {x['seconds']} | {x['episodes_per_s']} | {x['episodes_per_s'] / base:.2f}x | {x['rounds']} "
+              f"| {x['engine_calls']} | {x['batch_occupancy']} |")
+    ratio = results["refill, cached"]["episodes_per_s"] / results["waves, cached"]["episodes_per_s"]
+    summary["refill_vs_waves_cached"] = round(ratio, 2)
+    print(f"\nrefill / waves (both with the prefix cache), episodes/s: {ratio:.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=1))
 

@@ -131,6 +131,10 @@ class EnvConfig(_Section):
     )
     step_timeout_s: float = Field(30.0, gt=0, description="Seconds a reset / step / close may take; then the episode fails.")
     max_concurrent: int = Field(256, ge=1, description="Live episodes at once (the engine's batch is at most this).")
+    prefix_cache_mb: float = Field(
+        512.0, ge=0, description="Engine memory for the key/value states of earlier turns, so that a turn reads only "
+        "its new tokens (0 = off: every turn re-reads its whole history)."
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> EnvConfig:

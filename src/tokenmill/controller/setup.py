@@ -197,6 +197,8 @@ def build_agent(cfg: RLConfig, engine: Any, tokenizer: Any, params: SamplingPara
         registry = getattr(probe, "tools", None)
         tools = registry.specs() if registry is not None else None
         parser = _tool_parser() if registry is not None else None
+    if hasattr(engine, "enable_prefix_cache"):
+        engine.enable_prefix_cache(int(env.prefix_cache_mb * 2**20 // engine.kv_bytes_per_token()))
     limits = AgentLimits(max_turns=env.max_turns, max_episode_tokens=env.max_episode_tokens,
                          step_timeout_s=env.step_timeout_s, max_concurrent=env.max_concurrent)
     return AgentLoop(engine, tokenizer, factory, params, limits, tool_parser=parser, tools=tools)

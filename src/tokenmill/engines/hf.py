@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 from transformers import DynamicCache
 
+from tokenmill.engines.prefix_cache import PrefixCache
 from tokenmill.types import Completion, SamplingParams, StopReason
 
 
@@ -44,6 +45,13 @@ def sample_tokens(
     return tokens_B, logprobs_B_V.gather(1, tokens_B[:, None]).squeeze(1)
 
 
+def _has_sliding_layers(config) -> bool:
+    types = getattr(config, "layer_types", None)
+    if types:
+        return any(t != "full_attention" for t in types)
+    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True)
+
+
 class HFEngine:
     """In-process engine over a transformers causal LM (which may be the trainer's own module)."""
 
@@ -55,6 +63,7 @@ class HFEngine:
         seed: int = 0,
         compact_fraction: float = 0.25,
         autocast_dtype: torch.dtype | None = None,
+        prefix_cache_tokens: int = 0,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -69,13 +78,32 @@ class HFEngine:
         self.autocast_dtype = autocast_dtype
         self.version = 0
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.prefix_cache: PrefixCache | None = None
+        self.enable_prefix_cache(prefix_cache_tokens)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of key/value state one token takes in the cache (all layers)."""
+        c = self.model.config
+        heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        dtype = self.autocast_dtype or next(self.model.parameters()).dtype
+        return 2 * c.num_hidden_layers * heads * head_dim * torch.finfo(dtype).bits // 8
+
+    def enable_prefix_cache(self, capacity_tokens: int, block: int = 16) -> None:
+        """Keep the key/value states of up to `capacity_tokens` prompt tokens, so that a prompt extending one
+        read before (the next turn of an episode) reads only its new tokens; 0 turns it off. Models with
+        sliding-window layers are left uncached."""
+        if _has_sliding_layers(self.model.config):
+            capacity_tokens = 0
+        self.prefix_cache = PrefixCache(capacity_tokens, block) if capacity_tokens else None
 
     @classmethod
-    def from_pretrained(cls, path: str, *, dtype=torch.float32, device: str = "cpu", seed: int = 0) -> HFEngine:
+    def from_pretrained(cls, path: str, *, dtype=torch.float32, device: str = "cpu", seed: int = 0,
+                        prefix_cache_tokens: int = 0) -> HFEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-        return cls(model, AutoTokenizer.from_pretrained(path), seed=seed)
+        return cls(model, AutoTokenizer.from_pretrained(path), seed=seed, prefix_cache_tokens=prefix_cache_tokens)
 
     # ------------------------------------------------------------------------------------------- weights
     @torch.no_grad()
@@ -86,6 +114,8 @@ class HFEngine:
             if target.data_ptr() != tensor.data_ptr():  # a shared module needs no copy
                 target.copy_(tensor.to(dtype=target.dtype, device=target.device))
         self.version = version
+        if self.prefix_cache is not None:  # states of the old weights
+            self.prefix_cache.clear()
 
     # ---------------------------------------------------------------------------------------- generation
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
@@ -107,26 +137,63 @@ class HFEngine:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _prefill(self, prompts: list[list[int]]):
-        lengths = [len(p) for p in prompts]
+        """Read the prompts (left-padded) into a fresh cache; return the last logits, the cache, the key mask
+        and each row's next position. With a prefix cache, each row's stored prefix goes into the cache
+        first (left-padded to the longest prefix) and only the rest of the prompt is read."""
+        prefixes = [self.prefix_cache.match(p) for p in prompts] if self.prefix_cache else [(None, 0)] * len(prompts)
+        reused = [n for _, n in prefixes]
+        past = max(reused)
+        suffixes = [p[n:] for p, n in zip(prompts, reused, strict=True)]
+        lengths = [len(x) for x in suffixes]
         width = max(lengths)
         ids_P_L = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask_P_L = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids_P_L[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask_P_L[i, width - len(p) :] = 1
-        pos_P_L = (mask_P_L.cumsum(-1) - 1).clamp(min=0)
+        mask_P_L = torch.zeros((len(prompts), past + width), dtype=torch.long)
+        pos_P_L = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, (x, n) in enumerate(zip(suffixes, reused, strict=True)):
+            ids_P_L[i, width - len(x) :] = torch.tensor(x, dtype=torch.long)
+            mask_P_L[i, past - n : past] = 1
+            mask_P_L[i, past + width - len(x) :] = 1
+            pos_P_L[i, width - len(x) :] = torch.arange(n, n + len(x))
         ids_P_L, mask_P_L, pos_P_L = (t.to(self.device) for t in (ids_P_L, mask_P_L, pos_P_L))
         cache = DynamicCache(config=self.model.config)
-        all_same = min(lengths) == width
+        if past:
+            self._load_prefixes(cache, prefixes, past)
         out = self.model(
             input_ids=ids_P_L,
-            attention_mask=None if all_same else self._prefill_mask(mask_P_L),
+            attention_mask=None if bool(mask_P_L.all()) else self._prefill_mask(mask_P_L, past),
             position_ids=pos_P_L,
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
         )
+        if self.prefix_cache is not None:
+            self._store_prefixes(cache, prompts, lengths, reused, past, width)
         return out.logits[:, -1, :], cache, mask_P_L, pos_P_L[:, -1] + 1
+
+    def _load_prefixes(self, cache: DynamicCache, prefixes, past: int) -> None:
+        """Put each row's stored prefix states into `cache`, right-aligned in `past` columns."""
+        template = next(kv for kv, _ in prefixes if kv is not None)
+        for layer, (k0, v0) in enumerate(template):
+            keys = k0.new_zeros((len(prefixes), k0.shape[0], past, k0.shape[-1]))
+            values = v0.new_zeros((len(prefixes), v0.shape[0], past, v0.shape[-1]))
+            for i, (kv, n) in enumerate(prefixes):
+                if kv is not None:
+                    keys[i, :, past - n :] = kv[layer][0]
+                    values[i, :, past - n :] = kv[layer][1]
+            cache.update(keys, values, layer)
+
+    def _store_prefixes(self, cache: DynamicCache, prompts, lengths, reused, past: int, width: int) -> None:
+        for i, prompt in enumerate(prompts):
+            kv = []
+            for layer in cache.layers:
+                k, v = layer.keys[i], layer.values[i]  # [H, past + width, D]
+                cols = slice(past + width - lengths[i], past + width)
+                if reused[i]:
+                    old = slice(past - reused[i], past)
+                    kv.append((torch.cat([k[:, old], k[:, cols]], 1), torch.cat([v[:, old], v[:, cols]], 1)))
+                else:
+                    kv.append((k[:, cols], v[:, cols]))
+            self.prefix_cache.insert(prompt, kv)
 
     def _decode(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         n = params.n
@@ -180,15 +247,16 @@ class HFEngine:
         texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
         return [self._completion(tokens[i], logps[i], reasons[i], texts[i], params) for i in range(total)]
 
-    def _prefill_mask(self, mask_P_L: torch.Tensor) -> torch.Tensor:
-        """Causal + key-padding mask for a left-padded prefill, ready-made `[P, 1, L, L]` bool for SDPA (a pad
-        query attends to itself only, so no softmax row is empty)."""
+    def _prefill_mask(self, mask_P_K: torch.Tensor, past: int = 0) -> torch.Tensor:
+        """Causal + key-padding mask for a left-padded prefill after `past` cached columns, ready-made
+        `[P, 1, L, past + L]` bool for SDPA (a pad query attends to itself only, so no softmax row is empty)."""
         if getattr(self.model.config, "_attn_implementation", None) != "sdpa":
-            return mask_P_L
-        width = mask_P_L.shape[1]
-        causal_L_L = torch.ones((width, width), dtype=torch.bool, device=mask_P_L.device).tril()
-        allowed = causal_L_L & mask_P_L.bool()[:, None, :]
-        allowed |= torch.eye(width, dtype=torch.bool, device=mask_P_L.device)
+            return mask_P_K
+        keys = mask_P_K.shape[1]
+        width = keys - past
+        causal_L_K = torch.ones((width, keys), dtype=torch.bool, device=mask_P_K.device).tril(diagonal=past)
+        allowed = causal_L_K & mask_P_K.bool()[:, None, :]
+        allowed[:, :, past:] |= torch.eye(width, dtype=torch.bool, device=mask_P_K.device)
         return allowed[:, None, :, :]
 
     def _decode_mask(self, mask_B_L: torch.Tensor) -> torch.Tensor:

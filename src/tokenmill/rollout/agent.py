@@ -38,7 +38,9 @@ class AgentLimits:
     step_timeout_s: float = 30.0  # one reset / step / close
     max_concurrent: int = 256  # live episodes (the engine batch is at most this)
     end_on_truncation: bool = True  # a turn cut at max_tokens ends the episode (else it is closed and goes on)
-    length_ratio: float = 0.6  # an engine call holds histories of at least this share of its longest (0 = one call)
+    # > 0: an engine call holds histories of at least this share of its longest (for engines that re-read
+    # every history; with a prefix cache only new tokens are read, so one call per turn budget is best)
+    length_ratio: float = 0.0
 
 
 class ChatFormat:
