@@ -1,6 +1,6 @@
 """Mixed-length episodes: does a short episode wait for a long one?
 
-    python benchmarks/agent_episodes.py              # 256 episodes of 1-8 turns, 32 at a time (~1 min)
+    python benchmarks/agent_episodes.py              # 512 episodes of 1-8 turns, 32 at a time (~2 min)
 
 Episodes last 1 to 8 turns (uniform, seeded); every turn samples up to 8 tokens from the quickstart-sized
 tiny model. Both schedules run the same episodes with the same engine and at most `--slots` live episodes:
@@ -64,6 +64,7 @@ def run_schedule(loop, tasks, slots: int, waves: bool) -> dict:
         episodes = asyncio.run(loop.run(queue))
     seconds = time.perf_counter() - start
     s = loop.stats
+    short = [e for e, t in zip(episodes, tasks, strict=True) if t["turns"] <= 2]
     return {
         "seconds": round(seconds, 2),
         "episodes_per_s": round(len(episodes) / seconds, 2),
@@ -72,15 +73,19 @@ def run_schedule(loop, tasks, slots: int, waves: bool) -> dict:
         "batch_occupancy": round(s.engine_rows / (s.rounds * slots), 3),
         "turns": sum(len(e.turn_rewards) for e in episodes),
         "failed": s.failed,
+        # when an episode's result is ready, from the start of the run: waves hold a short episode's
+        # successor back until the wave's longest episode ends
+        "mean_done_s": round(sum(e.finished - start for e in episodes) / len(episodes), 3),
+        "short_mean_done_s": round(sum(e.finished - start for e in short) / max(1, len(short)), 3),
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--episodes", type=int, default=256)
+    p.add_argument("--episodes", type=int, default=512)
     p.add_argument("--slots", type=int, default=32)
     p.add_argument("--max-turns", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=3, help="runs of each schedule (interleaved); the median counts")
+    p.add_argument("--repeats", type=int, default=5, help="runs of each schedule (interleaved); the median counts")
     p.add_argument("--length-ratio", type=float, default=None,
                    help="AgentLimits.length_ratio (default: the library's); 0 = one engine call per round")
     p.add_argument("--prefix-cache-tokens", type=int, default=1 << 18,
@@ -124,10 +129,10 @@ def main() -> None:
                "ideal_rounds": ideal, "length_ratio": limits.length_ratio, "results": results,
                "episodes_per_s_vs_waves_uncached": {k: round(v["episodes_per_s"] / base, 2) for k, v in results.items()}}
     print(f"\n| schedule | median wall s | episodes/s | vs waves, uncached | rounds (ideal {ideal}) | engine calls "
-          "| batch occupancy |\n|---|---|---|---|---|---|---|")
+          "| batch occupancy | mean s to result (1-2 turn episodes) |\n|---|---|---|---|---|---|---|---|")
     for name, x in results.items():
         print(f"| {name} | {x['seconds']} | {x['episodes_per_s']} | {x['episodes_per_s'] / base:.2f}x | {x['rounds']} "
-              f"| {x['engine_calls']} | {x['batch_occupancy']} |")
+              f"| {x['engine_calls']} | {x['batch_occupancy']} | {x['mean_done_s']} ({x['short_mean_done_s']}) |")
     ratio = results["refill, cached"]["episodes_per_s"] / results["waves, cached"]["episodes_per_s"]
     summary["refill_vs_waves_cached"] = round(ratio, 2)
     print(f"\nrefill / waves (both with the prefix cache), episodes/s: {ratio:.2f}x")
