@@ -62,3 +62,36 @@ def test_trajectories_are_the_sampled_tokens_with_policy_tokens_masked(game_warm
         assert all(x == 0 for x, m in zip(s.logprobs, s.loss_mask, strict=True) if not m)
         # the return is the environment's: 1 when solved
         assert s.reward == (1.0 if s.row["info"].get("solved") else 0.0)
+
+
+def test_a_remote_environment_gives_the_same_trajectories_as_in_process(game_warm):
+    """The same seeded engine and tasks, the game in-process and served by a real uvicorn server on loopback:
+    identical tokens, loss masks, logprobs, rewards and messages."""
+    from tokenmill.engines.hf import HFEngine
+    from tokenmill.envs.guess import GuessNumberEnv, guess_number_tasks
+    from tokenmill.envs.remote import remote_factory
+    from tokenmill.envs.server import create_app, start_in_thread
+    from tokenmill.rollout.agent import AgentLimits, AgentLoop
+    from tokenmill.types import SamplingParams
+
+    tasks = [dict(r) for r in guess_number_tasks(12, seed=11)]
+
+    def rollout(factory):
+        engine = HFEngine.from_pretrained(str(game_warm), seed=5, prefix_cache_tokens=1 << 16)
+        loop = AgentLoop(engine, engine.tokenizer, factory, SamplingParams(max_tokens=4, n=4),
+                         AgentLimits(max_turns=3))
+        return [s for g in loop.rollout(tasks) for s in g.samples]
+
+    server, thread = start_in_thread(create_app(GuessNumberEnv))
+    assert thread.is_alive()
+    try:
+        remote = rollout(remote_factory(server.url))
+    finally:
+        server.stop()
+    local = rollout(GuessNumberEnv)
+    assert len(local) == len(remote) == 48
+    for a, b in zip(local, remote, strict=True):
+        assert (a.tokens, a.loss_mask, a.logprobs, a.reward) == (b.tokens, b.loss_mask, b.logprobs, b.reward)
+        assert a.row["messages"] == b.row["messages"]
+    solved = sum(s.reward for s in local)
+    assert 0 < solved < len(local)  # both solved and unsolved episodes were compared
