@@ -168,12 +168,9 @@ def cmd_env_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--kwargs: not JSON ({exc})") from None
     if not isinstance(kwargs, dict):
         raise ConfigError("--kwargs: expected a JSON object of constructor arguments")
-    from tokenmill.envs import BUILTIN_ENVS
-
-    spec = BUILTIN_ENVS[args.env][0] if args.env in BUILTIN_ENVS else args.env
     token = args.token or os.environ.get("TOKENMILL_ENV_TOKEN") or None
     try:
-        serve(spec, host=args.host, port=args.port, token=token, allow_remote=args.allow_remote, kwargs=kwargs,
+        serve(args.env, host=args.host, port=args.port, token=token, allow_remote=args.allow_remote, kwargs=kwargs,
               max_episodes=args.max_episodes, step_timeout_s=args.step_timeout_s)
     except ValueError as exc:  # a bad spec or an unsafe exposure: one line, no traceback
         raise ConfigError(f"env serve: {exc}") from None

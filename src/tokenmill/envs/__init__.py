@@ -22,30 +22,39 @@ BUILTIN_ENVS: dict[str, tuple[str, str]] = {
 }
 
 
-def _load(spec: str, field: str) -> Any:
-    module, _, attr = spec.partition(":")
-    if not module or not attr:
-        raise ConfigError(f"{field}: expected 'module:Class', got {spec!r}")
+def load_object(spec: str, field: str) -> Any:
+    """Import "package.module:Name" (Name may be dotted); errors name `field`."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{field}: {spec!r} must look like 'package.module:ClassName'")
     try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"{field}: cannot import {spec!r}: {type(exc).__name__}: {exc}") from None
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any failure of user code at import is a config problem
+        raise ConfigError(f"{field}: {spec!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ConfigError(f"{field}: {spec!r}: {module_name!r} has no attribute {attr!r}") from None
+    return obj
 
 
 def resolve_env(name: str, kwargs: dict[str, Any] | None = None, field: str = "env.name") -> EnvFactory:
-    """A factory making a fresh environment per episode from a built-in name or 'module:Class'."""
+    """A factory making a fresh environment per episode from a built-in name or 'module:Class' (with
+    kwargs, `partial(Class, **kwargs)`)."""
     spec = BUILTIN_ENVS[name][0] if name in BUILTIN_ENVS else name
-    cls = _load(spec, field)
+    cls = load_object(spec, field)
     if not callable(cls):
-        raise ConfigError(f"{field}: {spec!r} is not a class or factory")
-    return functools.partial(cls, **(kwargs or {}))
+        raise ConfigError(f"{field}: {spec!r} names a {type(cls).__name__}, not a class or factory")
+    return functools.partial(cls, **kwargs) if kwargs else cls
 
 
 def env_tasks(name: str, n: int, seed: int = 0, **kwargs: Any):
     """Task rows of a built-in environment."""
     if name not in BUILTIN_ENVS:
         raise ConfigError(f"data.task: {name!r} has no built-in tasks (built-in: {', '.join(BUILTIN_ENVS)})")
-    return _load(BUILTIN_ENVS[name][1], "data.task")(n, seed=seed, **kwargs)
+    return load_object(BUILTIN_ENVS[name][1], "data.task")(n, seed=seed, **kwargs)
 
 
-__all__ = ["BUILTIN_ENVS", "EnvFactory", "Environment", "Message", "StepResult", "env_tasks", "resolve_env"]
+__all__ = ["BUILTIN_ENVS", "EnvFactory", "Environment", "Message", "StepResult", "env_tasks", "load_object",
+           "resolve_env"]

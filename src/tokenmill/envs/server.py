@@ -25,9 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import functools
 import hmac
-import importlib
 import inspect
 import ipaddress
 import logging
@@ -53,6 +51,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.envs.base import EnvFactory, StepResult, as_messages, as_step_result
+from tokenmill.types import ConfigError
 
 log = logging.getLogger("tokenmill.envs.server")
 T = TypeVar("T")
@@ -398,23 +397,14 @@ def create_app(
 
 # ------------------------------------------------------------------------------------------ running it
 def load_factory(spec: str, kwargs: dict[str, Any] | None = None) -> EnvFactory:
-    """"package.module:Name" (Name may be dotted) -> a factory; with kwargs, `partial(Name, **kwargs)`."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"environment spec {spec!r} must look like 'package.module:ClassName'")
+    """A built-in environment name or "package.module:Name" -> a factory (`partial(Name, **kwargs)` with
+    kwargs); a bad spec raises ValueError."""
+    from tokenmill.envs import resolve_env
+
     try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ValueError(f"environment spec {spec!r}: cannot import {module_name!r}: {_describe(exc)}") from exc
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as exc:
-            raise ValueError(f"environment spec {spec!r}: {module_name!r} has no attribute {attr!r}") from exc
-    if not callable(obj):
-        raise ValueError(  # noqa: TRY004 - one exception type for every bad spec, as documented
-            f"environment spec {spec!r} names a {type(obj).__name__}, not a class or factory")
-    return functools.partial(obj, **kwargs) if kwargs else obj
+        return resolve_env(spec, kwargs, field="environment spec")
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def check_exposure(host: str, token: str | None, allow_remote: bool) -> None:
