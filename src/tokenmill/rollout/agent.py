@@ -113,10 +113,12 @@ class AgentStats:
     failed: int = 0
 
     def report(self, max_concurrent: int) -> dict[str, float]:
+        """Metrics; occupancy is against the slots the run could fill (fewer episodes than slots fill fewer)."""
+        slots = min(max_concurrent, self.episodes) if self.episodes else max_concurrent
         return {
             "agent/engine_calls": self.engine_calls,
             "agent/rounds": self.rounds,
-            "agent/batch_occupancy": self.engine_rows / max(1, self.rounds * max_concurrent),
+            "agent/batch_occupancy": self.engine_rows / max(1, self.rounds * slots),
             "agent/mean_batch": self.engine_rows / max(1, self.rounds),
             "agent/engine_s": self.engine_seconds,
             "agent/env_s": self.env_seconds,
