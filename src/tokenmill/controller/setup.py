@@ -156,18 +156,9 @@ def load_policy(cfg: ModelConfig, device: torch.device):
 
 def add_lora(model: torch.nn.Module, cfg: LoRAConfig) -> torch.nn.Module:
     """Wrap the policy with peft LoRA adapters: only they train; the engine samples from the same module."""
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError:
-        raise ConfigError("model.lora.rank: LoRA needs peft (pip install 'tokenmill[lora]')") from None
-    lora = LoraConfig(
-        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=cfg.target_modules,
-        task_type="CAUSAL_LM",
-    )
-    try:
-        return get_peft_model(model, lora)
-    except ValueError as exc:
-        raise ConfigError(f"model.lora.target_modules: {exc}") from None
+    from tokenmill.training.lora import add_lora as wrap
+
+    return wrap(model, cfg, task_type="CAUSAL_LM", field="model.lora")
 
 
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
