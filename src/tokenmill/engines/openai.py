@@ -1,0 +1,116 @@
+"""An `InferenceEngine` over OpenAI-compatible servers: tokenmill's own (`tokenmill serve`), vLLM or SGLang.
+
+    >>> engine = RemoteEngine(["http://127.0.0.1:8000"], pad_id=0)                       # doctest: +SKIP
+    >>> [[c]] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4))              # doctest: +SKIP
+    >>> len(c.token_ids) == len(c.logprobs)                                              # doctest: +SKIP
+    True
+
+Prompts go out as token ids (`/v1/completions` takes a list of ints as the prompt), so the server never
+re-tokenises what the trainer will train on, and the answer's `token_ids` (vLLM's `return_token_ids`, also
+understood by tokenmill's server) are the exact sampled tokens. Each prompt is one request with `n` samples,
+so a GRPO group shares one prefill on the server; the prompts of a batch go out concurrently, and the
+servers' continuous batching turns them into one running batch.
+
+What must match on the server side for the logprobs to be the trainer's quantity (the tempered
+distribution's logprob of each sampled token): tokenmill's server does this by default; vLLM needs
+`--logprobs-mode processed_logprobs`; SGLang returns the tempered logprobs when the request has
+`"return_logprob": true` (its native API). See the README's "Engine servers" section.
+
+Weights: `update_weights` hands the tensors to a `tokenmill.sync` weight sync (files or broadcast), which
+pushes them to every server; the version each server reports back is the one its samples carry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import torch
+
+from tokenmill.engines.pool import EndpointPool
+from tokenmill.types import Completion, SamplingParams, StopReason
+
+
+class _Sync(Protocol):
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None: ...
+
+
+class RemoteEngine:
+    """Samples from one or more OpenAI-compatible servers, with load balancing and failover (`EndpointPool`).
+
+    urls:          server base URLs ("http://host:port", no /v1)
+    pad_id:        the tokenizer's pad id (the trainer pads with it; the engine itself never pads)
+    model:         the served model name sent in requests (vLLM and SGLang check it; ours accepts any)
+    sync:          how `update_weights` reaches the servers (a `tokenmill.sync` WeightSync); None: refuse
+    max_parallel:  requests in flight at once across all servers
+    """
+
+    def __init__(self, urls: list[str], *, pad_id: int, token: str | None = None, model: str = "tokenmill",
+                 timeout_s: float = 300.0, retries: int = 3, backoff_s: float = 0.5, cooldown_s: float = 5.0,
+                 sync: _Sync | None = None, max_parallel: int = 256) -> None:
+        self.pool = EndpointPool(urls, token=token, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
+                                 cooldown_s=cooldown_s)
+        self.pad_id = pad_id
+        self.model = model
+        self.sync = sync
+        self.version = 0
+        self.versions_seen: list[int] = []
+        self._workers = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="tokenmill-remote")
+
+    # ---------------------------------------------------------------------------------------- generation
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        if not prompts:
+            return []
+        answers = list(self._workers.map(lambda p: self.pool.post("/v1/completions", self._body(p, params)),
+                                         prompts))
+        out: list[list[Completion]] = []
+        for answer in answers:
+            if "policy_version" in answer:
+                self.versions_seen.append(int(answer["policy_version"]))
+            out.append([_completion(c) for c in sorted(answer["choices"], key=lambda c: c.get("index", 0))])
+        return out
+
+    def _body(self, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model, "prompt": list(prompt), "max_tokens": params.max_tokens, "n": params.n,
+            "temperature": 0.0 if params.greedy else params.temperature, "top_p": params.top_p,
+            "logprobs": 1, "return_token_ids": True,
+        }
+        if params.top_k:
+            body["top_k"] = params.top_k
+        if params.stop:
+            body["stop"] = list(params.stop)
+        return body
+
+    # ------------------------------------------------------------------------------------------- weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        if self.sync is None:
+            raise RuntimeError("RemoteEngine has no weight sync: pass sync=FileSync(...) or BroadcastSync(...) "
+                               "(tokenmill.sync), or set engine.sync in the config")
+        self.sync.push(named_tensors, version)
+        self.version = version
+
+    def health(self) -> dict[str, bool]:
+        return self.pool.probe()
+
+    def close(self) -> None:
+        self._workers.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
+        if self.sync is not None and hasattr(self.sync, "close"):
+            self.sync.close()
+
+
+def _completion(choice: dict[str, Any]) -> Completion:
+    """A choice of an OpenAI completions answer as a `Completion`; needs the token ids and their logprobs."""
+    ids = choice.get("token_ids")
+    logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+    if ids is None or logprobs is None:
+        raise ValueError("the engine server's answer has no token_ids/logprobs: tokenmill needs the exact sampled "
+                         "tokens (vLLM: send return_token_ids; tokenmill serve does by default)")
+    if len(ids) != len(logprobs):
+        raise ValueError(f"the server returned {len(ids)} token ids but {len(logprobs)} logprobs")
+    reason = {"stop": StopReason.STOP, "length": StopReason.LENGTH}.get(choice.get("finish_reason"),
+                                                                          StopReason.STOP)
+    return Completion(tuple(int(t) for t in ids), tuple(float(x) for x in logprobs), reason,
+                      choice.get("text", ""))
