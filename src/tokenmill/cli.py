@@ -78,8 +78,6 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_preference(args: argparse.Namespace) -> int:
-    import copy
-
     from tokenmill.config import PreferenceConfig, load_config, parse_overrides
     from tokenmill.controller.setup import load_policy, resolve_device
     from tokenmill.data import load_rows
@@ -99,12 +97,13 @@ def cmd_preference(args: argparse.Namespace) -> int:
     common = {"steps": cfg.steps, "batch_size": cfg.batch_size, "learning_rate": cfg.learning_rate,
               "warmup_steps": cfg.warmup_steps, "seed": cfg.seed, "output_dir": cfg.output_dir}
     if cfg.objective == "reward_model":
-        model, tok = pref.load_reward_model_for_training(cfg.model.path, seed=cfg.seed)
+        model, tok = pref.load_reward_model_for_training(cfg.model.path, seed=cfg.seed, lora=cfg.model.lora,
+                                                         device=resolve_device(cfg.model.device))
         losses = pref.run_reward_model(model, tok, rows, **common)
         report = {"pairwise_accuracy": pref.pairwise_accuracy(model, tok, held)} if held else {}
     else:
         model, tok = load_policy(cfg.model, resolve_device(cfg.model.device))
-        reference = copy.deepcopy(model).eval()
+        reference = pref.frozen_reference(model)  # None with LoRA: the adapters switched off are the reference
         losses = pref.run_dpo(model, tok, rows, loss=cfg.objective, beta=cfg.beta, **common)
         report = pref.implicit_margin(model, reference, tok, held) if held else {}
     print(json.dumps({"objective": cfg.objective, "loss_first": losses[0], "loss_last": losses[-1],

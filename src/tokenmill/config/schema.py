@@ -211,6 +211,10 @@ class CriticConfig(_Section):
         0, ge=0, description="RL steps at the start that train only the critic (the policy waits for useful values)."
     )
     max_grad_norm: float = Field(1.0, gt=0.0, description="Clip the critic's gradient norm to this.")
+    lora: LoRAConfig = Field(
+        default_factory=LoRAConfig,
+        description="Low-rank adapters (peft) for the critic: only they and the value head train; off when rank is 0.",
+    )
 
 
 class TrainingConfig(_Section):

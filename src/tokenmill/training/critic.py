@@ -18,12 +18,14 @@ from tokenmill.algorithms.value import explained_variance, gae, token_rewards, v
 from tokenmill.config.schema import AlgorithmConfig, CriticConfig
 from tokenmill.training.batch import Batch, collate
 from tokenmill.training.local import LocalBackend
+from tokenmill.training.lora import add_lora
 from tokenmill.types import ConfigError, Sample
 
 
 def load_critic(cfg: CriticConfig, policy_path: str, device: torch.device) -> torch.nn.Module:
     """The critic's model: `cfg.path`, or the policy's weights with a zeroed value head (every value starts at
-    0, so the first advantages are plain returns and the critic learns from there)."""
+    0, so the first advantages are plain returns and the critic learns from there). With `cfg.lora.rank > 0`
+    only LoRA adapters and the head train (peft)."""
     from transformers import AutoModelForTokenClassification
     from transformers.utils import logging as hf_logging
 
@@ -43,6 +45,8 @@ def load_critic(cfg: CriticConfig, policy_path: str, device: torch.device) -> to
         with torch.no_grad():
             for p in model.score.parameters():
                 p.zero_()
+    if cfg.lora.rank > 0:  # adapters + the value head train; the head's trained copy starts from the zeroed one
+        model = add_lora(model, cfg.lora, task_type="TOKEN_CLS", field="critic.lora")
     return model.to(device)
 
 

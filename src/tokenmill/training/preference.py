@@ -2,9 +2,11 @@
 
 Both read rows with `prompt`, `chosen` and `rejected` columns. DPO-family losses compare the policy's summed
 log-probability of the chosen and the rejected completion (end-of-sequence token included, prompt excluded),
-against a frozen copy of the starting policy where the loss needs one. The reward model is an
+against a frozen copy of the starting policy where the loss needs one; with LoRA that reference is the same
+module with its adapters switched off (the base weights never train), so it costs no memory. The reward model is an
 `AutoModelForSequenceClassification` (one label) trained on `prompt + completion` text, the exact text
-`rewards.ModelReward` scores, so its folder plugs straight into an RL config's `rewards`.
+`rewards.ModelReward` scores, so its folder plugs straight into an RL config's `rewards`; with LoRA only the
+adapters and the score head train, and the exported folder has them merged.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ import torch
 
 from tokenmill.algorithms.preference import bradley_terry_loss, dpo_loss, ipo_loss, simpo_loss
 from tokenmill.checkpoint.export import export_model
+from tokenmill.config.schema import LoRAConfig
 from tokenmill.training.batch import collate
 from tokenmill.training.local import LocalBackend, token_logprobs
+from tokenmill.training.lora import add_lora, is_lora
 from tokenmill.training.sft import sft_sample
+from tokenmill.types import ConfigError
 
 PreferenceLoss = Literal["dpo", "ipo", "simpo"]
 
@@ -39,6 +44,29 @@ def pair_logprobs(model, tokenizer, rows: Sequence[dict[str, Any]]) -> tuple[tor
     lengths_B = mask_B_T.sum(-1)[in_sample_order]
     p = len(rows)
     return sums_B[:p], sums_B[p:], lengths_B[:p], lengths_B[p:]
+
+
+def frozen_reference(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The reference DPO / IPO compare against: a frozen copy of a fully trained `model`; None for a LoRA
+    model, whose reference is the model itself with its adapters disabled (see `reference_pair_logprobs`)."""
+    if is_lora(model):
+        return None
+    return copy.deepcopy(model).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def reference_pair_logprobs(model, reference, tokenizer, rows: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
+    """`pair_logprobs` of the reference: `reference` if there is one, else `model` (a LoRA model) with its
+    adapters disabled, in eval mode like a frozen copy."""
+    if reference is not None:
+        return pair_logprobs(reference, tokenizer, rows)
+    was_training = model.training
+    model.eval()
+    try:
+        with model.disable_adapter():
+            return pair_logprobs(model, tokenizer, rows)
+    finally:
+        model.train(was_training)
 
 
 def preference_loss(
@@ -67,16 +95,14 @@ def run_dpo(
     seed: int = 0,
     output_dir: str | Path | None = None,
 ) -> list[float]:
-    """Train `model` in place on preference pairs; return the loss of each step."""
-    reference = None
-    if loss != "simpo":
-        reference = copy.deepcopy(model).eval().requires_grad_(False)
+    """Train `model` in place on preference pairs; return the loss of each step. A LoRA model is its own
+    reference (adapters disabled); any other is compared with a frozen copy of itself."""
+    reference = frozen_reference(model) if loss != "simpo" else None
 
     def step_loss(picked: list[dict[str, Any]]) -> torch.Tensor:
         ref = None
-        if reference is not None:
-            with torch.no_grad():
-                ref = pair_logprobs(reference, tokenizer, picked)
+        if loss != "simpo":
+            ref = reference_pair_logprobs(model, reference, tokenizer, picked)
         return preference_loss(loss, pair_logprobs(model, tokenizer, picked), ref, beta)[0]
 
     return _pairwise_training(model, tokenizer, rows, step_loss, steps=steps, batch_size=batch_size,
@@ -110,14 +136,15 @@ def _pairwise_training(
 @torch.no_grad()
 def implicit_margin(model, reference, tokenizer, rows, chunk: int = 128) -> dict[str, float]:
     """Held-out DPO diagnostics: mean implicit reward margin (pi_c - ref_c) - (pi_r - ref_r) and the share of
-    pairs where the policy gives the chosen completion the higher log-probability."""
+    pairs where the policy gives the chosen completion the higher log-probability. `reference` None: a LoRA
+    `model` with its adapters disabled."""
     model.eval()
     rows = [rows[i] for i in range(len(rows))]
     margins, ranked = [], []
     for start in range(0, len(rows), chunk):
         part = rows[start : start + chunk]
         c, r, _, _ = pair_logprobs(model, tokenizer, part)
-        rc, rr, _, _ = pair_logprobs(reference, tokenizer, part)
+        rc, rr, _, _ = reference_pair_logprobs(model, reference, tokenizer, part)
         margins += ((c - rc) - (r - rr)).tolist()
         ranked += (c > r).tolist()
     return {"margin": sum(margins) / len(margins), "chosen_preferred": sum(ranked) / len(ranked)}
@@ -129,16 +156,24 @@ def _rm_scores(model, tokenizer, prompts: list[str], completions: list[str]) -> 
     return model(**enc).logits[:, 0].float()
 
 
-def load_reward_model_for_training(path: str | Path, seed: int = 0):
-    """A one-label sequence classifier on top of a causal LM folder (the head starts fresh, seeded)."""
+def load_reward_model_for_training(
+    path: str | Path, seed: int = 0, lora: LoRAConfig | None = None, device: torch.device | str = "cpu"
+):
+    """A one-label sequence classifier on top of a causal LM folder (the head starts fresh, seeded). With
+    `lora.rank > 0` only the adapters and the head train; `export_model` merges them into a plain folder."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     torch.manual_seed(seed)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.path: cannot load a reward model from {str(path)!r}: {exc}") from None
     tokenizer.padding_side = "right"
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
     model.config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
+    if lora is not None and lora.rank > 0:
+        model = add_lora(model, lora, task_type="SEQ_CLS", field="model.lora")
+    return model.to(device), tokenizer
 
 
 def run_reward_model(
