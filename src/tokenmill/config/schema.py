@@ -81,7 +81,8 @@ class RewardFunctionConfig(_Section):
     type: Literal["function"] = "function"
     name: str | None = Field(None, description="Name used in metrics; defaults to the function's name.")
     function: str = Field(
-        ..., description="Import string 'module:attr' of a TRL-style fn(prompts, completions, **columns)."
+        ..., description="Import string 'module:attr' or 'path/to/file.py:attr' of a TRL-style "
+        "fn(prompts, completions, **columns)."
     )
     weight: float = Field(1.0, description="Weight in the total reward.")
     timeout_s: float = Field(10.0, gt=0, description="Seconds one batched call may take before it fails.")
