@@ -19,6 +19,7 @@ class StopReason(str, enum.Enum):
     STOP = "stop"  # end-of-sequence token or a stop string
     LENGTH = "length"  # hit max_tokens
     ERROR = "error"  # the engine failed for this request
+    ABORT = "abort"  # cut short on purpose (weight update with interruption, cancel): tokens so far
 
 
 class TokenmillError(Exception):
