@@ -195,6 +195,16 @@ class AlgorithmConfig(_Section):
         description="Do not run forward/backward on samples whose advantage is 0 (identical gradient when "
         "kl_coef is 0; their tokens still count in the loss normaliser).",
     )
+    off_policy: Literal["none", "tis", "decoupled"] = Field(
+        "none", description="Off-policy correction for stale samples (async training): none (PPO ratio against "
+        "the sampler's logprobs); tis (ratio against the trainer's recomputed logprobs, loss times "
+        "min(pi_trainer / pi_sampler, is_cap)); decoupled (AReaL's decoupled PPO: clip against the recomputed "
+        "proximal policy, weight pi_proximal / pi_sampler, tokens whose weight exceeds is_cap dropped). "
+        "tis and decoupled cost one extra no-grad forward per step."
+    )
+    is_cap: float = Field(
+        2.0, ge=1.0, description="Cap C of the behaviour importance weight (algorithm.off_policy tis / decoupled)."
+    )
 
 
 class CriticConfig(_Section):
@@ -246,6 +256,52 @@ class ControllerConfig(_Section):
         0, ge=0, description="Stop (with a checkpoint) after this many steps in one invocation; resume later "
         "with checkpoint.resume (0 = run to the end). For time-sliced jobs."
     )
+    max_staleness: int = Field(
+        0, ge=0, description="Asynchronous training: generation may run this many policy versions ahead of "
+        "training (0 = synchronous, 1 = one-step off-policy, ...). Needs an engine.placement other than "
+        "colocated to overlap. The rollout producer waits rather than exceed it; samples older than it "
+        "(a server that lost an update) are dropped and counted."
+    )
+    partial_rollouts: bool = Field(
+        False, description="Async: at a weight update, interrupt in-flight generations and continue them with "
+        "the new weights (each token records its policy version). engine.placement thread only."
+    )
+    partial_chunk_tokens: int = Field(
+        4, ge=1, description="Partial rollouts: tokens generated between checks for new weights."
+    )
+    rollout_timeout_s: float = Field(
+        600.0, gt=0, description="Async: seconds the trainer waits for the next rollout batch before it fails "
+        "naming the producer."
+    )
+
+
+class EngineConfig(_Section):
+    """Where generation runs and how new weights reach it. The loop is the same for every placement."""
+
+    placement: Literal["colocated", "thread", "process", "remote"] = Field(
+        "colocated", description="colocated: the engine samples from the trainer's own module (no copy, no "
+        "overlap); thread: a second in-process engine with a copy of the weights, driven by a rollout thread; "
+        "process: `tokenmill serve` subprocesses on loopback ports; remote: OpenAI-compatible servers at "
+        "engine.urls (ours, vLLM, SGLang)."
+    )
+    urls: list[str] = Field(default_factory=list, description="Server base URLs (engine.placement remote).")
+    num_servers: int = Field(1, ge=1, description="Servers spawned by engine.placement process.")
+    sync: Literal["inprocess", "files", "broadcast"] | None = Field(
+        None, description="How weights reach the engine: inprocess (colocated, thread), files (safetensors "
+        "folder + HTTP notify) or broadcast (torch.distributed); default: inprocess in-process, files otherwise."
+    )
+    token: str | None = Field(None, description="Bearer token for the servers (default: $TOKENMILL_SERVER_TOKEN).")
+    timeout_s: float = Field(120.0, gt=0, description="Seconds one engine request or weight update may take.")
+    threads: int = Field(
+        0, ge=0, description="torch threads of the generation side (rollout thread or each server); 0 = default."
+    )
+
+    @property
+    def weight_sync(self) -> str:
+        """The sync method in effect (the default resolved)."""
+        if self.sync is not None:
+            return self.sync
+        return "inprocess" if self.placement in ("colocated", "thread") else "files"
 
 
 class TrackingConfig(_Section):
@@ -281,6 +337,7 @@ class RLConfig(_Section):
     )
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Engine placement and weight sync.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
@@ -299,12 +356,39 @@ class RLConfig(_Section):
                              "with algorithm.advantage 'gae' use ppo_clip or cispo")
         if self.algorithm.kl_in_reward and self.algorithm.advantage != "gae":
             raise ValueError("algorithm.kl_in_reward: only PPO (algorithm.advantage 'gae') has per-token rewards")
+        _check_async(self)
         if self.algorithm.overlong_buffer >= self.generation.max_tokens:
             raise ValueError(
                 f"algorithm.overlong_buffer: algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must be "
                 f"below generation.max_tokens ({self.generation.max_tokens})"
             )
         return self
+
+
+def _check_async(cfg: RLConfig) -> None:
+    """Placement, weight sync and staleness fit together (each error names the field to change)."""
+    eng, ctl = cfg.engine, cfg.controller
+    if eng.placement == "colocated" and ctl.max_staleness > 0:
+        raise ValueError("controller.max_staleness: a colocated engine samples from the trainer's own module, so "
+                         "generation cannot run ahead of training; set engine.placement to thread, process or remote")
+    if eng.placement == "remote" and not eng.urls:
+        raise ValueError("engine.urls: engine.placement remote needs at least one server URL")
+    if eng.placement != "remote" and eng.urls:
+        raise ValueError(f"engine.urls: only used with engine.placement remote (placement is {eng.placement!r})")
+    if eng.num_servers > 1 and eng.placement != "process":
+        raise ValueError("engine.num_servers: only used with engine.placement process")
+    in_process = eng.placement in ("colocated", "thread")
+    if in_process and eng.weight_sync != "inprocess":
+        raise ValueError(f"engine.sync: an in-process engine ({eng.placement}) takes weights in process; "
+                         f"{eng.weight_sync!r} is for process / remote placements")
+    if not in_process and eng.weight_sync == "inprocess":
+        raise ValueError(f"engine.sync: inprocess cannot reach a {eng.placement} engine; use files or broadcast")
+    if ctl.partial_rollouts and eng.placement != "thread":
+        raise ValueError("controller.partial_rollouts: interrupting in-flight generations is implemented for "
+                         "engine.placement thread")
+    if cfg.algorithm.off_policy != "none" and cfg.algorithm.loss == "gspo":
+        raise ValueError("algorithm.off_policy: the correction weighs tokens; gspo clips a sequence ratio "
+                         "(use ppo_clip or cispo)")
 
 
 class SFTConfig(_Section):
