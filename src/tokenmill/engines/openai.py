@@ -110,7 +110,7 @@ def _completion(choice: dict[str, Any]) -> Completion:
                          "tokens (vLLM: send return_token_ids; tokenmill serve does by default)")
     if len(ids) != len(logprobs):
         raise ValueError(f"the server returned {len(ids)} token ids but {len(logprobs)} logprobs")
-    reason = {"stop": StopReason.STOP, "length": StopReason.LENGTH}.get(choice.get("finish_reason"),
+    reason = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT}.get(choice.get("finish_reason"),
                                                                           StopReason.STOP)
     return Completion(tuple(int(t) for t in ids), tuple(float(x) for x in logprobs), reason,
                       choice.get("text", ""))
