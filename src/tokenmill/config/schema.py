@@ -304,6 +304,23 @@ class EngineConfig(_Section):
         return "inprocess" if self.placement in ("colocated", "thread") else "files"
 
 
+class ProxyConfig(_Section):
+    """Proxy mode: an agent program you already have talks to tokenmill's OpenAI endpoint
+    (`http://HOST:PORT/proxy/<episode id>/v1`) and posts each episode's reward; finished episodes train the policy."""
+
+    host: str = Field("127.0.0.1", description="Address the endpoint binds (loopback unless proxy.allow_remote).")
+    port: int = Field(8011, ge=0, le=65535, description="Port of the endpoint (0 picks a free one).")
+    token: str | None = Field(None, description="Bearer token the agent must send (required off loopback).")
+    allow_remote: bool = Field(False, description="Allow a non-loopback proxy.host (needs proxy.token).")
+    agent_command: list[str] = Field(
+        default_factory=list, description="Optional agent program to start (argv; '{url}' is replaced by the "
+        "endpoint's URL, '{token}' by the token); the run ends when it exits and its episodes are used up."
+    )
+    wait_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one step's episodes before the run "
+                                  "stops with a message naming what arrived.")
+    episode_ttl_s: float = Field(600.0, gt=0, description="An open episode with no call for this long is dropped.")
+
+
 class TrackingConfig(_Section):
     output_dir: str = Field("runs/tokenmill", description="Run folder: metrics.jsonl, config, checkpoints.")
     console: Literal["rich", "plain", "none"] = Field("rich", description="Progress display on the console.")
@@ -338,6 +355,7 @@ class RLConfig(_Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Engine placement and weight sync.")
+    proxy: ProxyConfig | None = Field(None, description="Train on episodes of an external OpenAI-API agent program.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
