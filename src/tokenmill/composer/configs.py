@@ -1,0 +1,197 @@
+"""Config operations behind the Composer's routes: validate with field paths, YAML export / import, and the
+four-model diagram. Pure functions over the pydantic schema (no torch), so the CLI and tests can use them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from tokenmill.composer.schema_ui import MODES, fixed_values, schema_for
+from tokenmill.config.load import format_validation_error
+from tokenmill.config.schema import RewardFunctionConfig, RLConfig
+
+
+def error_list(text: str) -> list[dict[str, str]]:
+    """`format_validation_error` lines ("a.b: message") as [{"path", "message"}]."""
+    out = []
+    for line in text.splitlines():
+        path, sep, message = line.partition(": ")
+        out.append({"path": path, "message": message} if sep else {"path": "config", "message": line})
+    return out
+
+
+def validate(mode: str, config: dict[str, Any]) -> tuple[BaseModel | None, list[dict[str, str]]]:
+    """The mode's config object, or None and the errors (each naming its dotted field path)."""
+    schema = schema_for(mode)
+    if not isinstance(config, dict):
+        return None, [{"path": "config", "message": "expected a mapping of sections"}]
+    if mode == "preference" and config.get("objective") == "reward_model":
+        return None, [{"path": "objective", "message": "reward_model is its own mode: choose mode reward_model"}]
+    try:
+        return schema.model_validate({**config, **fixed_values(mode)}), []
+    except ValidationError as exc:
+        return None, error_list(format_validation_error(exc))
+
+
+def normalized(cfg: BaseModel) -> dict[str, Any]:
+    return cfg.model_dump(mode="json")
+
+
+def config_filename(mode: str) -> str:
+    return f"{mode}.yaml"
+
+
+def command_for(mode: str, filename: str) -> str:
+    return f"tokenmill {MODES[mode]['command']} {filename}"
+
+
+def export_yaml(mode: str, cfg: BaseModel) -> str:
+    """The YAML that `tokenmill train|sft|preference` reads unchanged: the values that differ from the
+    defaults (required ones always), in schema order, behind a comment naming the command."""
+    tree = cfg.model_dump(mode="json", exclude_defaults=True)
+    tree.update(fixed_values(mode))
+    header = f"# {command_for(mode, config_filename(mode))}   (written by tokenmill composer)\n"
+    return header + yaml.safe_dump(tree, sort_keys=False, allow_unicode=True)
+
+
+def guess_mode(tree: dict[str, Any]) -> str:
+    if "objective" in tree:
+        return "reward_model" if tree["objective"] == "reward_model" else "preference"
+    if {"completion_column", "messages_column", "packing"} & tree.keys() or "steps" in tree:
+        return "sft"
+    return "rl"
+
+
+def import_yaml(text: str, mode: str | None = None) -> dict[str, Any]:
+    """{"mode", "config", "errors"}: the normalized config when valid, else the raw mapping and the errors."""
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        return {"mode": mode or "rl", "config": {}, "errors": [{"path": "yaml", "message": f"not valid YAML: {exc}"}]}
+    if tree is None:
+        tree = {}
+    if not isinstance(tree, dict):
+        return {"mode": mode or "rl", "config": {},
+                "errors": [{"path": "yaml", "message": "the top level must be a mapping of sections"}]}
+    mode = mode or guess_mode(tree)
+    cfg, errors = validate(mode, tree)
+    return {"mode": mode, "config": normalized(cfg) if cfg is not None else tree, "errors": errors}
+
+
+# ------------------------------------------------------------------------------------------ diagram
+
+
+def _device(spec: str) -> str:
+    if spec != "auto":
+        return spec if spec != "cuda" else "cuda:0"
+    try:
+        import torch  # only to resolve "auto" as the trainer does
+
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return "cpu"
+
+
+def _model(role: str, active: bool, trainable: bool, device: str, why: str, name: str = "") -> dict[str, Any]:
+    return {"role": role, "active": active, "trainable": trainable and active, "device": device if active else None,
+            "why": why, "name": name}
+
+
+def _rl_models(cfg: RLConfig, device: str) -> list[dict[str, Any]]:
+    algo = cfg.algorithm
+    lora = cfg.model.lora.rank > 0
+    trains = f"LoRA adapters (rank {cfg.model.lora.rank})" if lora else "every weight"
+    actor_why = f"the policy; trains {trains}"
+    if cfg.engine.placement != "colocated":
+        actor_why += f"; generation runs in a separate engine ({cfg.engine.placement})"
+    critic_on = algo.advantage == "gae"
+    critic_why = ("PPO: a value model for GAE advantages" if critic_on
+                  else f"off: {algo.advantage} estimates advantages from the group's rewards, no value model")
+    fns = [r for r in cfg.rewards if isinstance(r, RewardFunctionConfig)]
+    models = [r for r in cfg.rewards if not isinstance(r, RewardFunctionConfig)]
+    names = ([cfg.data.task] if cfg.data.task else []) + [r.name or r.function for r in fns]
+    reward_on = bool(names or models or cfg.env is not None)
+    if models:
+        reward_why, reward_device = f"reward model(s) on the policy's device; functions: {len(names)}", device
+    elif cfg.env is not None:
+        reward_why, reward_device = "the environment's episode returns", "process"
+    else:
+        reward_why, reward_device = "reward functions in forked workers (killed on timeout)", "process"
+    if not reward_on:
+        reward_why = "no reward configured: add a reward function, a reward model or a task"
+    ref_on = algo.kl_coef > 0
+    ref_why = (("the base weights with the adapters off (no extra copy)" if lora else "a frozen copy of the "
+                "initial policy") + f" for the KL penalty (coef {algo.kl_coef:g})") if ref_on else \
+        "off: algorithm.kl_coef is 0"
+    return [
+        _model("actor", True, True, device, actor_why, cfg.model.path),
+        _model("critic", critic_on, True, device, critic_why, cfg.critic.path or cfg.model.path),
+        _model("reward", reward_on, False, reward_device, reward_why,
+               ", ".join(names + [r.name or r.path for r in models])),
+        _model("reference", ref_on, False, device, ref_why, cfg.model.path),
+    ]
+
+
+def _offline_models(mode: str, cfg: BaseModel, device: str) -> list[dict[str, Any]]:
+    path = cfg.model.path
+    if mode == "reward_model":
+        return [
+            _model("actor", False, False, device, "off: reward modelling trains no policy"),
+            _model("critic", False, False, device, "off: no value model"),
+            _model("reward", True, True, device, "a one-label sequence classifier trained on chosen/rejected "
+                   "pairs (Bradley-Terry)", path),
+            _model("reference", False, False, device, "off: no reference"),
+        ]
+    ref_on = mode == "preference" and cfg.objective != "simpo"
+    ref_why = "off" if mode == "sft" else ("off: SimPO needs no reference" if not ref_on else
+                                          f"frozen copy of the start policy for {cfg.objective.upper()}")
+    return [
+        _model("actor", True, True, device, "the policy being fine-tuned", path),
+        _model("critic", False, False, device, "off: no value model"),
+        _model("reward", False, False, device, "off: the data (pairs / targets) is the signal"),
+        _model("reference", ref_on, False, device, ref_why, path),
+    ]
+
+
+FLOWS = {
+    "actor": [("actor", "reward", "completions")],
+    "reward": [("reward", "actor", "rewards -> advantages")],
+    "critic": [("critic", "actor", "values -> GAE advantages")],
+    "reference": [("reference", "actor", "KL penalty")],
+}
+
+
+def diagram(mode: str, cfg: BaseModel) -> dict[str, Any]:
+    """Which of actor / critic / reward / reference exist for this config, where, and why."""
+    device = _device(cfg.model.device)
+    if mode == "rl":
+        models = _rl_models(cfg, device)
+    else:
+        models = _offline_models(mode, cfg, device)
+    active = {m["role"] for m in models if m["active"]}
+    flows = []
+    if mode == "rl":
+        for m in models:
+            for src, dst, label in FLOWS[m["role"]] if m["active"] else []:
+                if src in active and dst in active:
+                    flows.append({"from": src, "to": dst, "label": label})
+    elif mode == "preference" and "reference" in active:
+        flows.append({"from": "reference", "to": "actor", "label": "reference log-probs"})
+    return {"models": models, "flows": flows, "errors": []}
+
+
+def diagram_for(mode: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The diagram of a possibly unfinished config: a missing model path or data source is filled with a
+    placeholder (they do not change which models exist); other errors come back with no models."""
+    tree = dict(config) if isinstance(config, dict) else {}
+    model = tree.get("model") if isinstance(tree.get("model"), dict) else {}
+    tree["model"] = {"path": "(model.path not set)", **model}
+    if not isinstance(tree.get("data"), dict) or not ({"task", "path"} & tree["data"].keys()):
+        tree["data"] = {**(tree.get("data") or {}), "path": "(data not set)"}
+    cfg, errors = validate(mode, tree)
+    if cfg is None:
+        return {"models": [], "flows": [], "errors": errors}
+    return diagram(mode, cfg)

@@ -1,0 +1,90 @@
+"""Starting configs per hardware target and mode. Each is a complete, valid config (a test checks them all).
+
+The sizes follow the memory model in `composer/memory.py` (bytes per parameter of full fine-tuning vs LoRA,
+activations with the token budget `micro_batch_tokens`): a laptop trains a 0.5B model on CPU in fp32, one
+24 GB GPU a 1.5B model with LoRA, one 80 GB GPU a 3B model in full, and an 8xH100 node a 7B model with the
+policy on one GPU and generation in separate engine servers. The model ids are Hugging Face hub names; any
+local folder of the same architecture works.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from tokenmill.composer.schema_ui import MODES, fixed_values
+
+# (id, title, description, device memory GiB, devices, model, lora rank, device, dtype, token budget, scale)
+_TARGETS: list[dict[str, Any]] = [
+    {"id": "laptop_cpu", "title": "Laptop (CPU)", "memory": 16, "devices": 1,
+     "description": "Qwen2.5-0.5B on the CPU in fp32: slow but runs anywhere; short completions, small groups.",
+     "model": {"path": "Qwen/Qwen2.5-0.5B-Instruct", "device": "cpu", "dtype": "float32"},
+     "tokens": 2048, "scale": 1},
+    {"id": "gpu_24gb", "title": "One 24 GB GPU", "memory": 24, "devices": 1,
+     "description": "Qwen2.5-1.5B with LoRA (rank 32) in bf16: full fine-tuning of 1.5B needs ~24 GB of model "
+                    "states alone.",
+     "model": {"path": "Qwen/Qwen2.5-1.5B-Instruct", "device": "cuda:0", "dtype": "bfloat16",
+               "lora": {"rank": 32, "alpha": 64.0}},
+     "tokens": 8192, "scale": 2},
+    {"id": "gpu_80gb", "title": "One 80 GB GPU", "memory": 80, "devices": 1,
+     "description": "Qwen2.5-3B, every weight trained in bf16 with fp32 AdamW states (~49 GB) and room for "
+                    "activations.",
+     "model": {"path": "Qwen/Qwen2.5-3B-Instruct", "device": "cuda:0", "dtype": "bfloat16"},
+     "tokens": 16384, "scale": 4},
+    {"id": "node_8xh100", "title": "8xH100 node", "memory": 80, "devices": 8,
+     "description": "Qwen2.5-7B with LoRA (rank 64) trained on one GPU while 7 engine servers generate "
+                    "(RL: engine.placement process, one step off-policy).",
+     "model": {"path": "Qwen/Qwen2.5-7B-Instruct", "device": "cuda:0", "dtype": "bfloat16",
+               "lora": {"rank": 64, "alpha": 128.0}},
+     "tokens": 16384, "scale": 8, "servers": 7},
+]
+
+
+def _rl(t: dict[str, Any]) -> dict[str, Any]:
+    s = t["scale"]
+    cfg: dict[str, Any] = {
+        "data": {"task": "countdown"},
+        "generation": {"group_size": 4 if s == 1 else 8, "max_tokens": 64 if s == 1 else 256 * min(s, 4),
+                       "temperature": 1.0},
+        "algorithm": {"advantage": "grpo", "kl_coef": 0.0},
+        "training": {"learning_rate": 1e-6 if "lora" not in t["model"] else 1e-5,
+                     "micro_batch_tokens": t["tokens"]},
+        "controller": {"steps": 200, "prompts_per_step": 4 * s, "eval_every": 50},
+        "tracking": {"console": "plain"},
+        "checkpoint": {"every": 50},
+    }
+    if t.get("servers"):
+        cfg["engine"] = {"placement": "process", "num_servers": t["servers"]}
+        cfg["controller"]["max_staleness"] = 1
+    return cfg
+
+
+def _sft(t: dict[str, Any]) -> dict[str, Any]:
+    return {"data": {"task": "addition"}, "steps": 300, "batch_size": 8 * t["scale"],
+            "micro_batch_tokens": t["tokens"], "learning_rate": 2e-5 if "lora" not in t["model"] else 2e-4,
+            "packing": t["scale"] > 1}
+
+
+def _preference(t: dict[str, Any]) -> dict[str, Any]:
+    return {"data": {"task": "addition"}, "objective": "dpo", "beta": 0.1, "steps": 200,
+            "batch_size": 4 * t["scale"], "learning_rate": 5e-7 if "lora" not in t["model"] else 5e-6}
+
+
+def _reward_model(t: dict[str, Any]) -> dict[str, Any]:
+    return {"data": {"task": "addition"}, "steps": 200, "batch_size": 8 * t["scale"], "learning_rate": 1e-5}
+
+
+_BY_MODE = {"rl": _rl, "sft": _sft, "preference": _preference, "reward_model": _reward_model}
+
+
+def presets(mode: str = "rl") -> list[dict[str, Any]]:
+    """The body of GET /api/presets?mode=..."""
+    if mode not in MODES:
+        raise ValueError(f"mode: unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    out = []
+    for t in _TARGETS:
+        model = copy.deepcopy(t["model"])
+        config = {"model": model, **_BY_MODE[mode](t), **fixed_values(mode)}
+        out.append({"id": t["id"], "title": t["title"], "description": t["description"], "mode": mode,
+                    "config": config, "device_memory_gib": t["memory"], "num_devices": t["devices"]})
+    return out
