@@ -1,0 +1,203 @@
+// Typed calls to the Composer's HTTP API (see ../../API.md). The page only renders: every rule
+// (schema, validation, YAML, memory, rewards, runs) lives in Python behind these routes.
+
+export type Mode = "rl" | "preference" | "reward_model" | "sft";
+export type Level = "simple" | "advanced" | "expert";
+export type Config = Record<string, unknown>;
+
+export interface SchemaField {
+  path: string;
+  type: "integer" | "number" | "string" | "boolean" | "enum" | "list" | "object" | "json";
+  enum?: unknown[] | null;
+  items?: string | null;
+  optional_section?: string | null;
+  default?: unknown;
+  description?: string;
+  level: Level;
+  group: string;
+  minimum?: number | null;
+  maximum?: number | null;
+  required?: boolean;
+  nullable?: boolean;
+}
+
+export interface Schema {
+  mode: Mode;
+  modes: { id: Mode; title: string; command: string }[];
+  levels?: Level[];
+  groups?: { id: string; title: string; description?: string }[];
+  fields: SchemaField[];
+}
+
+export interface Preset {
+  id: string;
+  title: string;
+  mode: Mode;
+  config: Config;
+  device_memory_gib: number;
+  num_devices: number;
+  description?: string;
+}
+
+export interface FieldError {
+  path: string;
+  message: string;
+}
+
+export interface Validation {
+  ok: boolean;
+  errors: FieldError[];
+  config?: Config;
+}
+
+export interface RewardDraft {
+  name: string;
+  code: string;
+  function: string;
+  weight: number;
+}
+
+export interface PreviewSample {
+  group: number;
+  prompt: string;
+  completion: string;
+  scores: Record<string, number | null>;
+  errors: Record<string, string>;
+  total: number | null;
+}
+
+export interface Preview {
+  samples: PreviewSample[];
+  rewards?: { name: string; weight: number; source: string; seconds: number | null; error: string | null }[];
+  groups?: { group: number; prompt: string; mean: number | null; std: number | null; zero_variance: boolean }[];
+  zero_variance_fraction: number | null;
+  errors: unknown[];
+  seconds?: Record<string, number>;
+}
+
+export interface DiagramModel {
+  role: "actor" | "critic" | "reward" | "reference";
+  active: boolean;
+  trainable: boolean;
+  device: string;
+  why: string;
+  name?: string;
+}
+
+export interface Diagram {
+  models: DiagramModel[];
+  flows: { from: string; to: string; label: string }[];
+  errors?: FieldError[];
+}
+
+export interface RunInfo {
+  id: string;
+  mode: string;
+  status: "running" | "finished" | "failed" | "stopped" | "unknown";
+  returncode: number | null;
+  started: number | null;
+  ended: number | null;
+  step: number | null;
+  total_steps: number | null;
+  output_dir: string;
+  argv?: string[];
+  last_metrics?: Record<string, unknown> | null;
+}
+
+export interface RunStatus {
+  status: RunInfo["status"];
+  returncode: number | null;
+  step: number | null;
+  total_steps: number | null;
+  stage: string | null;
+  bottleneck: string | null;
+}
+
+/** An error from the API, with the route and the server's message (never a bare "failed"). */
+export class ApiError extends Error {
+  constructor(public route: string, public status: number, message: string, public body?: unknown) {
+    super(`${route}: ${message}`);
+  }
+}
+
+function messageOf(body: unknown, status: number): string {
+  if (body && typeof body === "object") {
+    const b = body as Record<string, unknown>;
+    if (typeof b.error === "string") return b.error;
+    if (typeof b.detail === "string") return b.detail;
+    if (Array.isArray(b.detail)) return b.detail.map((d) => JSON.stringify(d)).join("; ");
+    if (typeof b.message === "string") return b.message;
+    if (Array.isArray(b.errors)) return b.errors.map((e) => (e as FieldError).message ?? String(e)).join("; ");
+  }
+  return `HTTP ${status}`;
+}
+
+async function call<T>(method: "GET" | "POST", route: string, body?: unknown): Promise<T> {
+  let res: Response;
+  try {
+    res = await fetch(route, {
+      method,
+      credentials: "same-origin",
+      headers: body === undefined ? {} : { "Content-Type": "application/json" },
+      body: body === undefined ? undefined : JSON.stringify(body),
+    });
+  } catch (err) {
+    throw new ApiError(route, 0, `server unreachable (${String(err)})`);
+  }
+  const text = await res.text();
+  let parsed: unknown = undefined;
+  try {
+    parsed = text ? JSON.parse(text) : undefined;
+  } catch {
+    parsed = text;
+  }
+  if (!res.ok) throw new ApiError(route, res.status, messageOf(parsed, res.status), parsed);
+  return parsed as T;
+}
+
+export const api = {
+  schema: (mode: Mode) => call<Schema>("GET", `/api/schema?mode=${encodeURIComponent(mode)}`),
+  presets: (mode: Mode) => call<Preset[]>("GET", `/api/presets?mode=${encodeURIComponent(mode)}`),
+  validate: (mode: Mode, config: Config) => call<Validation>("POST", "/api/validate", { mode, config }),
+  estimate: (mode: Mode, config: Config, device_memory_gib: number, num_devices: number) =>
+    call<Record<string, unknown>>("POST", "/api/estimate", { mode, config, device_memory_gib, num_devices }),
+  diagram: (mode: Mode, config: Config) => call<Diagram>("POST", "/api/diagram", { mode, config }),
+  exportYaml: (mode: Mode, config: Config) =>
+    call<{ yaml: string; filename: string; command: string }>("POST", "/api/yaml/export", { mode, config }),
+  importYaml: (yaml: string) =>
+    call<{ mode: Mode; config: Config; errors: FieldError[] }>("POST", "/api/yaml/import", { yaml }),
+  preview: (mode: Mode, config: Config, rewards: RewardDraft[], prompts: number, samples: number) =>
+    call<Preview>("POST", "/api/rewards/preview", { mode, config, rewards, prompts, samples }),
+  launch: (mode: Mode, config: Config, rewards?: RewardDraft[]) =>
+    call<{ id: string; argv: string[]; output_dir: string; status: string }>("POST", "/api/runs", {
+      mode,
+      config,
+      ...(rewards && rewards.length ? { rewards } : {}),
+    }),
+  stop: (id: string) => call<unknown>("POST", `/api/runs/${encodeURIComponent(id)}/stop`),
+  runs: () => call<{ runs: RunInfo[] }>("GET", "/api/runs"),
+};
+
+/** Subscribe to a run's live stream; EventSource resends Last-Event-ID (a byte offset) on reconnect. */
+export function runEvents(
+  id: string,
+  on: { [event in "metrics" | "samples" | "status" | "log"]?: (data: any) => void } & { error?: () => void },
+): () => void {
+  const source = new EventSource(`/api/runs/${encodeURIComponent(id)}/events`, { withCredentials: true });
+  for (const name of ["metrics", "samples", "status", "log"] as const) {
+    const handler = on[name];
+    if (!handler) continue;
+    source.addEventListener(name, (ev) => {
+      const raw = (ev as MessageEvent).data;
+      let data: unknown = raw;
+      try {
+        data = JSON.parse(raw);
+      } catch {
+        /* a log line may be plain text */
+      }
+      handler(data);
+    });
+  }
+  if (on.error) source.onerror = on.error;
+  return () => source.close();
+}

@@ -1,0 +1,257 @@
+// Watch: launch the composed run, then follow it live over SSE: the current stage, time and
+// throughput per stage with the bottleneck highlighted, curves, recent samples and the log.
+import { useEffect, useState } from "preact/hooks";
+import { api, runEvents } from "../api";
+import type { RunStatus } from "../api";
+import { formatNumber, LineChart } from "../components/chart";
+import type { Series } from "../components/chart";
+import { getPath, getState, navigate, useStore } from "../store";
+
+type Row = Record<string, unknown>;
+const STAGES = ["generate", "reward", "train", "critic", "sync"];
+const ADVICE: Record<string, string> = {
+  generate: "Generation-bound: shorten completions, lower group_size, or move generation to a faster engine / more GPUs.",
+  reward: "Reward-bound: make reward functions cheaper or batched; check for slow calls near their timeout.",
+  train: "Training-bound: raise micro_batch_tokens if memory allows, keep share_prompts on, or train LoRA adapters.",
+  critic: "Critic-bound: a smaller or LoRA critic, or fewer critic passes.",
+  sync: "Weight-sync-bound: sync only LoRA adapters, or overlap generation and training (async).",
+};
+const COLORS = ["#2563eb", "#16a34a", "#db2777", "#ea580c", "#7c3aed", "#0891b2"];
+
+interface Live {
+  rows: Row[]; // training steps (eval-only rows are kept apart)
+  evals: Row[];
+  samples: Row[];
+  log: string[];
+  status: RunStatus | null;
+}
+const EMPTY: Live = { rows: [], evals: [], samples: [], log: [], status: null };
+const ENDED = new Set(["finished", "failed", "stopped"]);
+
+function num(row: Row, key: string): number | null {
+  const v = row[key];
+  return typeof v === "number" && Number.isFinite(v) ? v : null;
+}
+
+function useRun(id: string | null): Live {
+  const [live, setLive] = useState<Live>(EMPTY);
+  useEffect(() => {
+    setLive(EMPTY);
+    if (!id) return;
+    let close = () => {};
+    close = runEvents(id, {
+      metrics: (row: Row) =>
+        setLive((l) =>
+          "timing_s/step" in row || "reward/mean" in row ? { ...l, rows: [...l.rows, row] } : { ...l, evals: [...l.evals, row] },
+        ),
+      samples: (row: Row) => setLive((l) => ({ ...l, samples: [...l.samples.slice(-199), row] })),
+      log: (d: { line?: string } | string) =>
+        setLive((l) => ({ ...l, log: [...l.log.slice(-299), typeof d === "string" ? d : d.line ?? ""] })),
+      status: (st: RunStatus) => {
+        setLive((l) => ({ ...l, status: st }));
+        if (ENDED.has(st.status)) close(); // the stream ends here; a reconnect would only repeat it
+      },
+    });
+    return () => close();
+  }, [id]);
+  return live;
+}
+
+function Stages({ last, status }: { last: Row | undefined; status: RunStatus | null }) {
+  const bottleneck = (last?.bottleneck as string | undefined) ?? status?.bottleneck ?? null;
+  const current = status?.stage ?? null;
+  const used = STAGES.filter((s) => s !== "critic" || (last && `timing_s/critic` in last));
+  return (
+    <div class="card">
+      <h2>Stages</h2>
+      <div class="stages" data-testid="stages">
+        {used.map((s) => {
+          const share = last ? num(last, `timing_share/${s}`) : null;
+          const secs = last ? num(last, `timing_s/${s}`) : null;
+          const tps = last ? num(last, `throughput/${s}_tok_s`) : null;
+          const cls = `stage${s === current ? " current" : ""}${s === bottleneck ? " bottleneck" : ""}`;
+          return (
+            <div class={cls} data-testid={`stage-${s}`} data-current={String(s === current)} data-bottleneck={String(s === bottleneck)}>
+              <div class="stage-name">
+                {s}
+                {s === bottleneck && <span class="tag">bottleneck</span>}
+              </div>
+              <div class="stage-bar">
+                <div style={{ width: `${Math.round(100 * (share ?? 0))}%` }} />
+              </div>
+              <div class="stage-nums mono">
+                <span>{secs === null ? "—" : `${formatNumber(secs)} s`}</span>
+                <span>{share === null ? "" : `${Math.round(100 * share)}%`}</span>
+                <span>{tps === null ? "" : `${formatNumber(tps)} tok/s`}</span>
+              </div>
+            </div>
+          );
+        })}
+      </div>
+      {bottleneck && ADVICE[bottleneck] && (
+        <p class="help" data-testid="bottleneck-advice">
+          {ADVICE[bottleneck]}
+        </p>
+      )}
+    </div>
+  );
+}
+
+function Charts({ rows, klOff }: { rows: Row[]; klOff: boolean }) {
+  const steps = rows.map((r) => num(r, "step") ?? 0);
+  const col = (key: string) => rows.map((r) => num(r, key));
+  const perReward = [...new Set(rows.flatMap((r) => Object.keys(r)))]
+    .filter((k) => /^reward\/.+\/mean$/.test(k))
+    .map((k, i): Series => ({ label: k.slice(7, -5), values: col(k), color: COLORS[(i + 1) % COLORS.length] }));
+  return (
+    <div class="chart-grid">
+      <LineChart title="Reward" testId="chart-reward" steps={steps}
+        series={[{ label: "total", values: col("reward/mean"), color: COLORS[0] }, ...perReward]} />
+      <LineChart title="KL to reference" testId="chart-kl" steps={steps} note={klOff ? "off (kl_coef 0)" : undefined}
+        series={[{ label: "kl", values: col("kl"), color: COLORS[4] }]} />
+      <LineChart title="Entropy" testId="chart-entropy" steps={steps}
+        series={[{ label: "entropy", values: col("entropy"), color: COLORS[2] }]} />
+      <LineChart title="Response length" testId="chart-length" steps={steps}
+        series={[
+          { label: "mean", values: col("response_len/mean"), color: COLORS[3] },
+          { label: "max", values: col("response_len/max"), color: COLORS[5] },
+        ]} />
+    </div>
+  );
+}
+
+function Samples({ samples }: { samples: Row[] }) {
+  const [stop, setStop] = useState("");
+  const [minReward, setMinReward] = useState("");
+  const stops = [...new Set(samples.map((s) => String(s.stop ?? "")))].filter(Boolean);
+  const shown = samples
+    .filter((s) => !stop || s.stop === stop)
+    .filter((s) => minReward === "" || (num(s, "reward") ?? -Infinity) >= Number(minReward))
+    .slice(-20)
+    .reverse();
+  return (
+    <div class="card">
+      <div class="card-head">
+        <h2>Recent samples</h2>
+        <div class="row">
+          <select class="input narrow" value={stop} onChange={(e) => setStop((e.target as HTMLSelectElement).value)} data-testid="samples-stop">
+            <option value="">any stop</option>
+            {stops.map((s) => (
+              <option value={s}>{s}</option>
+            ))}
+          </select>
+          <input class="input narrow" type="number" step="any" placeholder="min reward" value={minReward}
+            onInput={(e) => setMinReward((e.target as HTMLInputElement).value)} data-testid="samples-min-reward" />
+        </div>
+      </div>
+      <div class="table-wrap">
+        <table class="table" data-testid="samples-table">
+          <thead>
+            <tr><th>step</th><th>prompt</th><th>completion</th><th class="num">reward</th><th class="num">advantage</th><th>stop</th><th class="num">chars</th></tr>
+          </thead>
+          <tbody>
+            {shown.map((s) => (
+              <tr>
+                <td class="mono">{String(s.step ?? "")}</td>
+                <td class="text">{String(s.prompt ?? "")}</td>
+                <td class="text mono">{String(s.completion ?? "")}</td>
+                <td class="num mono">{num(s, "reward") === null ? "—" : formatNumber(num(s, "reward")!)}</td>
+                <td class="num mono">{num(s, "advantage") === null ? "—" : formatNumber(num(s, "advantage")!)}</td>
+                <td>{String(s.stop ?? "")}</td>
+                <td class="num mono">{String(s.completion ?? "").length}</td>
+              </tr>
+            ))}
+          </tbody>
+        </table>
+      </div>
+      {shown.length === 0 && <p class="muted small">No samples yet.</p>}
+    </div>
+  );
+}
+
+function Launcher() {
+  const s = useStore();
+  const [error, setError] = useState<string | null>(null);
+  const [busy, setBusy] = useState(false);
+  const launch = async () => {
+    setBusy(true);
+    setError(null);
+    try {
+      const st = getState();
+      const run = await api.launch(st.mode, st.config, st.mode === "rl" ? st.rewards : undefined);
+      navigate("watch", run.id);
+    } catch (e) {
+      setError((e as Error).message);
+    } finally {
+      setBusy(false);
+    }
+  };
+  const steps = getPath(s.config, s.mode === "rl" ? "controller.steps" : "steps");
+  return (
+    <div class="card launcher">
+      <div>
+        <h2>Launch</h2>
+        <p class="muted">
+          The composed <b>{s.mode}</b> config{typeof steps === "number" ? `, ${steps} steps` : ""}
+          {s.mode === "rl" && s.rewards.length ? `, with ${s.rewards.length} code reward(s)` : ""}.
+        </p>
+      </div>
+      <button class="btn primary" data-testid="launch-run" disabled={busy} onClick={launch}>
+        {busy ? "Launching…" : "Launch run"}
+      </button>
+      {error && <div class="alert error" data-testid="launch-error">{error}</div>}
+    </div>
+  );
+}
+
+export function WatchPage() {
+  const s = useStore();
+  const live = useRun(s.runId);
+  const last = live.rows[live.rows.length - 1];
+  const status = live.status;
+  const klOff = s.mode === "rl" && Number(getPath(s.config, "algorithm.kl_coef") ?? 0) === 0;
+  const [stopping, setStopping] = useState(false);
+  return (
+    <div class="page" data-testid="page-watch">
+      <header class="page-head">
+        <div>
+          <h1>Watch</h1>
+          <p class="muted">{s.runId ? <span class="mono" data-testid="run-id">{s.runId}</span> : "No run selected: launch one, or open one from Runs."}</p>
+        </div>
+        {s.runId && (
+          <div class="row">
+            <span class={`badge status-${status?.status ?? "unknown"}`} data-testid="run-status">
+              {status?.status ?? "connecting"}
+            </span>
+            <span class="mono muted" data-testid="run-step">
+              step {status?.step ?? 0}/{status?.total_steps ?? "?"}
+            </span>
+            {status?.status === "running" && (
+              <button class="btn" data-testid="stop-run" disabled={stopping}
+                onClick={() => { setStopping(true); api.stop(s.runId!).finally(() => setStopping(false)); }}>
+                Stop
+              </button>
+            )}
+          </div>
+        )}
+      </header>
+      <Launcher />
+      {s.runId && (
+        <>
+          <Stages last={last} status={status} />
+          <Charts rows={live.rows} klOff={klOff} />
+          {live.evals.length > 0 && (
+            <p class="muted small" data-testid="evals">
+              held-out: {live.evals.map((r) => `step ${r.step}: accuracy ${num(r, "eval/accuracy") === null ? "—" : formatNumber(num(r, "eval/accuracy")!)}`).join(" · ")}
+            </p>
+          )}
+          <Samples samples={live.samples} />
+          <details class="card" open={status?.status === "failed"}>
+            <summary>Log ({live.log.length} lines)</summary>
+            <pre class="code log" data-testid="run-log">{live.log.join("\n")}</pre>
+          </details>
+        </>
+      )}
+    </div>
+  );
+}
