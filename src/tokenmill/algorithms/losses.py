@@ -178,3 +178,62 @@ def sft_loss(
     """Negative log-likelihood of the weighted tokens: loss = -sum_t w_t * logp_t."""
     nll = -(logprobs_B_T * weights_B_T).sum()
     return nll, {"nll": nll.detach()}
+
+
+# ------------------------------------------------------------------------------------ off-policy correction
+OFF_POLICY = ("tis", "decoupled")
+
+
+def behaviour_weights(
+    prox_logprobs_B_T: torch.Tensor, behaviour_logprobs_B_T: torch.Tensor, mode: str, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token importance weight from the behaviour policy (the sampler that produced the tokens, possibly
+    several versions old) to the proximal policy (the trainer's weights before this update, recomputed).
+
+    w_t = exp(logp_prox_t - logp_behaviour_t)
+    tis:        min(w_t, cap)                   (truncated: a stale token counts at most `cap` times)
+    decoupled:  w_t if w_t <= cap else 0        (AReaL's `behav_imp_weight_cap`: such tokens are dropped)
+    Returns (the weight to apply, detached; the raw w_t, detached).
+    """
+    raw_B_T = torch.exp(prox_logprobs_B_T - behaviour_logprobs_B_T).detach()
+    if mode == "tis":
+        return raw_B_T.clamp(max=cap), raw_B_T
+    if mode == "decoupled":
+        return torch.where(raw_B_T <= cap, raw_B_T, torch.zeros_like(raw_B_T)), raw_B_T
+    raise ValueError(f"unknown off-policy correction {mode!r} (expected one of {', '.join(OFF_POLICY)})")
+
+
+def off_policy_loss(
+    base: LossFn,
+    mode: str,
+    logprobs_B_T: torch.Tensor,
+    old_logprobs_B_T: torch.Tensor,
+    behaviour_logprobs_B_T: torch.Tensor,
+    weights_B_T: torch.Tensor,
+    is_cap: float = 2.0,
+    **kwargs: object,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A policy loss corrected for samples drawn by an older policy (asynchronous training).
+
+    `old_logprobs_B_T` are the trainer's own logprobs of the tokens before this update (pi_prox), recomputed
+    by a no-grad forward; `behaviour_logprobs_B_T` are the sampler's. With the base loss's per-token term
+    base_t(r_t), r_t = exp(logp_t - logp_prox_t) (so a PPO clip is taken against pi_prox, not the sampler):
+
+        loss = sum_t weights_t * c_t * base_t(r_t),   c_t = behaviour_weights(...)  (no gradient through c)
+
+    tis:        c_t = min(pi_prox / pi_behaviour, C): truncated importance sampling against the trainer's
+                recomputed logprobs (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy
+                RL Training"; verl's `tis_imp_ratio_cap`).
+    decoupled:  c_t = pi_prox / pi_behaviour, tokens above C dropped: decoupled PPO (Hilton et al. 2022,
+                "Batch size-invariance for policy optimization"), as in AReaL (Fu et al. 2025, "AReaL: A
+                Large-Scale Asynchronous Reinforcement Learning System for Language Reasoning").
+    A KL term of the base loss is weighted by c_t as well (an importance-sampled estimate). Metrics: the base
+    loss's (weighted by c_t), plus `is_weight_mean` (raw w_t) and `is_capped_fraction` (tokens above C),
+    summed with `weights_B_T`.
+    """
+    c_B_T, raw_B_T = behaviour_weights(old_logprobs_B_T, behaviour_logprobs_B_T, mode, is_cap)
+    loss, metrics = base(logprobs_B_T, old_logprobs_B_T=old_logprobs_B_T, weights_B_T=weights_B_T * c_B_T,
+                         **kwargs)
+    metrics["is_weight_mean"] = (raw_B_T * weights_B_T).sum()
+    metrics["is_capped_fraction"] = ((raw_B_T > is_cap).to(weights_B_T.dtype) * weights_B_T).sum()
+    return loss, metrics

@@ -30,6 +30,9 @@ class Batch:
     advantages_B_T: torch.Tensor | None = None  # float: per-token advantages (GAE); overrides advantages_B
     returns_B_T: torch.Tensor | None = None  # float: the critic's regression targets (GAE)
     old_values_B_T: torch.Tensor | None = None  # float: the critic's values at rollout time (value clipping)
+    # float: the sampler's logprobs when old_logprobs_B_T holds the trainer's recomputed ones (off-policy
+    # correction, algorithm.off_policy); None otherwise
+    behaviour_logprobs_B_T: torch.Tensor | None = None
 
     @property
     def advantages(self) -> torch.Tensor:

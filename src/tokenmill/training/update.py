@@ -13,30 +13,33 @@ from dataclasses import replace
 import torch
 
 from tokenmill.algorithms.aggregation import token_weights
-from tokenmill.algorithms.losses import LOSSES
+from tokenmill.algorithms.losses import LOSSES, off_policy_loss
 from tokenmill.config.schema import AlgorithmConfig
 from tokenmill.training.base import TrainBackend
 from tokenmill.training.batch import Batch, collate
 from tokenmill.types import Sample
 
-MEAN_METRICS = {"entropy", "clip_fraction", "ratio_mean", "kl"}
+MEAN_METRICS = {"entropy", "clip_fraction", "ratio_mean", "kl", "is_weight_mean", "is_capped_fraction"}
 
 
 def _batch_loss(name: str, algo: AlgorithmConfig):
     fn = LOSSES[name]
 
     def loss(logprobs_B_T: torch.Tensor, batch: Batch):
-        return fn(
-            logprobs_B_T,
-            old_logprobs_B_T=batch.old_logprobs_B_T,
-            advantages=batch.advantages,
-            weights_B_T=batch.weights_B_T,
-            clip_low=algo.clip_low,
-            clip_high=algo.clip_high,
-            ref_logprobs_B_T=batch.ref_logprobs_B_T,
-            kl_coef=algo.kl_coef,
-            kl_estimator=algo.kl_estimator,
-        )
+        kwargs = {
+            "old_logprobs_B_T": batch.old_logprobs_B_T,
+            "advantages": batch.advantages,
+            "weights_B_T": batch.weights_B_T,
+            "clip_low": algo.clip_low,
+            "clip_high": algo.clip_high,
+            "ref_logprobs_B_T": batch.ref_logprobs_B_T,
+            "kl_coef": algo.kl_coef,
+            "kl_estimator": algo.kl_estimator,
+        }
+        if batch.behaviour_logprobs_B_T is not None:  # old = the trainer's recomputed logprobs (off_policy)
+            return off_policy_loss(fn, algo.off_policy, logprobs_B_T, is_cap=algo.is_cap,
+                                   behaviour_logprobs_B_T=batch.behaviour_logprobs_B_T, **kwargs)
+        return fn(logprobs_B_T, **kwargs)
 
     return loss
 
@@ -52,6 +55,30 @@ def mini_batch_splits(samples: Sequence[Sample], algo: AlgorithmConfig, rng: ran
         rng.shuffle(order)
         for mb in range(algo.mini_batches):
             yield [samples[i] for i in order[mb :: algo.mini_batches]]
+
+
+def with_trainer_logprobs(
+    samples: Sequence[Sample], backend: TrainBackend, pad_id: int
+) -> tuple[list[Sample], dict[int, tuple[float, ...]]]:
+    """The samples with their logprobs replaced by the trainer's own before this update (the proximal policy
+    of the off-policy correction, one no-grad forward), and the sampler's logprobs keyed by `id(new sample)`."""
+    batch = collate(samples, [1.0] * len(samples), pad_id)
+    logprobs_B_T = backend.forward(batch)
+    out = list(samples)
+    behaviour: dict[int, tuple[float, ...]] = {}
+    for row, i in enumerate(batch.sample_index_B.tolist()):
+        s = samples[i]
+        mine = logprobs_B_T[row, : len(s.tokens)].tolist()
+        out[i] = s.with_(logprobs=tuple(lp if m else 0.0 for lp, m in zip(mine, s.loss_mask, strict=True)))
+        behaviour[id(out[i])] = s.logprobs
+    return out, behaviour
+
+
+def _with_behaviour(batch: Batch, kept: Sequence[Sample], behaviour: dict[int, tuple[float, ...]]) -> Batch:
+    width = batch.input_ids_B_T.shape[1]
+    rows = [behaviour[id(kept[i])] for i in batch.sample_index_B.tolist()]
+    padded = [[*r, *([0.0] * (width - len(r)))] for r in rows]
+    return replace(batch, behaviour_logprobs_B_T=torch.tensor(padded, dtype=torch.float32))
 
 
 def _zero_advantage(s: Sample) -> bool:
@@ -72,6 +99,9 @@ def policy_update(
     loss_fn = _batch_loss(algo.loss, algo)
     # a zero-advantage sample still carries gradient through the KL term or the entropy bonus
     skip_zero = algo.skip_zero_advantage and reference is None and algo.entropy_coef == 0
+    behaviour = None
+    if algo.off_policy != "none":  # clip against the trainer's own logprobs; weigh by trainer / sampler
+        samples, behaviour = with_trainer_logprobs(samples, backend, pad_id)
     totals: dict[str, float] = {}
     steps = 0
     trained_seqs = 0
@@ -80,7 +110,10 @@ def policy_update(
         # a zero-advantage sample adds exactly zero gradient (kl off), so it is not run; one is kept
         # when all are zero so that AdamW still takes its (zero-gradient) step as the peers would
         keep = [i for i, s in enumerate(picked) if not (skip_zero and _zero_advantage(s))] or [0]
-        batch = collate([picked[i] for i in keep], [weights[i] for i in keep], pad_id)
+        kept = [picked[i] for i in keep]
+        batch = collate(kept, [weights[i] for i in keep], pad_id)
+        if behaviour is not None:
+            batch = _with_behaviour(batch, kept, behaviour)
         metrics = backend.forward_backward(_with_reference(batch, reference), loss_fn, algo.entropy_coef)
         trained_seqs += len(keep)
         # per-token metrics were summed with weights of the whole mini-batch: renormalise to the kept part
