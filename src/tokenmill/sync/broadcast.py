@@ -1,0 +1,196 @@
+"""Weight sync by torch.distributed broadcast from the trainer (rank 0) to N engine servers (ranks 1..N).
+
+Per push: the control call (which tensors, in which order, with which dtypes and shapes) goes to every
+server over HTTP while the trainer broadcasts the tensors, concurrently, because each server's handler blocks
+in its receive until the broadcast arrives. The group is opened once, in the constructor, the same way
+(control call and rendezvous concurrently); it never touches the default process group, so it can live in
+any process, FSDP trainers included. Every wait is bounded by `timeout_s`; a failed broadcast closes the group
+and the next push opens a new one.
+
+Two route shapes (`api=`), both served by tokenmill's own server (`tokenmill serve`):
+
+- `"sglang"`: `POST /init_weights_update_group`, `/update_weights_from_distributed`,
+  `/destroy_weights_update_group`. A real SGLang server: `python -m sglang.launch_server --model-path MODEL
+  --host 127.0.0.1 --port 30000` (the routes are on by default) and `backend="nccl"`; the store keys follow
+  SGLang's `init_custom_process_group` layout (see `sync/group.py`).
+- `"vllm"`: `POST /init_weight_transfer_engine {"init_info"}`, `/update_weights {"update_info"}` (vLLM's
+  dev-mode RLHF routes). A real vLLM server: `VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config
+  '{"backend": "nccl"}'` and `BroadcastSync(urls, api="vllm", backend="nccl", vllm_native=True)`: vLLM's
+  receiver joins through its own `StatelessProcessGroup` + PyNccl, so the trainer must use vLLM's
+  `NCCLWeightTransferEngine.trainer_init` (vllm importable in the trainer); a vLLM server with tensor
+  parallelism takes `GET /get_world_size` ranks, which the rank offsets follow.
+
+NCCL is written but not run in tokenmill's CI (no GPU there); gloo is tested against a server in another
+process.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, Literal
+
+import torch
+
+from tokenmill.sync.base import NamedTensors, WeightSyncError, check_engine_names
+from tokenmill.sync.group import VLLM_GROUP, WeightGroup, dtype_name, host_store, open_group
+from tokenmill.sync.http import Servers, collect
+
+_ROUTES = {
+    "sglang": ("/init_weights_update_group", "/update_weights_from_distributed"),
+    "vllm": ("/init_weight_transfer_engine", "/update_weights"),
+}
+
+
+class BroadcastSync:
+    """`push` broadcasts `named_tensors` (cast to `dtype` if given) to every server in `urls`.
+
+    `master_address` must be reachable from the servers (loopback when they run on this machine); port 0
+    picks a free one. Raises `WeightSyncError` naming each server that refused or did not answer."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        api: Literal["sglang", "vllm"] = "sglang",
+        backend: Literal["gloo", "nccl"] = "gloo",
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        group_name: str = "tokenmill_weights",
+        token: str | None = None,
+        timeout_s: float = 300.0,
+        dtype: torch.dtype | None = None,
+        vllm_native: bool = False,
+    ) -> None:
+        if api not in _ROUTES:
+            raise ValueError(f"api must be 'sglang' or 'vllm', not {api!r}")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', not {backend!r}")
+        if vllm_native and (api != "vllm" or backend != "nccl"):
+            raise ValueError("vllm_native needs api='vllm' and backend='nccl'")
+        self.servers = Servers(urls, token=token, timeout_s=timeout_s)
+        self.api, self.backend, self.dtype = api, backend, dtype
+        self.master_address, self.master_port = master_address, master_port
+        self.group_name = VLLM_GROUP if api == "vllm" else group_name  # vLLM's routes name no group
+        self.timeout_s, self.vllm_native = timeout_s, vllm_native
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.group: WeightGroup | _VLLMGroup | None = None
+        self._open()
+
+    # ---------------------------------------------------------------------------------------- the group
+    def _ranks(self) -> tuple[list[int], int]:
+        """Each server's first rank and the world size (a vLLM server may hold several ranks)."""
+        sizes = [1] * len(self.servers.urls)
+        if self.api == "vllm":
+            sizes = [int(self.servers.client.get(u + "/get_world_size").json()["world_size"])
+                     for u in self.servers.urls]
+        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        return offsets, 1 + sum(sizes)
+
+    def _init_body(self, port: int, rank_offset: int, world_size: int) -> dict[str, Any]:
+        info = {"master_address": self.master_address, "master_port": port, "rank_offset": rank_offset,
+                "world_size": world_size}
+        if self.api == "vllm":
+            if not self.vllm_native:
+                info["backend"] = self.backend  # tokenmill's server also speaks gloo on these routes
+            return {"init_info": info}
+        return {**info, "group_name": self.group_name, "backend": self.backend}
+
+    def _open(self) -> None:
+        """Host the rendezvous, ask every server to join, join too (all three concurrently bounded)."""
+        try:
+            offsets, world = self._ranks()
+        except Exception as e:
+            raise WeightSyncError(f"GET /get_world_size failed: {type(e).__name__}: {e}") from e
+        init_route = _ROUTES[self.api][0]
+        store = None
+        if self.vllm_native:
+            port = self.master_port or _free_port(self.master_address)
+        else:
+            store = host_store(self.master_address, self.master_port, world, self.timeout_s)
+            port = store.port
+        calls = [self.servers.submit(u, init_route, self._init_body(port, off, world))
+                 for u, off in zip(self.servers.urls, offsets)]
+        try:
+            if self.vllm_native:
+                self.group = _VLLMGroup(self.master_address, port, world)
+            else:
+                self.group = open_group(self.master_address, port, 0, world, self.group_name, self.backend,
+                                        self.timeout_s, store=store)
+        except Exception as e:
+            try:
+                collect(calls)
+            except WeightSyncError as server_error:
+                raise WeightSyncError(f"weight group did not form: {server_error}") from e
+            raise WeightSyncError(f"weight group did not form: {type(e).__name__}: {e}") from e
+        collect(calls)
+
+    # ---------------------------------------------------------------------------------------- pushes
+    def _update_body(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
+        names = [n for n, _ in tensors]
+        dtypes = [dtype_name(t.dtype) for _, t in tensors]
+        shapes = [list(t.shape) for _, t in tensors]
+        if self.api == "vllm":
+            body: dict[str, Any] = {"update_info": {"names": names, "dtype_names": dtypes, "shapes": shapes}}
+            if not self.vllm_native:
+                body["policy_version"] = int(version)
+            return body
+        return {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self.group_name,
+                "policy_version": int(version), "weight_version": str(version)}
+
+    def push(self, named_tensors: NamedTensors, version: int) -> None:
+        tensors = []
+        for name, t in check_engine_names(named_tensors):
+            t = t.detach().to(device=self.device, dtype=self.dtype or t.dtype)
+            tensors.append((name, t.contiguous()))
+        if self.group is None:
+            self._open()
+        body = self._update_body(tensors, version)
+        calls = [self.servers.submit(u, _ROUTES[self.api][1], body) for u in self.servers.urls]
+        try:
+            with torch.no_grad():
+                for _, t in tensors:
+                    self.group.broadcast(t, src=0)
+        except RuntimeError as e:
+            self.group.close()
+            self.group = None
+            try:
+                collect(calls)
+            except WeightSyncError as server_error:
+                raise WeightSyncError(f"broadcast failed: {server_error}") from e
+            raise WeightSyncError(f"broadcast failed: {type(e).__name__}: {e}") from e
+        collect(calls)
+
+    def close(self) -> None:
+        if self.group is not None and self.api == "sglang":
+            try:
+                self.servers.post_all("/destroy_weights_update_group", {"group_name": self.group_name})
+            except WeightSyncError:
+                pass  # a server that is gone has no group to destroy
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self.servers.close()
+
+
+class _VLLMGroup:
+    """The trainer's end of vLLM's own NCCL weight-transfer group (`StatelessProcessGroup` + PyNccl)."""
+
+    def __init__(self, master_address: str, master_port: int, world_size: int) -> None:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        self.comm = NCCLWeightTransferEngine.trainer_init(
+            {"master_address": master_address, "master_port": master_port, "world_size": world_size}
+        )
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        self.comm.broadcast(tensor, src=src, stream=torch.cuda.current_stream())
+        torch.cuda.current_stream().synchronize()
+
+    def close(self) -> None:
+        self.comm = None
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

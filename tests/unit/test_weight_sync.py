@@ -1,0 +1,280 @@
+"""Weight sync to an engine server in another process: after a push (files or gloo broadcast, SGLang or vLLM
+route shapes) the server computes the trainer's logprobs within 1e-4 (fp32) and reports the pushed version;
+bad pushes are refused naming the tensor, and the server keeps serving its old weights."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+import pytest
+import torch
+
+from tokenmill.sync import BroadcastSync, FileSync, InProcessSync, WeightSyncError, merged_lora_weights
+
+PROMPT = [5, 9, 14, 3, 22, 7, 11, 30, 2, 17, 8, 25]
+
+# The server process: the tiny model in an engine, the weight routes, /health and a teacher-forced logprob
+# route. It binds port 0 and prints the port it got.
+_SERVER = textwrap.dedent("""
+    import sys, socket, torch, uvicorn
+    from fastapi import FastAPI
+    from pydantic import BaseModel
+    from tokenmill.engines.hf import HFEngine
+    from tokenmill.engines.weight_routes import weight_routes
+    torch.set_num_threads(1)
+    engine = HFEngine.from_pretrained(sys.argv[1])
+    app = FastAPI()
+    app.include_router(weight_routes(engine, timeout_s=float(sys.argv[2])))
+
+    @app.get("/health")
+    def health():
+        return {"status": "ok", "policy_version": engine.version}
+
+    class Ids(BaseModel):
+        token_ids: list[int]
+
+    @app.post("/test/logprobs")
+    def logprobs(body: Ids):
+        ids = torch.tensor([body.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(engine.model(input_ids=ids).logits[0, :-1].float(), -1)
+        return {"logprobs": logp.gather(-1, ids[0, 1:, None])[:, 0].tolist()}
+
+    sock = socket.socket(); sock.bind(("127.0.0.1", 0)); sock.listen(64)
+    print("PORT", sock.getsockname()[1], flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server.run(sockets=[sock])
+""")
+
+
+class Server:
+    def __init__(self, model_path: str, timeout_s: float = 20.0) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, model_path, str(timeout_s)], env=env,
+                                     stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        assert line.startswith("PORT"), f"server did not start: {line!r}"
+        self.url = f"http://127.0.0.1:{int(line.split()[1])}"
+        self.http = httpx.Client(timeout=30)
+
+    def version(self) -> int:
+        return self.http.get(self.url + "/health").json()["policy_version"]
+
+    def logprobs(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor(self.http.post(self.url + "/test/logprobs", json={"token_ids": ids}).json()["logprobs"])
+
+    def stop(self) -> None:
+        self.http.close()
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path):
+    s = Server(tiny_model_path)
+    yield s
+    s.stop()
+
+
+def trainer_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """Teacher-forced logprobs of `ids[1:]` under the trainer's model."""
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=t).logits[0, :-1].float(), -1)
+    return logp.gather(-1, t[0, 1:, None])[:, 0]
+
+
+def perturb(model, seed: int, scale: float = 0.05) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def trainable(model):
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def assert_in_sync(server: Server, model, version: int) -> None:
+    diff = (server.logprobs(PROMPT) - trainer_logprobs(model, PROMPT)).abs().max().item()
+    assert diff < 1e-4, f"server logprobs differ from the trainer's by {diff}"
+    assert server.version() == version
+
+
+def assert_out_of_sync(server: Server, model) -> None:
+    assert (server.logprobs(PROMPT) - trainer_logprobs(model, PROMPT)).abs().max().item() > 1e-2
+
+
+# -------------------------------------------------------------------------------------------------- files
+def test_file_push_matches_trainer(server, tiny_model, tmp_path):
+    sync = FileSync([server.url], tmp_path / "weights")
+    try:
+        for step in (1, 2):
+            version = server.version() + 1
+            perturb(tiny_model, seed=step)
+            assert_out_of_sync(server, tiny_model)
+            sync.push(trainable(tiny_model), version)
+            assert_in_sync(server, tiny_model, version)
+        # only the latest folder stays on disk
+        assert [p.name for p in (tmp_path / "weights").iterdir()] == [f"v{version:08d}"]
+    finally:
+        sync.close()
+
+
+def test_files_send_only_what_is_pushed(server, tiny_model, tmp_path):
+    """A partial push (one tensor) changes only that tensor on the server."""
+    sync = FileSync([server.url], tmp_path / "w")
+    try:
+        sync.push(trainable(tiny_model), server.version() + 1)  # start equal
+        name, p = "model.norm.weight", dict(tiny_model.named_parameters())["model.norm.weight"]
+        with torch.no_grad():
+            p.mul_(1.5)
+        version = server.version() + 1
+        sync.push([(name, p)], version)
+        assert_in_sync(server, tiny_model, version)
+    finally:
+        sync.close()
+
+
+# -------------------------------------------------------------------------------------------------- broadcast
+@pytest.mark.parametrize("api", ["sglang", "vllm"])
+def test_broadcast_push_matches_trainer(server, tiny_model, api):
+    sync = BroadcastSync([server.url], api=api, backend="gloo", timeout_s=20)
+    try:
+        for step in (3, 4):
+            version = server.version() + 1
+            perturb(tiny_model, seed=step + (10 if api == "vllm" else 0))
+            assert_out_of_sync(server, tiny_model)
+            sync.push(trainable(tiny_model), version)
+            assert_in_sync(server, tiny_model, version)
+    finally:
+        sync.close()
+
+
+def test_broadcast_to_two_servers(server, tiny_model_path, tiny_model):
+    second = Server(tiny_model_path)
+    sync = BroadcastSync([server.url, second.url], timeout_s=20)
+    try:
+        perturb(tiny_model, seed=21)
+        sync.push(trainable(tiny_model), 40)
+        assert_in_sync(server, tiny_model, 40)
+        assert_in_sync(second, tiny_model, 40)
+    finally:
+        sync.close()
+        second.stop()
+
+
+# -------------------------------------------------------------------------------------------------- refusals
+def _post(server: Server, path: str, body: dict) -> httpx.Response:
+    return server.http.post(server.url + path, json=body)
+
+
+def test_bad_disk_updates_are_refused_and_old_weights_kept(server, tiny_model, tmp_path):
+    from safetensors.torch import save_file
+
+    FileSync([server.url], tmp_path / "start").push(trainable(tiny_model), server.version() + 1)
+    version = server.version()
+    before = server.logprobs(PROMPT)
+    r = _post(server, "/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
+    assert r.status_code == 400 and "is not a folder" in r.json()["message"]
+    good = {n: p.detach() + 1.0 for n, p in trainable(tiny_model)}  # would change the outputs if applied
+    cases = {
+        "model.layers.0.mlp.up_proj.weight": ("shape [3, 3]", torch.zeros(3, 3)),
+        "model.norm.weight": ("dtype torch.float64", torch.zeros(32, dtype=torch.float64)),
+        "model.no_such.weight": ("no such parameter", torch.zeros(2)),
+    }
+    for i, (name, (why, bad)) in enumerate(cases.items()):
+        folder = tmp_path / f"bad{i}"
+        folder.mkdir()
+        save_file({**good, name: bad}, str(folder / "model.safetensors"))
+        r = _post(server, "/update_weights_from_disk", {"model_path": str(folder), "policy_version": 99})
+        assert r.status_code == 400, r.text
+        assert r.json()["success"] is False and name in r.json()["message"] and why in r.json()["message"]
+        assert r.json()["policy_version"] == version
+    # nothing was copied: not even the good tensors that came before the bad one
+    assert server.version() == version
+    torch.testing.assert_close(server.logprobs(PROMPT), before, rtol=0, atol=0)
+    # the sync raises with the server's reason
+    sync = FileSync([server.url], tmp_path / "s", dtype=torch.float64)
+    with pytest.raises(WeightSyncError, match=r"refused \(HTTP 400\).*dtype torch.float64"):
+        sync.push(trainable(tiny_model), version + 1)
+    sync.close()
+    assert server.version() == version
+
+
+def test_bad_broadcast_is_refused_and_the_group_stays_usable(server, tiny_model):
+    sync = BroadcastSync([server.url], timeout_s=20)
+    try:
+        version = server.version()
+        before = server.logprobs(PROMPT)
+        perturb(tiny_model, seed=7)
+        named = trainable(tiny_model)
+        bad = [*named[:-1], (named[-1][0], torch.zeros(2, 2))]  # last tensor: wrong shape, received then refused
+        with pytest.raises(WeightSyncError, match=rf"{named[-1][0]!r}: shape \[2, 2\]"):
+            sync.push(bad, version + 1)
+        assert server.version() == version
+        torch.testing.assert_close(server.logprobs(PROMPT), before, rtol=0, atol=0)
+        sync.push(named, version + 1)  # same group, next push lands
+        assert_in_sync(server, tiny_model, version + 1)
+    finally:
+        sync.close()
+
+
+def test_bad_control_calls_name_the_field(server):
+    r = _post(server, "/update_weights_from_distributed",
+              {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"})
+    assert r.status_code == 400 and "group_name 'nope'" in r.json()["message"]
+    r = _post(server, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
+                                                     "rank_offset": 1, "world_size": 2, "backend": "mpi"})
+    assert r.status_code == 400 and "backend" in r.json()["message"]
+    r = _post(server, "/update_weights", {"update_info": {"names": [], "dtype_names": [], "shapes": []},
+                                          "surprise": 1})
+    assert r.status_code == 422 and "surprise" in r.text
+
+
+def test_a_server_that_never_joins_fails_within_the_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match="127.0.0.1:9"):
+        BroadcastSync(["http://127.0.0.1:9"], timeout_s=2)  # nothing listens on the discard port
+    assert time.monotonic() - t0 < 10
+
+
+# -------------------------------------------------------------------------------------------------- LoRA
+def test_lora_pushes_merged_weights(server, tiny_model_path, tiny_model, tmp_path):
+    from tokenmill.config.schema import LoRAConfig, ModelConfig
+    from tokenmill.controller.setup import load_policy
+    from tokenmill.training import LocalBackend
+
+    model, _ = load_policy(ModelConfig(path=tiny_model_path, lora=LoRAConfig(rank=4)), torch.device("cpu"))
+    backend = LocalBackend(model, learning_rate=1e-2, total_steps=1)
+    with torch.no_grad():
+        for _, p in backend.weights():
+            p.add_(0.1)  # B != 0: the adapters change the outputs
+    sync = FileSync([server.url], tmp_path / "lora")
+    try:
+        sync.push(tiny_model.named_parameters(), 49)  # the server back on the base weights (earlier tests moved it)
+        with pytest.raises(WeightSyncError, match="LoRA adapter.*merged_lora_weights"):
+            sync.push(backend.weights(), 50)
+        merged = dict(merged_lora_weights(model))
+        assert merged and not any("lora" in n or "base_layer" in n for n in merged)
+        sync.push(merged.items(), 50)
+        assert_in_sync(server, model, 50)
+    finally:
+        sync.close()
+
+
+def test_inprocess_sync_copies_into_the_engine(tiny_model, tokenizer):
+    from tokenmill.engines.hf import HFEngine
+
+    engine = HFEngine(copy.deepcopy(tiny_model), tokenizer)
+    perturb(tiny_model, seed=5)
+    InProcessSync(engine).push(trainable(tiny_model), 3)
+    torch.testing.assert_close(trainer_logprobs(engine.model, PROMPT), trainer_logprobs(tiny_model, PROMPT))
+    assert engine.version == 3
