@@ -7,11 +7,25 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tokenmill.composer.schema_ui import MODES, fixed_values, schema_for
 from tokenmill.config.load import format_validation_error
 from tokenmill.config.schema import RewardFunctionConfig, RLConfig
+
+
+class RewardCode(BaseModel):
+    """A reward function written in the page: Python source defining `function` with TRL's batched signature
+    fn(prompts, completions, **columns) -> list[float | None] (or fn(prompt, completion, **row) with
+    per_sample). The name is also its file name in the run folder."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(..., pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$", description="Name in metrics and file name.")
+    code: str = Field(..., max_length=200_000, description="Python source.")
+    function: str = Field(..., pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="The function to call.")
+    weight: float = Field(1.0, allow_inf_nan=False, description="Weight in the total reward.")
+    per_sample: bool = Field(False, description="fn(prompt, completion, **row) -> float.")
+    timeout_s: float = Field(10.0, gt=0, le=300, description="Seconds one batched call may take.")
 
 
 def error_list(text: str) -> list[dict[str, str]]:

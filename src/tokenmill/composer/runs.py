@@ -1,0 +1,345 @@
+"""Runs launched from the Composer: a `tokenmill train|sft|preference` subprocess per run folder, and the
+files it leaves, read back as a list and as a resumable event stream.
+
+The trainer never talks to the UI: it appends to `metrics.jsonl` / `samples.jsonl` and prints to `log.txt`.
+We tail those files by byte offset; the offsets are the event cursor, so a reconnecting client resumes
+exactly (no line twice, none lost), and a run that ended, or that outlived a Composer restart, reopens from
+its files alone. Runs are started as an argv list in their own session (never through a shell), so stop
+signals the whole process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from tokenmill.composer.configs import RewardCode, export_yaml, validate
+from tokenmill.composer.schema_ui import MODES
+
+FINAL = ("finished", "failed", "stopped")
+STREAMS = ("metrics", "samples", "log")  # the cursor's three offsets, in this order
+FILES = {"metrics": "metrics.jsonl", "samples": "samples.jsonl", "log": "log.txt"}
+STAGE_ORDER = ("generate", "reward", "critic", "train", "sync")
+STOP_GRACE_S = 10.0
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_MAX_LINES_PER_READ = 2000  # bounds one poll's work on a huge backlog; the next poll reads on
+
+
+class RunError(Exception):
+    """A request about runs that cannot be served; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Byte offsets read so far in metrics.jsonl, samples.jsonl and log.txt."""
+
+    metrics: int = 0
+    samples: int = 0
+    log: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.metrics}.{self.samples}.{self.log}"
+
+    @classmethod
+    def parse(cls, text: str | None) -> Cursor:
+        if not text:
+            return cls()
+        parts = text.strip().split(".")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise RunError(400, f"Last-Event-ID: expected '<metrics>.<samples>.<log>' byte offsets, got {text!r:.60}")
+        return cls(*(int(p) for p in parts))
+
+
+def read_lines(path: Path, offset: int, limit: int = _MAX_LINES_PER_READ) -> list[tuple[str, int]]:
+    """Whole lines of `path` from byte `offset`, each with the offset just after it; a line still being
+    written (no newline yet) is left for the next read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(4 << 20)
+    except FileNotFoundError:
+        return []
+    out = []
+    pos = 0
+    while len(out) < limit:
+        end = data.find(b"\n", pos)
+        if end < 0:
+            break
+        out.append((data[pos:end].decode("utf-8", "replace"), offset + end + 1))
+        pos = end + 1
+    return out
+
+
+def read_events(run_dir: Path, cursor: Cursor) -> tuple[list[tuple[str, str, str]], Cursor]:
+    """New (event, data, id) triples since `cursor`, and the cursor after them."""
+    events: list[tuple[str, str, str]] = []
+    offsets = {"metrics": cursor.metrics, "samples": cursor.samples, "log": cursor.log}
+    for stream in STREAMS:
+        for line, end in read_lines(run_dir / FILES[stream], offsets[stream]):
+            offsets[stream] = end
+            if stream == "log":
+                data = json.dumps({"line": line})
+            elif not line.strip():
+                continue
+            else:
+                data = line  # already one JSON object per line
+            events.append((stream, data, str(Cursor(**offsets))))
+    return events, Cursor(**offsets)
+
+
+def last_metrics(run_dir: Path) -> dict[str, Any] | None:
+    """The last row of metrics.jsonl (read from the end: runs can log many thousand rows)."""
+    path = run_dir / FILES["metrics"]
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - (256 << 10)))
+            tail = f.read()
+    except FileNotFoundError:
+        return None
+    for line in reversed(tail.splitlines()):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            return row
+    return None
+
+
+def estimate_stage(row: dict[str, Any] | None, seconds_since: float) -> str:
+    """The stage a running step is most likely in: the previous step's stage timings laid end to end in
+    loop order, at the time elapsed since that step was logged (modulo one step)."""
+    if not row:
+        return "starting"
+    timings = [(s, float(row[f"timing_s/{s}"])) for s in STAGE_ORDER if isinstance(row.get(f"timing_s/{s}"), (int, float))]
+    total = sum(t for _, t in timings)
+    if total <= 0:
+        return "generate"
+    at = seconds_since % total
+    for name, seconds in timings:
+        if at < seconds:
+            return name
+        at -= seconds
+    return timings[-1][0]
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"tokenmill" in f.read()  # not some other process that got the pid later
+    except OSError:
+        return False
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    os.replace(tmp, path)
+
+
+class RunManager:
+    """Launch, stop, list and tail the runs under `runs_dir` (one folder each)."""
+
+    def __init__(self, runs_dir: str | Path) -> None:
+        self.runs_dir = Path(runs_dir).expanduser().resolve()
+        self.runs_dir.mkdir(parents=True, exist_ok=True)
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._stopping: set[str] = set()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------ launch / stop
+    def folder(self, run_id: str) -> Path:
+        if not _ID.match(run_id) or run_id in (".", ".."):
+            raise RunError(404, f"run {run_id!r}: not a run id")
+        path = self.runs_dir / run_id
+        if not path.is_dir():
+            raise RunError(404, f"run {run_id!r}: no such run in {self.runs_dir}")
+        return path
+
+    def _new_id(self, mode: str, name: str | None) -> str:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        label = re.sub(r"[^A-Za-z0-9_-]+", "-", name or mode).strip("-")[:40] or mode
+        return f"{stamp}-{label}-{secrets.token_hex(2)}"
+
+    def prepare(self, mode: str, config: dict[str, Any], rewards: list[RewardCode], run_dir: Path) -> BaseModel:
+        """The config to launch: code rewards written to `run_dir/rewards/` and referenced by file path,
+        outputs pointed into the run folder. Raises RunError(422) naming the field if it is invalid."""
+        tree = json.loads(json.dumps(config))  # a deep copy we may edit
+        if rewards:
+            if mode != "rl":
+                raise RunError(422, f"rewards: only mode rl takes reward functions, not {mode}")
+            names = [r.name for r in rewards]
+            if len(set(names)) != len(names):
+                raise RunError(422, f"rewards: names must be unique, got {names}")
+            (run_dir / "rewards").mkdir(parents=True, exist_ok=True)
+            tree.setdefault("rewards", [])
+            for r in rewards:
+                file = run_dir / "rewards" / f"{r.name}.py"
+                file.write_text(r.code)
+                tree["rewards"].append({"name": r.name, "function": f"{file}:{r.function}", "weight": r.weight,
+                                        "per_sample": r.per_sample, "timeout_s": r.timeout_s})
+        if mode == "rl":
+            tree.setdefault("tracking", {})
+            tree["tracking"] = {**tree["tracking"], "output_dir": str(run_dir), "console": "plain"}
+        else:
+            tree["output_dir"] = str(run_dir / "model")
+        cfg, errors = validate(mode, tree)
+        if cfg is None:
+            raise RunError(422, "; ".join(f"{e['path']}: {e['message']}" for e in errors))
+        return cfg
+
+    def launch(self, mode: str, config: dict[str, Any], rewards: list[RewardCode] | None = None,
+               name: str | None = None) -> dict[str, Any]:
+        if mode not in MODES:
+            raise RunError(400, f"mode: unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        run_id = self._new_id(mode, name)
+        run_dir = self.runs_dir / run_id
+        run_dir.mkdir(parents=True)
+        try:
+            cfg = self.prepare(mode, config, rewards or [], run_dir)
+        except RunError:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        config_path = run_dir / "run.yaml"
+        config_path.write_text(export_yaml(mode, cfg))
+        argv = [sys.executable, "-m", "tokenmill.cli", MODES[mode]["command"], str(config_path)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env.pop("TOKENMILL_COMPOSER_TOKEN", None)  # the run does not need the Composer's secret
+        with open(run_dir / FILES["log"], "ab") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, start_new_session=True)
+        meta = {"id": run_id, "mode": mode, "argv": argv, "pid": proc.pid, "started": time.time(),
+                "output_dir": str(run_dir), "total_steps": _total_steps(cfg)}
+        _write_json(run_dir / "composer.json", meta)
+        with self._lock:
+            self._procs[run_id] = proc
+        threading.Thread(target=self._wait, args=(run_id, proc, run_dir), daemon=True,
+                         name=f"composer-run-{run_id}").start()
+        return {"id": run_id, "argv": argv, "output_dir": str(run_dir), "status": "running"}
+
+    def _wait(self, run_id: str, proc: subprocess.Popen, run_dir: Path) -> None:
+        code = proc.wait()
+        status = "stopped" if run_id in self._stopping else ("finished" if code == 0 else "failed")
+        _write_json(run_dir / "status.json", {"status": status, "returncode": code, "ended": time.time()})
+        with self._lock:
+            self._procs.pop(run_id, None)
+
+    def stop(self, run_id: str) -> dict[str, Any]:
+        """SIGINT to the run's process group (the trainer closes cleanly), SIGKILL after STOP_GRACE_S."""
+        run_dir = self.folder(run_id)
+        info = self.describe(run_id)
+        if info["status"] != "running":
+            return {"id": run_id, "status": info["status"]}
+        pid = _read_json(run_dir / "composer.json").get("pid")
+        self._stopping.add(run_id)
+        proc = self._procs.get(run_id)
+        _signal_group(pid, signal.SIGINT)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline and _alive(proc, pid):
+            time.sleep(0.1)
+        if _alive(proc, pid):
+            _signal_group(pid, signal.SIGKILL)
+        if proc is not None:
+            proc.wait(timeout=STOP_GRACE_S)
+            deadline = time.monotonic() + 5
+            while not (run_dir / "status.json").exists() and time.monotonic() < deadline:
+                time.sleep(0.02)  # the waiter thread writes it
+        else:  # launched by an earlier Composer process: nobody else will record the end
+            _write_json(run_dir / "status.json", {"status": "stopped", "returncode": None, "ended": time.time()})
+        return {"id": run_id, "status": self.describe(run_id)["status"]}
+
+    # ------------------------------------------------------------------------------ read back
+    def describe(self, run_id: str) -> dict[str, Any]:
+        run_dir = self.folder(run_id)
+        meta = _read_json(run_dir / "composer.json")
+        final = _read_json(run_dir / "status.json")
+        row = last_metrics(run_dir)
+        if final.get("status") in FINAL:
+            status = final["status"]
+        elif meta:
+            status = "running" if _alive(self._procs.get(run_id), meta.get("pid")) else "failed"  # ended while no Composer was watching it
+        else:  # a folder written by `tokenmill train` itself
+            status = "finished" if (run_dir / "final").is_dir() else "unknown"
+        return {
+            "id": run_id, "mode": meta.get("mode", "rl"), "status": status, "returncode": final.get("returncode"),
+            "started": meta.get("started", _mtime(run_dir, "config.yaml")), "ended": final.get("ended"),
+            "step": row.get("step") if row else None, "total_steps": meta.get("total_steps"),
+            "output_dir": str(run_dir), "argv": meta.get("argv"), "last_metrics": row,
+        }
+
+    def list(self) -> list[dict[str, Any]]:
+        out = []
+        for path in self.runs_dir.iterdir():
+            if path.is_dir() and _ID.match(path.name) and ((path / "composer.json").exists()
+                                                         or (path / FILES["metrics"]).exists()):
+                out.append(self.describe(path.name))
+        return sorted(out, key=lambda r: r["started"] or 0, reverse=True)
+
+    def status_event(self, run_id: str) -> dict[str, Any]:
+        info = self.describe(run_id)
+        row = info["last_metrics"]
+        running = info["status"] == "running"
+        since = time.time() - _mtime(self.runs_dir / run_id, FILES["metrics"]) if row else 0.0
+        return {"status": info["status"], "returncode": info["returncode"], "step": info["step"],
+                "total_steps": info["total_steps"], "stage": estimate_stage(row, since) if running else None,
+                "bottleneck": row.get("bottleneck") if row else None}
+
+    def close(self) -> None:
+        """Leave running runs alone (they outlive the Composer, like `nohup`); only forget them."""
+        with self._lock:
+            self._procs.clear()
+
+
+def _alive(proc: subprocess.Popen | None, pid: int | None) -> bool:
+    """Our child (launched by this Composer) or, after a restart, the pid recorded in composer.json."""
+    return proc.poll() is None if proc is not None else _pid_alive(pid)
+
+
+def _signal_group(pid: int | None, sig: int) -> None:
+    if not pid:
+        return
+    try:
+        os.killpg(pid, sig)  # start_new_session: the run's pid is its process group id
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _mtime(folder: Path, name: str) -> float | None:
+    try:
+        return (folder / name).stat().st_mtime
+    except OSError:
+        return None
+
+
+def _total_steps(cfg: BaseModel) -> int | None:
+    controller = getattr(cfg, "controller", None)
+    return controller.steps if controller is not None else getattr(cfg, "steps", None)
