@@ -45,6 +45,16 @@ def rollout_metrics(groups: list[Group]) -> tuple[dict[str, Any], list[str]]:
     return m, [f"{e} (x{n})" for e, n in errors.most_common(3)]
 
 
+def sample_records(groups, k: int) -> list[dict[str, Any]]:
+    """The first `k` samples of a step as JSON records (samples.jsonl)."""
+    picked = [s for g in groups for s in g.samples][:k]
+    return [
+        {"prompt": s.prompt, "completion": s.completion, "reward": s.reward, "rewards": s.rewards,
+         "advantage": s.advantage, "stop": s.stop_reason.value}
+        for s in picked
+    ]
+
+
 def evaluate(
     generator: Generator, rows, max_rows: int, chunk: int = 256, accuracy_reward: str | None = None
 ) -> dict[str, float]:

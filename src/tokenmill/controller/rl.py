@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from contextlib import closing
 from typing import Any
 
 from tokenmill.algorithms.advantages import assign_advantages
@@ -16,7 +17,8 @@ from tokenmill.checkpoint.atomic import (
     set_rng_state,
 )
 from tokenmill.checkpoint.export import export_model
-from tokenmill.controller.metrics import evaluate, evaluate_agent, rollout_metrics
+from tokenmill.controller.async_rl import rollout_feed
+from tokenmill.controller.metrics import evaluate, evaluate_agent, rollout_metrics, sample_records
 from tokenmill.controller.setup import Run, parameter_counts
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.critic import gae_advantages
@@ -46,44 +48,46 @@ def run_rl(run: Run) -> dict[str, Any]:
     last = cfg.controller.steps
     if cfg.controller.max_steps_per_run:
         last = min(last, start + cfg.controller.max_steps_per_run)
-    for step in range(start + 1, last + 1):
-        with step_timer() as timer:
-            # 1-3. sample prompts, generate G completions each (all groups in one engine batch), score them
-            groups, sampling = rollout(run, step)
-            # 4. advantages: inside each group (GRPO family), or per token from the critic's values (PPO)
-            samples, train_metrics = advantages(run, groups)
-            # 5. policy update (reference forward included when KL is in the loss), then the critic's
-            critic_warmup = run.critic is not None and step <= cfg.critic.warmup_steps
-            if samples and not critic_warmup:
-                with stage("train") as t:
-                    train_metrics |= policy_update(
-                        samples, run.backend, cfg.algorithm, pad_id=run.engine.pad_id,
-                        max_tokens=cfg.generation.max_tokens, rng=run.update_rng,
-                        reference=None if cfg.algorithm.kl_in_reward else run.reference,
-                    )
-                    t.add_tokens("train", sum(len(s.tokens) for s in samples))
-            if samples and run.critic is not None:
-                with stage("critic") as t:
-                    train_metrics |= value_update(
-                        samples, run.critic, cfg.algorithm, pad_id=run.engine.pad_id, rng=run.update_rng
-                    )
-                    t.add_tokens("critic", sum(len(s.tokens) for s in samples))
-            # 6. sync weights to the engine (a version bump when it shares the module)
-            with stage("sync"):
-                run.engine.update_weights(run.backend.weights(), version=step)
-        # 7. log
-        metrics, errors = rollout_metrics(groups)
-        metrics |= sampling | train_metrics | timer.report()
-        metrics["throughput/e2e_tok_s"] = timer.tokens.get("generate", 0) / metrics["timing_s/step"]
-        for e in errors:
-            log.message(f"step {step}: {e}")
-        if cfg.controller.eval_every and step % cfg.controller.eval_every == 0 and run.eval_rows is not None:
-            metrics |= held_out(run)
-        log.log(step, metrics)
-        log.log_samples(step, sample_records(groups, cfg.tracking.log_samples))
-        # 8. checkpoint
-        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < last:
-            save(run, step)
+    # generation runs in place (colocated) or ahead in a producer, at most controller.max_staleness versions
+    with closing(rollout_feed(run, rollout, start, last)) as feed:
+        for step in range(start + 1, last + 1):
+            with step_timer() as timer:
+                # 1-3. sample prompts, generate G completions each (all groups in one engine batch), score them
+                groups, sampling = feed.get(step)
+                # 4. advantages: inside each group (GRPO family), or per token from the critic's values (PPO)
+                samples, train_metrics = advantages(run, groups)
+                # 5. policy update (reference forward included when KL is in the loss), then the critic's
+                critic_warmup = run.critic is not None and step <= cfg.critic.warmup_steps
+                if samples and not critic_warmup:
+                    with stage("train") as t:
+                        train_metrics |= policy_update(
+                            samples, run.backend, cfg.algorithm, pad_id=run.engine.pad_id,
+                            max_tokens=cfg.generation.max_tokens, rng=run.update_rng,
+                            reference=None if cfg.algorithm.kl_in_reward else run.reference,
+                        )
+                        t.add_tokens("train", sum(len(s.tokens) for s in samples))
+                if samples and run.critic is not None:
+                    with stage("critic") as t:
+                        train_metrics |= value_update(
+                            samples, run.critic, cfg.algorithm, pad_id=run.engine.pad_id, rng=run.update_rng
+                        )
+                        t.add_tokens("critic", sum(len(s.tokens) for s in samples))
+                # 6. sync weights to the engine (a version bump when it shares the module)
+                with stage("sync"):
+                    feed.push(step)
+            # 7. log
+            metrics, errors = rollout_metrics(groups)
+            metrics |= sampling | train_metrics | timer.report()
+            metrics["throughput/e2e_tok_s"] = timer.tokens.get("generate", 0) / metrics["timing_s/step"]
+            for e in errors:
+                log.message(f"step {step}: {e}")
+            if cfg.controller.eval_every and step % cfg.controller.eval_every == 0 and run.eval_rows is not None:
+                metrics |= held_out(run)
+            log.log(step, metrics)
+            log.log_samples(step, sample_records(groups, cfg.tracking.log_samples))
+            # 8. checkpoint
+            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < last:
+                save(run, step)
     if last < cfg.controller.steps:
         save(run, last)
         log.message(f"stopped after step {last} of {cfg.controller.steps} (max_steps_per_run); resume to go on")
@@ -137,7 +141,7 @@ def rollout(run: Run, step: int) -> tuple[list[Group], dict[str, float]]:
         rows = run.source.next_rows(want - len(groups))
         if run.agent is not None:  # multi-turn episodes: the environment's returns are the rewards
             with stage("generate") as t:
-                new = run.agent.rollout(rows, version=step - 1, first_group=len(groups))
+                new = run.agent.rollout(rows, version=run.engine.version, first_group=len(groups))
                 t.add_tokens("generate", sum(sum(s.loss_mask) for g in new for s in g.samples))
             info |= run.agent.stats.report(cfg.env.max_concurrent)
         else:
@@ -145,7 +149,8 @@ def rollout(run: Run, step: int) -> tuple[list[Group], dict[str, float]]:
                 prompt_ids, completions = run.generator.sample(rows)
                 t.add_tokens("generate", sum(len(c.token_ids) for g in completions for c in g))
             with stage("reward"):
-                new = run.generator.score(rows, prompt_ids, completions, version=step - 1, first_group=len(groups))
+                new = run.generator.score(rows, prompt_ids, completions, version=run.engine.version,
+                                         first_group=len(groups))
         new = shape_overlong(new, cfg.generation.max_tokens, algo.overlong_buffer, algo.overlong_penalty)
         if algo.dynamic_sampling:
             kept = [g for g in new if has_spread(g)]
@@ -157,15 +162,6 @@ def rollout(run: Run, step: int) -> tuple[list[Group], dict[str, float]]:
     if algo.dynamic_sampling:
         info["sampling/dropped_groups"] = float(dropped)
     return groups, info
-
-
-def sample_records(groups, k: int) -> list[dict[str, Any]]:
-    picked = [s for g in groups for s in g.samples][:k]
-    return [
-        {"prompt": s.prompt, "completion": s.completion, "reward": s.reward, "rewards": s.rewards,
-         "advantage": s.advantage, "stop": s.stop_reason.value}
-        for s in picked
-    ]
 
 
 def save(run: Run, step: int) -> None:

@@ -1,0 +1,229 @@
+"""Asynchronous training is the synchronous loop started early (STYLE principle 2).
+
+`run_rl` (controller/rl.py) asks a *feed* for each step's groups and hands it the new weights after each
+update. The colocated feed (`InlineFeed`) calls the loop's own `rollout` on the spot: that is the synchronous
+loop. `AsyncFeed` runs the same `rollout` function in a producer thread, against an engine placed elsewhere
+(a copy in this process, `tokenmill serve` subprocesses or remote servers: `controller/placement.py`), and
+puts each step's scored groups into a bounded buffer that the trainer drains.
+
+Staleness, enforced per sample by the policy version that produced it: a sample trained at step s comes from
+weights of version v (the trainer holds version s - 1 while it trains step s); its lag is (s - 1) - v.
+The producer starts the rollout of step s only once version s - 1 - k is published (k =
+`controller.max_staleness`): it *waits* rather than run more than k versions ahead, so with k = 0 every batch
+is generated with the newest weights, after the previous update: the synchronous loop, step for step. The
+trainer also checks every group's oldest sample and drops (and counts) groups older than k; that only happens
+when an engine did not take an update (a restarted server), since the producer never runs further ahead.
+
+Resume in async mode restores weights, optimiser, RNGs and the data position of the last *trained* batch
+(the feed sets `run.source` to it as batches are taken); batches generated ahead but not trained are not
+saved: they are generated again, from the same prompts, with the checkpoint's weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from tokenmill.controller.placement import Placement, build_placement
+from tokenmill.tracking.stages import stage, step_timer
+from tokenmill.types import Group, TokenmillError
+
+Rollout = Callable[[Any, int], tuple[list[Group], dict[str, float]]]
+
+
+class InlineFeed:
+    """Colocated: the engine shares the trainer's module, so rollouts happen in place, one step at a time."""
+
+    def __init__(self, run, rollout: Rollout) -> None:
+        self.run, self.rollout = run, rollout
+
+    def get(self, step: int) -> tuple[list[Group], dict[str, float]]:
+        return self.rollout(self.run, step)
+
+    def push(self, step: int) -> None:
+        """A version bump: the engine already samples from the updated module."""
+        self.run.engine.update_weights(self.run.backend.weights(), version=step)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """One step's scored groups, as the producer made them."""
+
+    step: int
+    groups: list[Group]
+    info: dict[str, float]
+    data_state: dict[str, int]  # the prompt source's position after this batch's rows
+    tokens: int  # completion tokens generated
+    busy_s: float  # seconds the producer spent making it (generation and rewards, not waiting)
+
+
+class ProducerError(TokenmillError):
+    """The rollout producer failed; the message names the placement and the cause."""
+
+
+class AsyncFeed:
+    """A producer thread running `rollout` ahead of the trainer, at most `max_staleness` versions ahead."""
+
+    def __init__(self, run, rollout: Rollout, start: int, last: int, placement: Placement | None = None) -> None:
+        cfg = run.cfg
+        self.run, self.rollout = run, rollout
+        self.k = cfg.controller.max_staleness
+        self.timeout_s = cfg.controller.rollout_timeout_s
+        self.placement = placement or build_placement(run)
+        # the producer's view of the run: its own engine, generator (or agent) and prompt position
+        self.view = replace(run, engine=self.placement.engine, generator=self.placement.generator,
+                            agent=self.placement.agent, source=copy.copy(run.source))
+        self.placement.push(run.backend.weights(), start)
+        self.buffer: queue.Queue[RolloutBatch | BaseException] = queue.Queue(maxsize=self.k + 1)
+        self.published = start
+        self.cond = threading.Condition()
+        self.stopping = threading.Event()
+        self.started = time.perf_counter()
+        self.producer_busy = 0.0
+        self.producer_blocked = 0.0
+        self.dropped_groups = 0
+        self.dropped_samples = 0
+        self.thread = threading.Thread(target=self._produce, args=(start + 1, last), name="tokenmill-rollout",
+                                       daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------------------------------ producer
+    def _produce(self, first: int, last: int) -> None:
+        threads = self.run.cfg.engine.threads
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            for step in range(first, last + 1):
+                if not self._wait_for_version(step - 1 - self.k):
+                    return
+                self.placement.apply_pending()
+                t0 = time.perf_counter()
+                with step_timer() as timer:
+                    groups, info = self.rollout(self.view, step)
+                groups = self.placement.stamp_versions(groups)
+                busy = time.perf_counter() - t0
+                self.producer_busy += busy
+                info = dict(info)
+                for name, sec in timer.seconds.items():
+                    info[f"async/producer_{name}_s"] = sec
+                batch = RolloutBatch(step, groups, info, self.view.source.state_dict(),
+                                     timer.tokens.get("generate", 0), busy)
+                if not self._put(batch):
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which raises it with context
+            self._put(exc)
+
+    def _wait_for_version(self, needed: int) -> bool:
+        """Block until the trainer has published version `needed` (False when the feed is closing)."""
+        t0 = time.perf_counter()
+        with self.cond:
+            while self.published < needed and not self.stopping.is_set():
+                self.cond.wait(0.2)
+        self.producer_blocked += time.perf_counter() - t0
+        return not self.stopping.is_set()
+
+    def _put(self, item: RolloutBatch | BaseException) -> bool:
+        t0 = time.perf_counter()
+        while not self.stopping.is_set():
+            try:
+                self.buffer.put(item, timeout=0.2)
+                self.producer_blocked += time.perf_counter() - t0
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    # ------------------------------------------------------------------------------------------- trainer
+    def get(self, step: int) -> tuple[list[Group], dict[str, float]]:
+        """The groups for `step` (stale groups dropped) and the step's sampling and async metrics."""
+        fill = self.buffer.qsize()
+        t0 = time.perf_counter()
+        with stage("wait") as timer:
+            try:
+                item = self.buffer.get(timeout=self.timeout_s)
+            except queue.Empty:
+                alive = "alive" if self.thread.is_alive() else "dead"
+                raise ProducerError(
+                    f"async: no rollout batch for step {step} within controller.rollout_timeout_s="
+                    f"{self.timeout_s:g}s (producer thread {alive}, placement {self.placement.describe()})"
+                ) from None
+        waited = time.perf_counter() - t0
+        if isinstance(item, BaseException):
+            raise ProducerError(f"async: the rollout producer ({self.placement.describe()}) failed: "
+                                f"{type(item).__name__}: {item}") from item
+        if item.step != step:
+            raise ProducerError(f"async: expected the rollout of step {step}, got step {item.step}")
+        if timer is not None:
+            timer.add_tokens("generate", item.tokens)
+        self.run.source.load_state_dict(item.data_state)  # what a checkpoint now records: the trained rows
+        groups, lag = self._fresh(item.groups, step)
+        return groups, item.info | self._metrics(step, fill, waited, lag)
+
+    def _fresh(self, groups: list[Group], step: int) -> tuple[list[Group], Counter[int]]:
+        """Keep the groups within the staleness bound; count the lag of every kept sample."""
+        kept, lag = [], Counter()
+        for g in groups:
+            oldest = min(s.version for s in g.samples)
+            if step - 1 - oldest > self.k:
+                self.dropped_groups += 1
+                self.dropped_samples += len(g.samples)
+                continue
+            kept.append(g)
+            lag.update(step - 1 - s.version for s in g.samples)
+        return kept, lag
+
+    def _metrics(self, step: int, fill: int, waited: float, lag: Counter[int]) -> dict[str, Any]:
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        n = sum(lag.values())
+        out: dict[str, Any] = {
+            "async/buffer_fill": fill,
+            "async/wait_s": waited,
+            "async/generate_busy": min(1.0, self.producer_busy / elapsed),
+            "async/producer_blocked_s": self.producer_blocked,
+            "async/staleness_mean": sum(k * v for k, v in lag.items()) / n if n else 0.0,
+            "async/staleness_max": max(lag, default=0),
+            "async/dropped_stale_groups": self.dropped_groups,
+            "async/dropped_stale_samples": self.dropped_samples,
+            "async/policy_version": self.published,
+        }
+        for k in range(self.k + 1):
+            out[f"async/staleness_share/{k}"] = lag.get(k, 0) / n if n else 0.0
+        # the buffer empty at the trainer's turn: generation is the bottleneck; full: training is
+        out["async/bottleneck"] = "generation" if fill == 0 else "training"
+        return out
+
+    def push(self, step: int) -> None:
+        """Hand the new weights (version `step`) to the engine side and let the producer run on."""
+        self.placement.push(self.run.backend.weights(), step)
+        with self.cond:
+            self.published = step
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        self.stopping.set()
+        with self.cond:
+            self.cond.notify_all()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self.buffer.get_nowait()
+        self.thread.join(timeout=self.timeout_s)
+        self.placement.close()
+
+
+def rollout_feed(run, rollout: Rollout, start: int, last: int):
+    """The synchronous in-place feed for a colocated engine, else the producer thread."""
+    if run.cfg.engine.placement == "colocated":
+        return InlineFeed(run, rollout)
+    return AsyncFeed(run, rollout, start, last)

@@ -1,0 +1,262 @@
+"""Where the async producer's engine lives (`engine.placement`), and how new weights reach it.
+
+- thread:  a second `HFEngine` in this process holding a copy of the weights. The trainer's `push` stages a
+           copy; the producer thread applies it between rollouts (or, with partial rollouts, between chunks of
+           tokens), so the engine's weights never change under a running forward.
+- process: `tokenmill serve` subprocesses on free loopback ports, reached through `RemoteEngine`; weights
+           go through `tokenmill.sync` (files or broadcast). The servers are stopped at the end.
+- remote:  the same client and sync, for servers at `engine.urls` (ours, vLLM, SGLang).
+
+Colocated runs need none of this (the engine shares the trainer's module; see `async_rl.InlineFeed`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenmill.rollout.generator import Generator
+from tokenmill.types import ConfigError, Group, TokenmillError
+
+
+class _LockedRewards:
+    """The run's reward set, one caller at a time: the producer scores rollouts while the trainer may score a
+    held-out evaluation, and a forked reward worker serves one request at a time."""
+
+    def __init__(self, rewards, lock: threading.Lock) -> None:
+        self.rewards, self.lock = rewards, lock
+
+    def score(self, *args: Any, **kwargs: Any):
+        with self.lock:
+            return self.rewards.score(*args, **kwargs)
+
+    def close(self) -> None:
+        self.rewards.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.rewards, name)
+
+
+@dataclass
+class Placement:
+    """The producer's engine and what drives it; `push` runs in the trainer's thread, `apply_pending` and
+    `stamp_versions` in the producer's."""
+
+    engine: Any
+    generator: Generator
+    agent: Any
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        raise NotImplementedError
+
+    def apply_pending(self) -> bool:
+        """Load staged weights into the engine if there are any; True when it did."""
+        return False
+
+    def stamp_versions(self, groups: list[Group]) -> list[Group]:
+        return groups
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadPlacement(Placement):
+    """A copy of the policy in this process, updated by the producer thread from staged tensors."""
+
+    def __init__(self, engine, generator, agent) -> None:
+        super().__init__(engine, generator, agent)
+        self._lock = threading.Lock()
+        self._staged: tuple[dict[str, torch.Tensor], int] | None = None
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        with torch.no_grad():
+            copied = {name: t.detach().clone() for name, t in named_tensors}
+        with self._lock:
+            self._staged = (copied, version)
+
+    def has_pending(self) -> bool:
+        return self._staged is not None
+
+    def apply_pending(self) -> bool:
+        with self._lock:
+            staged, self._staged = self._staged, None
+        if staged is None:
+            return False
+        tensors, version = staged
+        self.engine.update_weights(tensors.items(), version=version)
+        return True
+
+    def describe(self) -> str:
+        return "thread (in-process engine copy)"
+
+
+class ServerPlacement(Placement):
+    """Engines behind HTTP (`RemoteEngine`); the trainer pushes weights through `tokenmill.sync`."""
+
+    def __init__(self, engine, generator, agent, urls: list[str], processes: list[subprocess.Popen] | None = None,
+                 scratch: tempfile.TemporaryDirectory | None = None, lora_model: torch.nn.Module | None = None) -> None:
+        super().__init__(engine, generator, agent)
+        self.urls, self.processes, self.scratch = urls, processes or [], scratch
+        self.lora_model = lora_model
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        if self.lora_model is not None:  # a server holds the plain model: send W + BA under the plain names
+            from tokenmill.sync import merged_lora_weights
+
+            named_tensors = merged_lora_weights(self.lora_model)
+        self.engine.update_weights(named_tensors, version=version)
+
+    def stamp_versions(self, groups: list[Group]) -> list[Group]:
+        """Each group carries the version its server reported (the oldest, when a weight update landed during
+        the batch): the server's word, not the version last pushed."""
+        seen = self.engine.versions_seen
+        if not seen:
+            return groups
+        oldest = min(seen)
+        seen.clear()
+        return [Group(g.group_id, tuple(s.with_(version=min(s.version, oldest)) for s in g.samples)) for g in groups]
+
+    def describe(self) -> str:
+        kind = "process" if self.processes else "remote"
+        return f"{kind} servers {', '.join(self.urls)}"
+
+    def close(self) -> None:
+        self.engine.close()
+        for p in self.processes:
+            p.terminate()
+        for p in self.processes:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+        if self.scratch is not None:
+            self.scratch.cleanup()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_servers(model_dir: str, count: int, *, threads: int = 0, timeout_s: float = 120.0,
+                  log_dir: Path | None = None) -> tuple[list[str], list[subprocess.Popen]]:
+    """Start `count` `tokenmill serve MODEL_DIR` processes on free loopback ports and wait for `/health`."""
+    import httpx
+
+    urls, procs = [], []
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    try:
+        for i in range(count):
+            port = _free_port()
+            log = open(log_dir / f"server_{i}.log", "wb") if log_dir else subprocess.DEVNULL  # noqa: SIM115
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "tokenmill.cli", "serve", model_dir, "--host", "127.0.0.1", "--port",
+                 str(port)], stdout=log, stderr=subprocess.STDOUT, env=env,
+            ))
+            urls.append(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + timeout_s
+        for url, proc in zip(urls, procs, strict=True):
+            while True:
+                if proc.poll() is not None:
+                    raise TokenmillError(f"engine.placement process: `tokenmill serve` for {url} exited with "
+                                         f"code {proc.returncode} before answering /health")
+                try:
+                    if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TokenmillError(f"engine.placement process: {url} did not answer /health within "
+                                         f"engine.timeout_s={timeout_s:g}s")
+                time.sleep(0.2)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    return urls, procs
+
+
+def _weight_sync(cfg, urls: list[str], token: str | None, scratch: Path):
+    from tokenmill.sync import BroadcastSync, FileSync
+
+    if cfg.engine.weight_sync == "files":
+        return FileSync(urls, scratch / "weights", token=token, timeout_s=cfg.engine.timeout_s)
+    return BroadcastSync(urls, token=token, timeout_s=cfg.engine.timeout_s)
+
+
+def build_placement(run) -> Placement:
+    """The producer's engine for `run.cfg.engine.placement` (thread, process or remote)."""
+    from tokenmill.controller.setup import build_agent
+
+    cfg = run.cfg
+    place = cfg.engine.placement
+    params = run.generator.params
+    rewards = _LockedRewards(run.generator.rewards, threading.Lock())
+    run.generator.rewards = rewards  # the trainer's held-out evaluation takes the same lock
+    if place == "thread":
+        from tokenmill.engines.hf import HFEngine
+
+        engine = HFEngine(copy.deepcopy(run.model), run.tokenizer, seed=cfg.training.seed,
+                          autocast_dtype=run.engine.autocast_dtype)
+        engine.generator.set_state(run.engine.generator.get_state())  # a resumed run continues its stream
+        engine.version = run.engine.version
+        if cfg.controller.partial_rollouts:
+            from tokenmill.controller.partial import PartialRolloutEngine
+
+            placement = ThreadPlacement(None, None, None)
+            engine = PartialRolloutEngine(engine, cfg.controller.partial_chunk_tokens, placement)
+            placement.engine = engine
+        else:
+            placement = ThreadPlacement(engine, None, None)
+    elif place in ("process", "remote"):
+        placement = _server_placement(run)
+        engine = placement.engine
+    else:
+        raise ConfigError(f"engine.placement: {place!r} has no producer (colocated runs in place)")
+    placement.generator = Generator(engine, run.tokenizer, rewards, params, cfg.data.prompt_column)
+    placement.agent = build_agent(cfg, engine, run.tokenizer, params) if cfg.env is not None else None
+    return placement
+
+
+def _server_placement(run) -> ServerPlacement:
+    from tokenmill.engines.openai import RemoteEngine
+
+    cfg = run.cfg
+    token = cfg.engine.token or os.environ.get("TOKENMILL_SERVER_TOKEN")
+    scratch = tempfile.TemporaryDirectory(prefix="tokenmill-weights-", dir=run.output_dir)
+    procs: list[subprocess.Popen] = []
+    try:
+        if cfg.engine.placement == "process":
+            urls, procs = spawn_servers(cfg.model.path, cfg.engine.num_servers, threads=cfg.engine.threads,
+                                        timeout_s=cfg.engine.timeout_s, log_dir=run.output_dir)
+        else:
+            urls = list(cfg.engine.urls)
+        sync = _weight_sync(cfg, urls, token, Path(scratch.name))
+        engine = RemoteEngine(urls, pad_id=run.engine.pad_id, token=token, timeout_s=cfg.engine.timeout_s,
+                              sync=sync)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        scratch.cleanup()
+        raise
+    lora = run.model if cfg.model.lora.rank > 0 else None
+    return ServerPlacement(engine, None, None, urls, procs, scratch, lora_model=lora)

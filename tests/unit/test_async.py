@@ -1,0 +1,131 @@
+"""The async controller: at max_staleness 0 it *is* the synchronous loop (same losses, same weights), the
+staleness bound holds per sample, stale groups are dropped and counted, and failures name the producer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tokenmill
+from tokenmill.config import RLConfig, load_config
+from tokenmill.controller.async_rl import AsyncFeed
+from tokenmill.types import ConfigError, Group, Sample, StopReason
+
+
+def digit_share(prompts, completions, **_):
+    """A dense reward (share of digits), so a random-init model gets non-zero advantages."""
+    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+
+
+def _config(model: str, out, **overrides) -> dict:
+    cfg = {
+        "model": {"path": model},
+        "data": {"task": "addition", "num_train": 500, "num_eval": 0},
+        "generation": {"group_size": 4, "max_tokens": 4},
+        "algorithm": {"ppo_epochs": 2, "mini_batches": 2},
+        "training": {"learning_rate": 1e-3, "seed": 3},
+        "controller": {"steps": 5, "prompts_per_step": 4},
+        "engine": {"threads": 1},
+        "tracking": {"output_dir": str(out), "console": "none"},
+        "checkpoint": {"every": 0, "save_final": True},
+    }
+    for key, value in overrides.items():
+        section, field = key.split(".")
+        cfg.setdefault(section, {})[field] = value
+    return cfg
+
+
+def _steps(out) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "reward/mean" in r]
+
+
+def _final(out) -> dict[str, torch.Tensor]:
+    return load_file(str(max((out / "checkpoints").glob("step_*")) / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from tokenmill.testing import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("m"), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+
+
+def test_async_at_staleness_zero_equals_the_synchronous_loop(model, tmp_path):
+    torch.set_num_threads(1)
+    sync, thread = tmp_path / "sync", tmp_path / "thread"
+    tokenmill.train(_config(model, sync), rewards=[digit_share])
+    tokenmill.train(_config(model, thread, **{"engine.placement": "thread"}), rewards=[digit_share])
+    a, b = _steps(sync), _steps(thread)
+    assert len(a) == len(b) == 5
+    for x, y in zip(a, b, strict=True):  # the same samples, rewards and losses, step for step
+        assert (x["reward/mean"], x["loss"], x["grad_norm"]) == (y["reward/mean"], y["loss"], y["grad_norm"])
+    assert len({r["loss"] for r in a}) > 1  # the losses moved, so equality is not trivial
+    wa, wb = _final(sync), _final(thread)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # the async run measured itself: no sample was stale, the buffer never held more than one batch
+    assert all(r["async/staleness_max"] == 0 and r["async/dropped_stale_groups"] == 0 for r in b)
+    assert all(0 <= r["async/buffer_fill"] <= 1 and 0 < r["async/generate_busy"] <= 1 for r in b)
+
+
+def test_staleness_one_overlaps_and_stays_within_the_bound(model, tmp_path):
+    torch.set_num_threads(1)
+    out = tmp_path / "k1"
+    result = tokenmill.train(_config(model, out, **{"engine.placement": "thread", "controller.max_staleness": 1,
+                                                    "controller.steps": 6}), rewards=[digit_share])
+    rows = _steps(out)
+    assert len(rows) == 6 and result["last_metrics"]["async/policy_version"] == 5
+    # never more than one version behind, and the producer did run ahead (some samples one version old)
+    assert max(r["async/staleness_max"] for r in rows) == 1
+    assert sum(r["async/staleness_share/1"] for r in rows) > 0
+    assert all(r["async/staleness_share/0"] + r["async/staleness_share/1"] == pytest.approx(1.0) for r in rows)
+    assert all(r["async/dropped_stale_groups"] == 0 for r in rows)
+
+
+def _group(gid: int, versions: list[int]) -> Group:
+    samples = tuple(
+        Sample(tokens=(1, 2), loss_mask=(0, 1), logprobs=(0.0, -1.0), prompt_len=1, prompt="p", completion="c",
+               stop_reason=StopReason.STOP, version=v, group_id=gid)
+        for v in versions
+    )
+    return Group(gid, samples)
+
+
+def test_groups_older_than_the_bound_are_dropped_and_counted():
+    feed = AsyncFeed.__new__(AsyncFeed)  # only the bookkeeping, no producer
+    feed.k, feed.dropped_groups, feed.dropped_samples = 1, 0, 0
+    # training step 5 holds version 4: lag = 4 - version; a group goes when its oldest sample lags > 1
+    groups = [_group(0, [4, 4]), _group(1, [3, 4]), _group(2, [2, 4]), _group(3, [1, 1])]
+    kept, lag = feed._fresh(groups, step=5)
+    assert [g.group_id for g in kept] == [0, 1]
+    assert lag == {0: 3, 1: 1}
+    assert (feed.dropped_groups, feed.dropped_samples) == (2, 4)
+
+
+def test_a_producer_that_cannot_keep_up_fails_naming_the_placement(model, tmp_path):
+    cfg = _config(model, tmp_path / "t", **{"engine.placement": "thread", "controller.rollout_timeout_s": 0.001})
+    with pytest.raises(tokenmill.types.TokenmillError, match=r"no rollout batch for step 1 within "
+                       r"controller.rollout_timeout_s=0.001s .*placement thread"):
+        tokenmill.train(cfg, rewards=[digit_share])
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"controller.max_staleness": 2}, "controller.max_staleness"),
+    ({"engine.placement": "remote"}, "engine.urls"),
+    ({"engine.urls": ["http://127.0.0.1:1"]}, "engine.urls"),
+    ({"engine.placement": "thread", "engine.sync": "files"}, "engine.sync"),
+    ({"engine.placement": "process", "engine.sync": "inprocess"}, "engine.sync"),
+    ({"engine.num_servers": 2}, "engine.num_servers"),
+    ({"controller.partial_rollouts": True}, "controller.partial_rollouts"),
+    ({"algorithm.off_policy": "tis", "algorithm.loss": "gspo"}, "algorithm.off_policy"),
+    ({"algorithm.off_policy": "vtrace"}, "algorithm.off_policy"),
+    ({"algorithm.is_cap": 0.5}, "algorithm.is_cap"),
+    ({"engine.placement": "gpu"}, "engine.placement"),
+])
+def test_bad_async_configs_name_the_field(overrides, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(RLConfig, {"model": {"path": "m"}, "data": {"task": "addition"}}, overrides)
+    assert str(err.value).startswith(field), str(err.value)
