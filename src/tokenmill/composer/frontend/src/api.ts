@@ -79,7 +79,7 @@ export interface DiagramModel {
   role: "actor" | "critic" | "reward" | "reference";
   active: boolean;
   trainable: boolean;
-  device: string;
+  device: string | null;
   why: string;
   name?: string;
 }

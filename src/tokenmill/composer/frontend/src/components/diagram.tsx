@@ -9,17 +9,18 @@ interface Box {
   h: number;
 }
 
-const W = 176;
-const H = 74;
-// Fixed places for the nodes the backend names; anything else goes on the bottom row.
+const W = 140;
+const H = 80;
+// The RL loop reads clockwise: prompts -> generator -> reward -> trainer -> actor -> (weight sync) -> generator,
+// with the reference and critic feeding the trainer from the right.
 const PLACES: Record<string, [number, number]> = {
-  data: [16, 128],
-  generator: [216, 24],
-  actor: [446, 24],
-  trainer: [676, 24],
-  reward: [216, 232],
-  reference: [446, 232],
-  critic: [676, 232],
+  data: [12, 24],
+  generator: [250, 24],
+  reward: [488, 24],
+  reference: [726, 24],
+  actor: [250, 214],
+  trainer: [488, 214],
+  critic: [726, 214],
 };
 const ROLE_TITLES: Record<string, string> = {
   actor: "Actor (policy)",
@@ -30,11 +31,33 @@ const ROLE_TITLES: Record<string, string> = {
   trainer: "Trainer",
   data: "Prompts",
 };
-const STAGE_NOTES: Record<string, string> = {
-  generator: "rollout engine",
-  trainer: "losses · optimiser",
-  data: "dataset / env",
-};
+
+export interface Flow {
+  from: string;
+  to: string;
+  label: string;
+}
+
+/** The data flow drawn for a mode; which models are on comes from the server (`models[].active`). */
+export function flowsFor(mode: string): Flow[] {
+  if (mode === "rl") {
+    return [
+      { from: "data", to: "generator", label: "prompts" },
+      { from: "generator", to: "reward", label: "completions" },
+      { from: "reward", to: "trainer", label: "rewards → advantages" },
+      { from: "reference", to: "trainer", label: "KL (ref log-probs)" },
+      { from: "critic", to: "trainer", label: "values (GAE)" },
+      { from: "trainer", to: "actor", label: "gradient step" },
+      { from: "actor", to: "generator", label: "weight sync" },
+    ];
+  }
+  const target = mode === "reward_model" ? "reward" : "actor";
+  return [
+    { from: "data", to: "trainer", label: mode === "sft" ? "examples" : "chosen / rejected pairs" },
+    { from: "reference", to: "trainer", label: "reference log-probs" },
+    { from: "trainer", to: target, label: "gradient step" },
+  ];
+}
 
 function place(id: string, extra: string[]): Box {
   const fixed = PLACES[id];
@@ -51,32 +74,43 @@ function edgePoint(a: Box, b: Box): [number, number] {
   return [ax + dx * t, ay + dy * t];
 }
 
+function short(name: string | undefined, max = 19): string {
+  const last = (name ?? "").split("/").filter(Boolean).slice(-1)[0] ?? "";
+  return last.length > max ? last.slice(0, max - 1) + "…" : last;
+}
+
 function ModelBox({ box, model }: { box: Box; model: DiagramModel }) {
   const cls = `node model ${model.active ? "active" : "inactive"} ${model.trainable ? "trainable" : "frozen"}`;
+  const device = model.device ?? "";
+  const tagW = Math.max(40, device.length * 6.8 + 14);
   return (
-    <g class={cls} data-testid={`diagram-${model.role}`} data-active={String(model.active)} data-device={model.device}>
-      <title>{model.why}</title>
+    <g class={cls} data-testid={`diagram-${model.role}`} data-active={String(model.active)} data-device={device}>
+      <title>{`${model.name ? model.name + ": " : ""}${model.why}`}</title>
       <rect x={box.x} y={box.y} width={box.w} height={box.h} rx={10} />
       <text x={box.x + 12} y={box.y + 22} class="node-title">
         {ROLE_TITLES[model.role] ?? model.role}
       </text>
       <text x={box.x + 12} y={box.y + 40} class="node-sub">
-        {model.active ? (model.trainable ? "trained" : "frozen") : "not used"}
-        {model.name ? ` · ${model.name.length > 14 ? model.name.slice(0, 13) + "…" : model.name}` : ""}
+        {model.active ? short(model.name) : "not used"}
       </text>
-      {model.active && (
+      {model.active && device && (
         <g class="device-tag">
-          <rect x={box.x + 12} y={box.y + 48} width={Math.max(44, model.device.length * 7.2 + 14)} height={18} rx={9} />
-          <text x={box.x + 19} y={box.y + 61}>
-            {model.device}
+          <rect x={box.x + 12} y={box.y + 52} width={tagW} height={18} rx={9} />
+          <text x={box.x + 19} y={box.y + 65}>
+            {device}
           </text>
         </g>
+      )}
+      {model.active && (
+        <text x={box.x + 12 + (device ? tagW + 8 : 0)} y={box.y + 65} class="node-sub">
+          {model.trainable ? "trained" : "frozen"}
+        </text>
       )}
     </g>
   );
 }
 
-function StageBox({ box, id }: { box: Box; id: string }) {
+function StageBox({ box, id, note }: { box: Box; id: string; note: string }) {
   return (
     <g class="node stage" data-testid={`diagram-${id}`}>
       <rect x={box.x} y={box.y} width={box.w} height={box.h} rx={10} />
@@ -84,47 +118,71 @@ function StageBox({ box, id }: { box: Box; id: string }) {
         {ROLE_TITLES[id] ?? id}
       </text>
       <text x={box.x + 12} y={box.y + 50} class="node-sub">
-        {STAGE_NOTES[id] ?? ""}
+        {note}
       </text>
     </g>
   );
 }
 
-export function ModelsDiagram({ diagram }: { diagram: Diagram }) {
+function ends(a: Box, b: Box): [number, number, number, number] {
+  const [x1, y1] = edgePoint(a, b);
+  const [x2, y2] = edgePoint(b, a);
+  return [x1, y1, x2, y2];
+}
+
+/** Labels go above a horizontal arrow, beside a vertical one, and near the start of a diagonal one, drawn
+ * after the boxes so that nothing covers them. */
+function FlowLabel({ flow, line, live }: { flow: Flow; line: [number, number, number, number]; live: boolean }) {
+  const [x1, y1, x2, y2] = line;
+  const w = flow.label.length * 6.3 + 10;
+  let x = (x1 + x2) / 2, y = (y1 + y2) / 2, anchor: "middle" | "end" = "middle";
+  if (Math.abs(y2 - y1) < 1) y -= 12;
+  else if (Math.abs(x2 - x1) < 1) (x -= 8), (anchor = "end");
+  else (x = x1 + 0.35 * (x2 - x1)), (y = y1 + 0.35 * (y2 - y1)), (anchor = "middle");
+  const left = anchor === "end" ? x - w + 5 : x - w / 2;
+  return (
+    <g class={`flow ${live ? "live" : "off"}`}>
+      <rect x={left} y={y - 12} width={w} height={17} rx={4} class="flow-label-bg" />
+      <text x={x} y={y + 1} text-anchor={anchor} class="flow-label">
+        {flow.label}
+      </text>
+    </g>
+  );
+}
+
+/** `notes` label the non-model nodes (data, generator, trainer), e.g. where the engine runs. */
+export function ModelsDiagram({ diagram, mode, notes }: { diagram: Diagram; mode: string; notes: Record<string, string> }) {
   const roles = new Map(diagram.models.map((m) => [m.role as string, m]));
+  const flows = flowsFor(mode);
   const ids = new Set<string>([...roles.keys()]);
-  diagram.flows.forEach((f) => ids.add(f.from).add(f.to));
+  flows.forEach((f) => ids.add(f.from).add(f.to));
   const extra = [...ids].filter((id) => !PLACES[id]);
   const boxes = new Map([...ids].map((id) => [id, place(id, extra)]));
-  const height = extra.length ? 420 : 320;
-  const activeIds = new Set([...roles.values()].filter((m) => m.active).map((m) => m.role as string));
+  const height = extra.length ? 420 : 300;
+  const on = (id: string) => !roles.has(id) || roles.get(id)!.active;
   return (
-    <svg class="diagram" viewBox={`0 0 868 ${height}`} role="img" aria-label="models and data flow" data-testid="models-diagram">
+    <svg class="diagram" viewBox={`0 0 882 ${height}`} role="img" aria-label="models and data flow" data-testid="models-diagram">
       <defs>
         <marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" orient="auto-start-reverse">
           <path d="M 0 0 L 10 5 L 0 10 z" />
         </marker>
       </defs>
-      {diagram.flows.map((f, i) => {
-        const a = boxes.get(f.from)!, b = boxes.get(f.to)!;
-        const [x1, y1] = edgePoint(a, b);
-        const [x2, y2] = edgePoint(b, a);
-        const live = (!roles.has(f.from) || activeIds.has(f.from)) && (!roles.has(f.to) || activeIds.has(f.to));
-        const mx = (x1 + x2) / 2, my = (y1 + y2) / 2;
+      {flows.map((f) => {
+        const [x1, y1, x2, y2] = ends(boxes.get(f.from)!, boxes.get(f.to)!);
+        const live = on(f.from) && on(f.to);
         return (
-          <g class={`flow ${live ? "live" : "off"}`} data-testid={`flow-${i}`}>
+          <g class={`flow ${live ? "live" : "off"}`} data-testid={`flow-${f.from}-${f.to}`} data-live={String(live)}>
             <line x1={x1} y1={y1} x2={x2} y2={y2} marker-end="url(#arrow)" />
-            <rect x={mx - f.label.length * 3.3 - 6} y={my - 10} width={f.label.length * 6.6 + 12} height={18} rx={4} class="flow-label-bg" />
-            <text x={mx} y={my + 3} text-anchor="middle" class="flow-label">
-              {f.label}
-            </text>
           </g>
         );
       })}
       {[...boxes.entries()].map(([id, box]) => {
         const model = roles.get(id);
-        return model ? <ModelBox box={box} model={model} /> : <StageBox box={box} id={id} />;
+        return model ? <ModelBox box={box} model={model} /> : <StageBox box={box} id={id} note={notes[id] ?? ""} />;
       })}
+      {flows.map((f) => (
+        <FlowLabel flow={f} line={ends(boxes.get(f.from)!, boxes.get(f.to)!)} live={on(f.from) && on(f.to)} />
+      ))}
     </svg>
   );
 }

@@ -1,50 +1,84 @@
-// The memory estimate from /api/estimate, drawn as one stacked bar per model and per device against
-// the budget, with warnings, the backend recommendation and the budget proposal (micro-batch, accumulation).
+// The memory estimate from /api/estimate (composer/memory.py): one stacked bar per model and one per
+// device against the budget, warnings, the backend recommendation, and a budget slider whose answer is
+// a micro-batch and gradient accumulation (with the ordered proposals when nothing fits).
 import { useEffect, useState } from "preact/hooks";
 import { api } from "../api";
-import { getState, setPath, update, useStore } from "../store";
+import type { Mode } from "../api";
+import { getPath, getState, setPath, update, useStore } from "../store";
 
-type Dict = Record<string, any>;
-const PARTS = ["weights", "gradients", "optimizer", "activations", "logits", "kv_cache", "overhead"];
-const PART_COLORS: Record<string, string> = {
-  weights: "#2563eb", gradients: "#7c3aed", optimizer: "#db2777", activations: "#ea580c",
-  logits: "#ca8a04", kv_cache: "#16a34a", overhead: "#64748b",
+interface ModelMem {
+  role: string;
+  device: string;
+  trainable: boolean;
+  params: number;
+  trainable_params: number;
+  bytes: Record<string, number>;
+  total_bytes: number;
+}
+interface DeviceMem {
+  name: string;
+  count: number;
+  persistent_bytes: number;
+  phase_bytes: Record<string, number>;
+  peak_phase: string;
+  overhead_bytes: number;
+  margin_bytes: number;
+  total_bytes: number;
+  budget_bytes: number | null;
+  fits: boolean | null;
+}
+interface Budget {
+  max_tokens: number;
+  micro_batch: number;
+  grad_accum: number;
+  fits: boolean;
+  rollout_fits: boolean;
+  suggested_micro_batch_tokens: number;
+  bytes_per_token: number;
+  proposals: { action: string; setting: string; saving_bytes: number; fits_after: boolean }[];
+}
+export interface Estimate {
+  models: ModelMem[];
+  devices: DeviceMem[];
+  warnings: string[];
+  recommendation: { backend: string; num_devices: number | null; reason: string } | null;
+  budget: Budget | null;
+  settings?: Record<string, unknown>;
+  model?: Record<string, unknown>;
+}
+
+const COLORS: Record<string, string> = {
+  weights: "#2563eb", gradients: "#7c3aed", optimizer: "#db2777", fsdp_buffers: "#0891b2", activations: "#ea580c",
+  logits: "#ca8a04", logits_nograd: "#facc15", kv_cache: "#16a34a", persistent: "#2563eb", peak: "#ea580c",
+  overhead: "#64748b", margin: "#cbd5e1",
 };
 const GIB = 1024 ** 3;
+/** Where "micro-batch tokens" lives in each mode's config (preference training has no such knob). */
+const MICRO_BATCH_PATH: Partial<Record<Mode, string>> = { rl: "training.micro_batch_tokens", sft: "micro_batch_tokens" };
 
 export function gib(bytes: number): string {
   return `${(bytes / GIB).toFixed(bytes >= 10 * GIB ? 1 : 2)} GiB`;
 }
 
-/** The byte components of one model entry: {weights: n, ...}, whatever key holds them. */
-function parts(entry: Dict): [string, number][] {
-  const src: Dict = entry.bytes ?? entry.breakdown ?? entry;
-  return Object.entries(src).filter(([k, v]) => typeof v === "number" && k !== "total" && !k.endsWith("total")) as [string, number][];
-}
-
-function colorOf(part: string, i: number): string {
-  return PART_COLORS[part] ?? PART_COLORS[PARTS.find((p) => part.startsWith(p)) ?? ""] ?? ["#0891b2", "#9333ea", "#65a30d"][i % 3];
-}
-
-function Bar({ items, scale, budget }: { items: [string, number][]; scale: number; budget?: number }) {
+function Bar({ items, scale, budget }: { items: [string, number][]; scale: number; budget?: number | null }) {
   return (
     <div class="mem-bar">
-      {items.map(([k, v], i) => (
-        <div title={`${k}: ${gib(v)}`} style={{ width: `${(100 * v) / scale}%`, background: colorOf(k, i) }} />
+      {items.map(([k, v]) => (
+        <div title={`${k.replace(/_/g, " ")}: ${gib(v)}`} style={{ width: `${(100 * v) / scale}%`, background: COLORS[k] ?? "#94a3b8" }} />
       ))}
-      {budget !== undefined && budget < scale * 1.0001 && <span class="budget" style={{ left: `${(100 * budget) / scale}%` }} />}
+      {budget ? <span class="budget" title={`budget ${gib(budget)}`} style={{ left: `${Math.min(99.7, (100 * budget) / scale)}%` }} /> : null}
     </div>
   );
 }
 
-export function useEstimate(): { estimate: Dict | null; error: string | null } {
+function useEstimate(): { estimate: Estimate | null; error: string | null } {
   const s = useStore();
-  const [out, setOut] = useState<{ estimate: Dict | null; error: string | null }>({ estimate: null, error: null });
+  const [out, setOut] = useState<{ estimate: Estimate | null; error: string | null }>({ estimate: null, error: null });
   useEffect(() => {
     let live = true;
     const timer = setTimeout(() => {
       api.estimate(s.mode, s.config, s.deviceMemoryGib, s.numDevices).then(
-        (estimate) => live && setOut({ estimate, error: null }),
+        (estimate) => live && setOut({ estimate: estimate as unknown as Estimate, error: null }),
         (e) => live && setOut({ estimate: null, error: e.message }),
       );
     }, 200);
@@ -56,101 +90,124 @@ export function useEstimate(): { estimate: Dict | null; error: string | null } {
   return out;
 }
 
-function asList(x: unknown): Dict[] {
-  if (Array.isArray(x)) return x as Dict[];
-  if (x && typeof x === "object") return Object.entries(x).map(([k, v]) => ({ device: k, ...(typeof v === "object" ? v : { total: v }) }));
-  return [];
+function Legend({ keys }: { keys: string[] }) {
+  return (
+    <div class="legend">
+      {keys.map((k) => (
+        <span>
+          <i style={{ background: COLORS[k] ?? "#94a3b8" }} />
+          {k.replace(/_/g, " ")}
+        </span>
+      ))}
+    </div>
+  );
+}
+
+function BudgetSlider({ budget }: { budget: Budget | null }) {
+  const s = useStore();
+  const path = MICRO_BATCH_PATH[s.mode];
+  const current = path ? getPath(s.config, path) : undefined;
+  return (
+    <div class="budget-box" data-testid="memory-budget">
+      <label class="inline" title="Memory of one device; the estimate proposes the largest micro-batch that fits it.">
+        <span class="muted small">budget per device</span>
+        <input type="range" min={4} max={192} step={1} value={s.deviceMemoryGib} data-testid="budget-slider"
+          onInput={(e) => update({ deviceMemoryGib: Number((e.target as HTMLInputElement).value) })} />
+        <span class="mono" data-testid="budget-value">{s.deviceMemoryGib} GiB</span>
+      </label>
+      {budget && (
+        <div class="proposal">
+          <div class="stat"><div class="muted small">max tokens per micro-batch</div><div class="v">{budget.max_tokens.toLocaleString()}</div></div>
+          <div class="stat"><div class="muted small">micro-batch (sequences)</div><div class="v" data-testid="budget-micro-batch">{budget.micro_batch}</div></div>
+          <div class="stat"><div class="muted small">gradient accumulation</div><div class="v" data-testid="budget-grad-accum">{budget.grad_accum}</div></div>
+          <div class="stat"><div class="muted small">per token</div><div class="v">{(budget.bytes_per_token / 1024).toFixed(0)} KiB</div></div>
+        </div>
+      )}
+      {budget && budget.fits && path && (
+        <div class="row" style={{ marginTop: "8px" }}>
+          <button class="btn" data-testid="budget-apply" disabled={current === budget.suggested_micro_batch_tokens}
+            onClick={() => update({ config: setPath(getState().config, path, budget.suggested_micro_batch_tokens) })}>
+            Set {path} = {budget.suggested_micro_batch_tokens.toLocaleString()}
+          </button>
+          <span class="muted small">now {current === undefined ? "default" : String(current)}</span>
+        </div>
+      )}
+      {budget && !budget.fits && budget.proposals.length > 0 && (
+        <div data-testid="budget-proposals">
+          <p class="over">Not even one sequence fits{budget.rollout_fits ? "" : " (nor the rollout)"}. In order:</p>
+          <ol class="small">
+            {budget.proposals.map((p) => (
+              <li>
+                {p.action} — <span class="mono">{p.setting}</span>, saves {gib(p.saving_bytes)}
+                {p.fits_after ? <b> → fits</b> : ""}
+              </li>
+            ))}
+          </ol>
+        </div>
+      )}
+    </div>
+  );
 }
 
 export function MemoryPanel() {
   const { estimate, error } = useEstimate();
   if (error) return <div class="alert error" data-testid="memory-error">{error}</div>;
   if (!estimate) return <p class="muted">Estimating…</p>;
-  const models = asList(estimate.models);
-  const devices = asList(estimate.devices ?? estimate.totals);
-  const warnings: string[] = (estimate.warnings ?? []).map((w: unknown) => (typeof w === "string" ? w : JSON.stringify(w)));
-  const budgetBytes = getState().deviceMemoryGib * GIB;
-  const scale = Math.max(budgetBytes, ...devices.map((d) => Number(d.total ?? d.total_bytes ?? 0)), 1);
-  const used = [...new Set(models.flatMap((m) => parts(m).map(([k]) => k)))];
+  const devices = estimate.devices ?? [];
+  const scale = Math.max(...devices.map((d) => Math.max(d.total_bytes, d.budget_bytes ?? 0)), 1);
+  const parts = [...new Set(estimate.models.flatMap((m) => Object.keys(m.bytes)))];
+  const rec = estimate.recommendation;
   return (
     <div data-testid="memory">
-      {warnings.map((w) => (
+      {estimate.warnings.map((w) => (
         <div class="alert warn" data-testid="memory-warning">{w}</div>
       ))}
-      <div class="legend">
-        {used.map((k, i) => (
-          <span><i style={{ background: colorOf(k, i) }} />{k.replace(/_/g, " ")}</span>
+      {rec && (
+        <div class="alert ok" data-testid="memory-recommendation">
+          <b>{rec.backend.replace(/_/g, " ")}</b>
+          {rec.num_devices ? ` on ${rec.num_devices} device(s)` : ""}: {rec.reason}
+        </div>
+      )}
+      <h3 style={{ marginTop: "14px" }}>Per model</h3>
+      <Legend keys={parts} />
+      <div class="mem-bars" data-testid="memory-models">
+        {estimate.models.map((m) => (
+          <div class="mem-row" data-testid={`memory-model-${m.role}`} data-bytes={m.total_bytes}>
+            <div>
+              <b>{m.role}</b>{" "}
+              <span class="muted small">
+                {m.device} · {(m.params / 1e9).toFixed(2)}B{m.trainable ? "" : " · frozen"}
+              </span>
+            </div>
+            <Bar items={Object.entries(m.bytes)} scale={scale} />
+            <div class="mono">{gib(m.total_bytes)}</div>
+          </div>
         ))}
       </div>
-      <h3>Per model</h3>
-      <div class="mem-bars" data-testid="memory-models">
-        {models.map((m) => {
-          const items = parts(m);
-          const total = items.reduce((a, [, v]) => a + v, 0);
-          return (
-            <div class="mem-row" data-testid={`memory-model-${m.role ?? m.name}`}>
-              <div>
-                <b>{m.role ?? m.name}</b> <span class="muted small">{m.device ?? ""}{m.trainable === false ? " · frozen" : ""}</span>
-              </div>
-              <Bar items={items} scale={scale} />
-              <div class="mono">{gib(total)}</div>
-            </div>
-          );
-        })}
-      </div>
       <h3 style={{ marginTop: "16px" }}>Per device</h3>
+      <Legend keys={["persistent", "peak", "overhead", "margin"]} />
       <div class="mem-bars" data-testid="memory-devices">
         {devices.map((d) => {
-          const total = Number(d.total ?? d.total_bytes ?? 0);
-          const budget = Number(d.budget ?? d.budget_bytes ?? budgetBytes);
-          const over = total > budget;
+          const peak = d.phase_bytes[d.peak_phase] ?? 0;
+          const over = d.fits === false;
           return (
-            <div class="mem-row" data-testid={`memory-device-${d.device}`} data-over={String(over)}>
-              <div><b>{d.device}</b></div>
-              <Bar items={[["total", total]]} scale={scale} budget={budget} />
-              <div class={`mono${over ? " over" : ""}`}>{gib(total)} / {gib(budget)}</div>
+            <div class="mem-row" data-testid={`memory-device-${d.name}`} data-over={String(over)}>
+              <div>
+                <b>{d.name}</b>
+                <span class="muted small">{d.count > 1 ? ` × ${d.count}` : ""} · peak: {d.peak_phase}</span>
+              </div>
+              <Bar scale={scale} budget={d.budget_bytes}
+                items={[["persistent", d.persistent_bytes], ["peak", peak], ["overhead", d.overhead_bytes], ["margin", d.margin_bytes]]} />
+              <div class={`mono${over ? " over" : ""}`}>
+                {gib(d.total_bytes)}
+                {d.budget_bytes ? ` / ${gib(d.budget_bytes)}` : ""}
+              </div>
             </div>
           );
         })}
       </div>
-      <Recommendation estimate={estimate} />
-    </div>
-  );
-}
-
-function Recommendation({ estimate }: { estimate: Dict }) {
-  const rec = estimate.recommendation;
-  const prop: Dict | undefined = estimate.budget ?? estimate.proposal ?? estimate.budget_proposal;
-  const apply = () => {
-    if (!prop) return;
-    let config = getState().config;
-    for (const [path, value] of Object.entries(prop.config ?? prop.settings ?? {})) config = setPath(config, path, value);
-    update({ config });
-  };
-  return (
-    <div class="proposal-wrap">
-      {rec && (
-        <div class="alert ok" data-testid="memory-recommendation" style={{ marginTop: "14px" }}>
-          {typeof rec === "string" ? rec : rec.text ?? rec.summary ?? `${rec.backend ?? ""} ${rec.reason ?? ""}`}
-        </div>
-      )}
-      {prop && (
-        <div data-testid="memory-proposal">
-          <div class="proposal">
-            {Object.entries(prop)
-              .filter(([, v]) => typeof v === "number" || typeof v === "string")
-              .map(([k, v]) => (
-                <div class="stat">
-                  <div class="muted small">{k.replace(/_/g, " ")}</div>
-                  <div class="v">{String(v)}</div>
-                </div>
-              ))}
-          </div>
-          {(prop.config || prop.settings) && (
-            <button class="btn" style={{ marginTop: "10px" }} onClick={apply} data-testid="memory-apply">Apply to the config</button>
-          )}
-        </div>
-      )}
+      <h3 style={{ marginTop: "16px" }}>Budget</h3>
+      <BudgetSlider budget={estimate.budget} />
     </div>
   );
 }

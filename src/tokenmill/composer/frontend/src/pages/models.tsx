@@ -2,10 +2,22 @@
 // and the memory each needs per device, with warnings, a backend recommendation and a budget slider.
 import { useEffect, useState } from "preact/hooks";
 import { api } from "../api";
-import type { Diagram } from "../api";
+import type { Config, Diagram } from "../api";
 import { ModelsDiagram } from "../components/diagram";
 import { MemoryPanel } from "../components/memory";
-import { update, useStore } from "../store";
+import { getPath, update, useStore } from "../store";
+
+/** What the non-model boxes say: where generation runs, what the trainer does, where data comes from. */
+function stageNotes(mode: string, config: Config): Record<string, string> {
+  const placement = String(getPath(config, "engine.placement") ?? "colocated");
+  const servers = getPath(config, "engine.num_servers");
+  const task = getPath(config, "data.task") ?? getPath(config, "data.path") ?? getPath(config, "env.name");
+  return {
+    data: task ? String(task) : "dataset",
+    generator: placement === "colocated" ? "in-process engine" : `${placement} engine${servers ? ` x ${servers}` : ""}`,
+    trainer: mode === "rl" ? "advantages, loss" : "loss, AdamW",
+  };
+}
 
 export function ModelsPage() {
   const s = useStore();
@@ -32,7 +44,7 @@ export function ModelsPage() {
       <div class="card">
         <h2>The four models</h2>
         {error && <div class="alert error">{error}</div>}
-        {diagram && <ModelsDiagram diagram={diagram} />}
+        {diagram && <ModelsDiagram diagram={diagram} mode={s.mode} notes={stageNotes(s.mode, s.config)} />}
         {diagram && (
           <ul class="why" data-testid="diagram-why">
             {diagram.models.map((m) => (
