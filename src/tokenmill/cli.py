@@ -1,4 +1,4 @@
-"""`tokenmill quickstart | train | sft | eval | validate | preference | env serve`.
+"""`tokenmill quickstart | train | sft | eval | validate | preference | env serve | composer`.
 
 Config errors print one line per bad field and exit with status 2, never a traceback.
 """
@@ -141,6 +141,30 @@ def _print_eval(result: dict[str, Any]) -> None:
               f"({gain * 100:+.1f} points, {after['eval/rows']} problems)")
 
 
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """Memory per model and per device for a config (RL, SFT, preference or reward model), without loading it."""
+    import yaml
+
+    from tokenmill.composer.memory import estimate_for_config
+    from tokenmill.composer.memory_config import render
+
+    path = Path(args.config)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    result = estimate_for_config(tree, device_memory_gib=args.device_memory_gib, num_devices=args.num_devices)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        render(result)
+    return 0
+
+
 def cmd_quickstart(args: argparse.Namespace) -> int:
     """Tiny model -> supervised warm start -> GRPO on addition, with accuracy before and after."""
     import torch
@@ -176,6 +200,18 @@ def cmd_env_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_composer(args: argparse.Namespace) -> int:
+    from tokenmill.composer.app import ExposureError, serve
+
+    try:
+        serve(args.host, args.port, token=args.token or os.environ.get("TOKENMILL_COMPOSER_TOKEN") or None,
+              allow_remote=args.allow_remote, runs_dir=args.runs_dir)
+    except ExposureError as exc:  # one line, exit 2, nothing bound
+        print(f"tokenmill composer: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -198,6 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
                            description=f"{text}. Override any field with --section.field VALUE.")
         p.add_argument("config", nargs="?", default=None, help="YAML config file")
         p.set_defaults(fn=fn, overrides=[])
+    est = sub.add_parser("estimate", help="memory per model and per device for a config (no model is loaded)")
+    est.add_argument("config", help="YAML config (train, sft or preference; optional `mode:` and `estimate:` keys)")
+    est.add_argument("--device-memory-gib", type=float, default=None,
+                     help="memory of one device in GiB: checks the fit and sizes the micro-batch")
+    est.add_argument("--num-devices", type=int, default=1, help="data-parallel devices (sharded with FSDP when > 1)")
+    est.add_argument("--json", action="store_true", help="print the whole estimate as JSON")
+    est.set_defaults(fn=cmd_estimate)
     env = sub.add_parser("env", help="environment tools").add_subparsers(dest="env_command", required=True)
     srv = env.add_parser("serve", help="serve an environment over HTTP (JSON) for `env.url` in a config")
     srv.add_argument("env", help="'module:Class' of your environment, or a built-in name (guess_number, coding)")
@@ -210,6 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-episodes", type=int, default=1024, help="live episodes at once")
     srv.add_argument("--step-timeout-s", type=float, default=60.0, help="seconds one reset / step / close may take")
     srv.set_defaults(fn=cmd_env_serve)
+    comp = sub.add_parser("composer", help="web UI: compose a config, preview rewards, launch and watch runs")
+    comp.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    comp.add_argument("--port", type=int, default=8600, help="port (0 picks a free one)")
+    comp.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host")
+    comp.add_argument("--token", default=None, help="access token (default: $TOKENMILL_COMPOSER_TOKEN or random)")
+    comp.add_argument("--runs-dir", default="runs/composer", help="folder of the runs launched from the page")
+    comp.set_defaults(fn=cmd_composer)
     return parser
 
 

@@ -1,0 +1,406 @@
+"""The Composer's web server: a FastAPI app over the config schema, the reward preview, the memory estimate and
+the run folders. Routes and shapes: `API.md` beside this file.
+
+Security (see RELIABILITY.md): the server binds loopback unless told otherwise, and every request, the page
+included, needs the token printed at start (an HttpOnly SameSite=Strict cookie set by `/?token=`, or a bearer
+header). Before the token, the `Host` header must name this server (a DNS-rebinding page would send its own
+name); state-changing requests from another origin are refused (CSRF). Reward code runs only in forked
+workers with a timeout (`preview.py`), runs only as argv-list subprocesses (`runs.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import time
+from http.cookies import SimpleCookie
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tokenmill.composer import configs
+from tokenmill.composer.presets import presets
+from tokenmill.composer.preview import Previewer, PreviewError
+from tokenmill.composer.runs import FINAL, Cursor, RunError, RunManager, read_events
+from tokenmill.composer.schema_ui import MODES, schema_response
+
+STATIC_DIR = Path(__file__).parent / "static"
+COOKIE = "tm_token"
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+POLL_S = 0.25
+KEEPALIVE_S = 15.0
+
+
+def _error(status: int, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": message, **extra}, status_code=status)
+
+
+def host_name(value: str) -> str:
+    """The host part of a Host header ("[::1]:8600" -> "::1", "LocalHost" -> "localhost"); "" if malformed."""
+    try:
+        parts = urlsplit(f"//{value.strip()}")
+        _ = parts.port  # raises on a bad port
+    except ValueError:
+        return ""
+    return (parts.hostname or "").lower()
+
+
+def allowed_hosts_for(bind_host: str) -> frozenset[str]:
+    """Host names the server answers to: the loopback names, the bound address, or any ("*") on a
+    wildcard bind (only reachable with --allow-remote; the token still guards it)."""
+    name = bind_host.strip().lower().removeprefix("[").removesuffix("]")
+    if name in ("", "0.0.0.0", "::"):
+        return frozenset({"*"})
+    return LOOPBACK_NAMES | {name}
+
+
+def is_loopback(host: str) -> bool:
+    name = host.strip().lower().removeprefix("[").removesuffix("]")
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+class Guard:
+    """Host check, then token (cookie or bearer), then the Origin check on state-changing requests. Plain
+    ASGI, in front of routing and body parsing: a refused request costs nothing and learns nothing."""
+
+    def __init__(self, app: ASGIApp, *, token: str, allowed_hosts: frozenset[str]) -> None:
+        self.app = app
+        self.token = token.encode()
+        self.allowed_hosts = allowed_hosts
+
+    def _token_ok(self, headers: dict[bytes, bytes]) -> bool:
+        auth = headers.get(b"authorization", b"")
+        if auth.startswith(b"Bearer ") and hmac.compare_digest(auth[7:].strip(), self.token):
+            return True
+        cookie = SimpleCookie()
+        try:
+            cookie.load(headers.get(b"cookie", b"").decode("latin-1"))
+        except Exception:  # noqa: BLE001 - a malformed cookie header is just no token
+            return False
+        given = cookie.get(COOKIE)
+        return given is not None and hmac.compare_digest(given.value.encode(), self.token)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers: dict[bytes, bytes] = {}
+        hosts = []
+        for k, v in scope["headers"]:
+            headers.setdefault(k, v)
+            if k == b"host":
+                hosts.append(v)
+        host = hosts[0].decode("latin-1") if len(hosts) == 1 else ""
+        if "*" not in self.allowed_hosts and host_name(host) not in self.allowed_hosts:
+            await _error(403, f"Host header not allowed: {host!r:.80} (open the Composer through the URL it "
+                              "printed)")(scope, receive, send)
+            return
+        method, path = scope["method"], scope["path"]
+        if method == "GET" and path == "/":
+            given = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token", [""])[0]
+            if given and hmac.compare_digest(given.encode(), self.token):
+                response = RedirectResponse("/", status_code=303)
+                response.set_cookie(COOKIE, given, httponly=True, samesite="strict", path="/")
+                await response(scope, receive, send)
+                return
+        if not self._token_ok(headers):
+            await _error(401, "missing or wrong token: open the URL printed by `tokenmill composer` "
+                              "(it ends in ?token=...)")(scope, receive, send)
+            return
+        if method not in SAFE_METHODS:
+            origin = headers.get(b"origin", b"").decode("latin-1")
+            if origin and origin not in (f"http://{host}", f"https://{host}"):
+                await _error(403, f"cross-origin request refused: Origin {origin!r:.80} is not this "
+                                  "server")(scope, receive, send)
+                return
+            if headers.get(b"sec-fetch-site", b"") == b"cross-site":
+                await _error(403, "cross-origin request refused (Sec-Fetch-Site: cross-site)")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# ------------------------------------------------------------------------------------------ request bodies
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ConfigBody(_Body):
+    mode: str = Field("rl", description="rl | preference | reward_model | sft")
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+class EstimateBody(ConfigBody):
+    device_memory_gib: float | None = Field(None, gt=0)
+    num_devices: int = Field(1, ge=1, le=4096)
+
+
+class ImportBody(_Body):
+    yaml: str = Field(..., max_length=1_000_000)
+    mode: str | None = None
+
+
+class PreviewBody(ConfigBody):
+    rewards: list[configs.RewardCode] = Field(default_factory=list, max_length=32)
+    prompts: int = Field(4, ge=1, le=16)
+    samples: int = Field(4, ge=1, le=16)
+    seed: int = 0
+
+
+class RunBody(ConfigBody):
+    rewards: list[configs.RewardCode] = Field(default_factory=list, max_length=32)
+    name: str | None = Field(None, max_length=64)
+
+
+def _mode(mode: str) -> str:
+    if mode not in MODES:
+        raise RunError(400, f"mode: unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    return mode
+
+
+def _valid(body: ConfigBody) -> Any:
+    """The body's config object; invalid -> 422 with the field errors."""
+    cfg, errors = configs.validate(_mode(body.mode), body.config)
+    if cfg is None:
+        raise _Invalid(errors)
+    return cfg
+
+
+class _Invalid(Exception):
+    def __init__(self, errors: list[dict[str, str]]) -> None:
+        super().__init__("invalid config")
+        self.errors = errors
+
+
+def create_app(token: str, runs_dir: str | Path = "runs/composer", *, bind_host: str = "127.0.0.1",
+               static_dir: str | Path | None = None) -> FastAPI:
+    """The Composer app, with its Guard installed; `bind_host` decides which Host headers it answers."""
+    if not token:
+        raise ValueError("token must be a non-empty string")
+    app = FastAPI(title="tokenmill composer", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.runs = RunManager(runs_dir)
+    app.state.previewer = Previewer()
+    static = Path(static_dir) if static_dir is not None else STATIC_DIR
+    app.add_middleware(Guard, token=token, allowed_hosts=allowed_hosts_for(bind_host))
+    _errors(app)
+    _page_routes(app, static)
+    _config_routes(app)
+    _run_routes(app)
+    return app
+
+
+def _errors(app: FastAPI) -> None:
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [{"path": ".".join(str(p) for p in e["loc"]), "message": e["msg"]} for e in exc.errors()]
+        first = errors[0] if errors else {"path": "body", "message": "invalid"}
+        return _error(422, f"{request.url.path}: {first['path']}: {first['message']}", errors=errors)
+
+    @app.exception_handler(RunError)
+    async def run_error(request: Request, exc: RunError) -> JSONResponse:
+        return _error(exc.status, str(exc))
+
+    @app.exception_handler(_Invalid)
+    async def invalid(request: Request, exc: _Invalid) -> JSONResponse:
+        first = exc.errors[0]
+        return _error(422, f"invalid config: {first['path']}: {first['message']}", errors=exc.errors)
+
+    @app.exception_handler(PreviewError)
+    async def preview_error(request: Request, exc: PreviewError) -> JSONResponse:
+        return _error(422, f"preview: {exc}", errors=exc.errors)
+
+
+def _page_routes(app: FastAPI, static: Path) -> None:
+    @app.get("/", response_model=None)
+    async def index() -> FileResponse | JSONResponse:
+        page = static / "index.html"
+        if not page.is_file():
+            return _error(503, f"the Composer front end is not built: {page} is missing (build it with "
+                               "`node build.mjs` in src/tokenmill/composer/frontend); the API under /api works")
+        return FileResponse(page, headers={"Cache-Control": "no-store"})
+
+    @app.get("/static/{name:path}", response_model=None)
+    async def static_file(name: str) -> FileResponse | JSONResponse:
+        root = static.resolve()
+        path = (root / name).resolve()
+        if root not in path.parents or not path.is_file():
+            return _error(404, f"GET /static/{name}: no such file")
+        return FileResponse(path)
+
+
+def _config_routes(app: FastAPI) -> None:
+    @app.get("/api/schema")
+    def schema(mode: str = "rl") -> dict[str, Any]:
+        return schema_response(_mode(mode))
+
+    @app.get("/api/presets")
+    def preset_list(mode: str = "rl") -> list[dict[str, Any]]:
+        return presets(_mode(mode))
+
+    @app.post("/api/validate")
+    def validate(body: ConfigBody) -> dict[str, Any]:
+        cfg, errors = configs.validate(_mode(body.mode), body.config)
+        return {"ok": cfg is not None, "errors": errors, "config": configs.normalized(cfg) if cfg else None}
+
+    @app.post("/api/diagram")
+    def diagram(body: ConfigBody) -> dict[str, Any]:
+        return configs.diagram_for(_mode(body.mode), body.config)
+
+    @app.post("/api/yaml/export")
+    def export(body: ConfigBody) -> dict[str, Any]:
+        cfg = _valid(body)
+        name = configs.config_filename(body.mode)
+        return {"yaml": configs.export_yaml(body.mode, cfg), "filename": name,
+                "command": configs.command_for(body.mode, name)}
+
+    @app.post("/api/yaml/import")
+    def import_(body: ImportBody) -> dict[str, Any]:
+        return configs.import_yaml(body.yaml, _mode(body.mode) if body.mode else None)
+
+    @app.post("/api/estimate", response_model=None)
+    def estimate(body: EstimateBody) -> Any:
+        cfg = _valid(body)
+        try:
+            from tokenmill.composer.memory import estimate_for_config
+        except ImportError as exc:
+            return _error(503, f"/api/estimate: the memory estimator is not available ({exc})")
+        config = {**configs.normalized(cfg), "mode": body.mode}
+        return estimate_for_config(config, device_memory_gib=body.device_memory_gib, num_devices=body.num_devices)
+
+    @app.post("/api/rewards/preview")
+    def preview(body: PreviewBody) -> dict[str, Any]:
+        if body.mode != "rl":
+            raise RunError(400, f"mode: the reward preview is for mode rl, not {body.mode!r}")
+        cfg = _valid(body)
+        return app.state.previewer.preview(cfg, body.rewards, prompts=body.prompts, samples=body.samples,
+                                           seed=body.seed)
+
+
+def _run_routes(app: FastAPI) -> None:
+    runs: RunManager = app.state.runs
+
+    @app.post("/api/runs", status_code=201)
+    def launch(body: RunBody) -> dict[str, Any]:
+        _valid(body)  # field errors as a list before anything is written
+        return runs.launch(body.mode, body.config, body.rewards, name=body.name)
+
+    @app.get("/api/runs")
+    def run_list() -> dict[str, Any]:
+        return {"runs": runs.list()}
+
+    @app.get("/api/runs/{run_id}")
+    def run_info(run_id: str) -> dict[str, Any]:
+        info = runs.describe(run_id)
+        path = runs.folder(run_id) / "run.yaml"
+        if not path.exists():
+            path = runs.folder(run_id) / "config.yaml"
+        info["config"] = configs.import_yaml(path.read_text())["config"] if path.exists() else None
+        return info
+
+    @app.post("/api/runs/{run_id}/stop")
+    def stop(run_id: str) -> dict[str, Any]:
+        return runs.stop(run_id)
+
+    @app.get("/api/runs/{run_id}/events")
+    async def events(run_id: str, request: Request, follow: int = Query(1, ge=0, le=1),
+                     last_event_id: str | None = None) -> StreamingResponse:
+        run_dir = runs.folder(run_id)
+        cursor = Cursor.parse(request.headers.get("last-event-id") or last_event_id)
+        stream = _sse(runs, run_id, run_dir, cursor, bool(follow), request)
+        return StreamingResponse(stream, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+
+def _frame(event: str, data: str, event_id: str) -> bytes:
+    return f"id: {event_id}\nevent: {event}\ndata: {data}\n\n".encode()
+
+
+async def _sse(runs: RunManager, run_id: str, run_dir: Path, cursor: Cursor, follow: bool, request: Request):
+    """Status first, then every new line of the run's files and a status on each change; once the run has
+    ended (or with follow=0, once the backlog is drained) one last read and the final status."""
+    status = runs.status_event(run_id)
+    yield _frame("status", json.dumps(status), str(cursor))
+    last_sent = time.monotonic()
+    while True:
+        events, cursor = read_events(run_dir, cursor)
+        for event, data, event_id in events:
+            yield _frame(event, data, event_id)
+        if events:
+            last_sent = time.monotonic()
+            continue  # drain the backlog before looking at the status again
+        fresh = runs.status_event(run_id)
+        if fresh["status"] in FINAL or fresh["status"] == "unknown" or not follow:
+            events, cursor = read_events(run_dir, cursor)  # lines written just before the exit
+            if events:
+                for event, data, event_id in events:
+                    yield _frame(event, data, event_id)
+                continue
+            yield _frame("status", json.dumps(fresh), str(cursor))
+            return
+        if fresh != status:
+            status = fresh
+            yield _frame("status", json.dumps(status), str(cursor))
+            last_sent = time.monotonic()
+        if await request.is_disconnected():
+            return
+        if time.monotonic() - last_sent > KEEPALIVE_S:
+            last_sent = time.monotonic()
+            yield b": keepalive\n\n"
+        await asyncio.sleep(POLL_S)
+
+
+class ExposureError(ValueError):
+    """A bind address that would expose the Composer without the user saying so."""
+
+
+def check_exposure(host: str, allow_remote: bool) -> None:
+    if not is_loopback(host) and not allow_remote:
+        raise ExposureError(f"--host {host} is not a loopback address: the Composer runs code and launches "
+                            "training on this machine; pass --allow-remote to expose it (the token still "
+                            "applies), or use 127.0.0.1 and an SSH tunnel")
+
+
+def serve(host: str = "127.0.0.1", port: int = 8600, *, token: str | None = None, allow_remote: bool = False,
+          runs_dir: str | Path = "runs/composer", say: Any = print) -> None:
+    """Bind, print the URL with the token, and serve until interrupted."""
+    import secrets
+    import socket
+
+    import uvicorn
+
+    check_exposure(host, allow_remote)
+    token = token or secrets.token_urlsafe(24)
+    bare = host.strip("[]")
+    sock = socket.socket(socket.AF_INET6 if ":" in bare else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((bare, port))
+    except OSError as exc:
+        sock.close()
+        raise ExposureError(f"--port {port}: cannot bind {host}:{port}: {exc.strerror or exc}") from None
+    bound = sock.getsockname()[1]
+    app = create_app(token, runs_dir, bind_host=host)
+    shown = "127.0.0.1" if bare in ("0.0.0.0", "::") else (f"[{bare}]" if ":" in bare else bare)
+    say(f"tokenmill composer: open http://{shown}:{bound}/?token={token}")
+    say(f"  runs in {app.state.runs.runs_dir}; "
+        f"{'loopback only' if is_loopback(host) else 'REACHABLE FROM THE NETWORK (token required)'}; Ctrl-C stops")
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
+    uvicorn.Server(config).run(sockets=[sock])
