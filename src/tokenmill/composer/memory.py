@@ -440,17 +440,19 @@ def recommend_backend(plan: MemoryPlan) -> dict[str, Any]:
         return {"backend": "megatron", "num_devices": None,
                 "reason": f"{params / 1e9:.0f}B parameters: tensor / pipeline parallelism (Megatron-class)"}
     if _fits(base):
-        return {"backend": "single_gpu", "num_devices": 1, "reason": f"fits one {gib} device as configured"}
+        return {"backend": "single_gpu", "num_devices": 1,
+                "reason": f"fits one {gib} device (micro-batch sized by the budget solver)"}
+    full_fsdp = next((n for n in (2, 4, 8, 16, 32, 64) if _fits(replace(base, num_devices=n, sharding="fsdp"))), None)
     if plan.lora_rank == 0:
         for label, changed in (("LoRA", replace(base, lora_rank=16)),
                                ("QLoRA (NF4 base)", replace(base, lora_rank=16, frozen_quant="nf4"))):
             if _fits(changed):
+                other = f"; full fine-tuning fits {full_fsdp} devices with FSDP2" if full_fsdp else ""
                 return {"backend": "single_gpu_" + label.split()[0].lower(), "num_devices": 1,
-                        "reason": f"full fine-tuning does not fit one {gib} device; {label} rank 16 does"}
-    for n in (2, 4, 8, 16, 32, 64):
-        if _fits(replace(base, num_devices=n, sharding="fsdp")):
-            return {"backend": "fsdp2", "num_devices": n,
-                    "reason": f"model states sharded with FSDP2 / ZeRO-3 fit {n} x {gib} devices"}
+                        "reason": f"full fine-tuning does not fit one {gib} device; {label} rank 16 does{other}"}
+    if full_fsdp:
+        return {"backend": "fsdp2", "num_devices": full_fsdp,
+                "reason": f"model states sharded with FSDP2 / ZeRO-3 fit {full_fsdp} x {gib} devices"}
     return {"backend": "megatron", "num_devices": None,
             "reason": f"64 x {gib} devices with FSDP2 do not fit: tensor / pipeline parallelism needed"}
 

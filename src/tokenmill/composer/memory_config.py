@@ -169,12 +169,16 @@ def render(result: dict[str, Any]) -> None:
                   f" {st['precision']}, {st['micro_batch_tokens_effective']} tokens per micro-batch, "
                   f"{st['num_devices']} device(s), sharding {st['sharding']}")
     parts = list(dict.fromkeys(k for m in result["models"] for k in m["bytes"]))
-    table = Table(title="Memory per device (GB = 10^9 bytes)")
-    for column in ["model", "trainable", *parts, "total"]:
-        table.add_column(column, justify="left" if column == "model" else "right")
+    table = Table(title="Memory on each device, GB (10^9 bytes)")
+    table.add_column("component")
+    table.add_column("phase")
     for m in result["models"]:
-        table.add_row(m["role"], f"{m['trainable_params']:,}" if m["trainable"] else "frozen",
-                      *(_gb(m["bytes"].get(k)) for k in parts), _gb(m["total_bytes"]))
+        table.add_column(m["role"] + ("" if m["trainable"] else " (frozen)"), justify="right")
+    for key in parts:
+        phase = next(m["phases"][key] for m in result["models"] if key in m["phases"])
+        table.add_row(key, phase, *(_gb(m["bytes"].get(key)) for m in result["models"]))
+    table.add_row("trainable params", "", *(f"{m['trainable_params']:,}" for m in result["models"]))
+    table.add_row("sum", "", *(_gb(m["total_bytes"]) for m in result["models"]))
     console.print(table)
     phases = ", ".join(f"{k} {_gb(v) or '0'}" for k, v in dev["phase_bytes"].items())
     budget = "" if dev["budget_bytes"] is None else (
