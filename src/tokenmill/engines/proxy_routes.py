@@ -14,6 +14,7 @@ the server's token and Host checks.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import threading
@@ -61,9 +62,11 @@ class _Reward(BaseModel):
     group: str | None = Field(None, max_length=256)
 
 
-def proxy_routes(engine, tokenizer, recorder: EpisodeRecorder, *, max_tokens: int = 256) -> APIRouter:
+def proxy_routes(engine, tokenizer, recorder: EpisodeRecorder, *, max_tokens: int = 256,
+                 timeout_s: float = 300.0) -> APIRouter:
     """Routes that sample from `engine` (an InferenceEngine; one with `submit` joins its running batch) and
-    record every call into `recorder`. `max_tokens` is the default and the cap of a reply."""
+    record every call into `recorder`. `max_tokens` is the default and the cap of a reply; a reply
+    that takes over `timeout_s` is cancelled (504)."""
     router = APIRouter()
     # an engine without `submit` (a plain HFEngine) decodes one batch at a time: calls take turns
     turns = contextlib.nullcontext() if hasattr(engine, "submit") else threading.Lock()
@@ -79,9 +82,20 @@ def proxy_routes(engine, tokenizer, recorder: EpisodeRecorder, *, max_tokens: in
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         params = SamplingParams(max_tokens=min(wanted, max_tokens), temperature=max(body.temperature, 1e-5),
                                 top_p=body.top_p, stop=stop, greedy=body.temperature == 0.0)
-        version = int(getattr(engine, "version", 0))
-        [[completion]] = await run_in_threadpool(generate, prompt_ids, params)
-        return completion, version
+        if not hasattr(engine, "submit"):
+            version = int(getattr(engine, "version", 0))
+            [[completion]] = await run_in_threadpool(generate, prompt_ids, params)
+            return completion, version
+        try:  # a continuous-batching engine: the reply joins its running batch
+            future = engine.submit(prompt_ids, params)
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
+        try:
+            [completion] = await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        except TimeoutError:
+            engine.cancel(future)
+            raise HTTPException(504, f"no reply within {timeout_s:g} s") from None
+        return completion, int(future.policy_version or 0)
 
     def record(episode_id: str, prompt_ids, completion, version, prompt) -> None:
         try:
