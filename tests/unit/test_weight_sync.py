@@ -278,3 +278,28 @@ def test_inprocess_sync_copies_into_the_engine(tiny_model, tokenizer):
     InProcessSync(engine).push(trainable(tiny_model), 3)
     torch.testing.assert_close(trainer_logprobs(engine.model, PROMPT), trainer_logprobs(tiny_model, PROMPT))
     assert engine.version == 3
+
+
+# -------------------------------------------------------------------------------------------------- faults
+@pytest.mark.parametrize("method", ["files", "broadcast"])
+def test_a_dead_server_is_dropped_and_the_others_get_the_push(server, tiny_model_path, tiny_model, tmp_path,
+                                                              method):
+    doomed = Server(tiny_model_path)
+    make = {"files": lambda **kw: FileSync([server.url, doomed.url], tmp_path / "w", **kw),
+            "broadcast": lambda **kw: BroadcastSync([server.url, doomed.url], timeout_s=10, **kw)}[method]
+    names = {"group_name": "strict"} if method == "broadcast" else {}  # two groups on a server need two names
+    strict, tolerant = make(**names), make(drop_failed=True)
+    try:
+        doomed.stop()
+        version = server.version() + 1
+        perturb(tiny_model, seed=31)
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError, match=doomed.url):
+            strict.push(trainable(tiny_model), version)
+        tolerant.push(trainable(tiny_model), version)
+        assert time.monotonic() - t0 < 30
+        assert tolerant.servers.urls == [server.url]
+        assert_in_sync(server, tiny_model, version)
+    finally:
+        strict.close()
+        tolerant.close()

@@ -177,8 +177,9 @@ class WeightReceiver:
 
     def init_group(self, body: GroupBody) -> None:
         with self.lock:
-            if body.group_name in self.groups:
-                raise UpdateRefused(f"group_name {body.group_name!r} is already open on this server")
+            old = self.groups.pop(body.group_name, None)
+            if old is not None:  # the trainer re-forms the group (after a failure, or it restarted)
+                old.close()
             if body.rank_offset >= body.world_size:
                 raise UpdateRefused(f"rank_offset {body.rank_offset} outside world_size {body.world_size}")
             try:

@@ -36,6 +36,15 @@ class WeightSyncError(RuntimeError):
     """A push that did not land; the message names the server (URL) and its reason."""
 
 
+class ServerUnreachable(WeightSyncError):
+    """A server that did not answer at all (connection refused or reset, timeout): with `drop_failed=True` a
+    sync drops it and goes on with the others, while a server that answered with a refusal is never dropped."""
+
+    def __init__(self, message: str, url: str) -> None:
+        super().__init__(message)
+        self.url = url
+
+
 @runtime_checkable
 class WeightSync(Protocol):
     """Sends weights to engines. After `push` returns, every engine samples from `named_tensors` and reports

@@ -33,7 +33,7 @@ import torch
 
 from tokenmill.sync.base import NamedTensors, WeightSyncError, check_engine_names
 from tokenmill.sync.group import VLLM_GROUP, WeightGroup, dtype_name, host_store, open_group
-from tokenmill.sync.http import Servers, collect
+from tokenmill.sync.http import PushFailed, Servers, collect
 
 _ROUTES = {
     "sglang": ("/init_weights_update_group", "/update_weights_from_distributed"),
@@ -45,7 +45,9 @@ class BroadcastSync:
     """`push` broadcasts `named_tensors` (cast to `dtype` if given) to every server in `urls`.
 
     `master_address` must be reachable from the servers (loopback when they run on this machine); port 0
-    picks a free one. Raises `WeightSyncError` naming each server that refused or did not answer."""
+    picks a free one. Raises `WeightSyncError` naming each server that refused or did not answer.
+    `drop_failed`: a server that does not answer at all is dropped (logged), the group re-formed with the
+    others and the push repeated, so a run survives a dead engine; a refusal (bad weights) always raises."""
 
     def __init__(
         self,
@@ -60,6 +62,7 @@ class BroadcastSync:
         timeout_s: float = 300.0,
         dtype: torch.dtype | None = None,
         vllm_native: bool = False,
+        drop_failed: bool = False,
     ) -> None:
         if api not in _ROUTES:
             raise ValueError(f"api must be 'sglang' or 'vllm', not {api!r}")
@@ -71,10 +74,10 @@ class BroadcastSync:
         self.api, self.backend, self.dtype = api, backend, dtype
         self.master_address, self.master_port = master_address, master_port
         self.group_name = VLLM_GROUP if api == "vllm" else group_name  # vLLM's routes name no group
-        self.timeout_s, self.vllm_native = timeout_s, vllm_native
+        self.timeout_s, self.vllm_native, self.drop_failed = timeout_s, vllm_native, drop_failed
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.group: WeightGroup | _VLLMGroup | None = None
-        self._open()
+        self._dropping(self._open)
 
     # ---------------------------------------------------------------------------------------- the group
     def _ranks(self) -> tuple[list[int], int]:
@@ -119,10 +122,27 @@ class BroadcastSync:
         except Exception as e:
             try:
                 collect(calls)
-            except WeightSyncError as server_error:
-                raise WeightSyncError(f"weight group did not form: {server_error}") from e
+            except PushFailed as server_error:
+                raise PushFailed(f"weight group did not form: {server_error}", server_error.unreachable,
+                                 server_error.refused, server_error.only_unreachable) from e
             raise WeightSyncError(f"weight group did not form: {type(e).__name__}: {e}") from e
         collect(calls)
+
+    def _dropping(self, fn, *args) -> None:
+        """`fn(*args)`; with `drop_failed`, when servers did not answer (and none refused), drop them, re-form
+        the group with the others and try again."""
+        while True:
+            try:
+                return fn(*args)
+            except PushFailed as e:
+                if not (self.drop_failed and e.unreachable and not e.refused):
+                    raise
+                self.servers.drop(e.unreachable)
+                if self.group is not None:
+                    self.group.close()
+                    self.group = None
+                if fn != self._open:
+                    self._dropping(self._open)
 
     # ---------------------------------------------------------------------------------------- pushes
     def _update_body(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
@@ -143,7 +163,10 @@ class BroadcastSync:
             t = t.detach().to(device=self.device, dtype=self.dtype or t.dtype)
             tensors.append((name, t.contiguous()))
         if self.group is None:
-            self._open()
+            self._dropping(self._open)
+        self._dropping(self._push_once, tensors, version)
+
+    def _push_once(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
         body = self._update_body(tensors, version)
         calls = [self.servers.submit(u, _ROUTES[self.api][1], body) for u in self.servers.urls]
         try:
@@ -151,12 +174,13 @@ class BroadcastSync:
                 for _, t in tensors:
                     self.group.broadcast(t, src=0)
         except RuntimeError as e:
-            self.group.close()
+            self.group.close()  # the servers' receives fail too, and they drop their end
             self.group = None
             try:
                 collect(calls)
-            except WeightSyncError as server_error:
-                raise WeightSyncError(f"broadcast failed: {server_error}") from e
+            except PushFailed as server_error:
+                raise PushFailed(f"broadcast failed: {server_error}", server_error.unreachable,
+                                 server_error.refused, server_error.only_unreachable) from e
             raise WeightSyncError(f"broadcast failed: {type(e).__name__}: {e}") from e
         collect(calls)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.sync.base import NamedTensors, check_engine_names
-from tokenmill.sync.http import Servers
+from tokenmill.sync.http import PushFailed, Servers
 
 
 def write_folder(named_tensors: NamedTensors, folder: Path, *, dtype: torch.dtype | None = None) -> Path:
@@ -53,11 +53,14 @@ def write_folder(named_tensors: NamedTensors, folder: Path, *, dtype: torch.dtyp
 class FileSync:
     """`push` writes `<folder>/v<version>` and has every server in `urls` load it; raises `WeightSyncError`
     naming each server that refused (a refusal leaves that server on its old weights). `dtype` casts before
-    writing (e.g. bf16 for a bf16 server: our server refuses a dtype that differs from its model's)."""
+    writing (e.g. bf16 for a bf16 server: our server refuses a dtype that differs from its model's).
+    `drop_failed`: a server that does not answer at all is dropped (logged) and the push counts when the
+    others took it, so a run survives a dead engine; a server that refuses the weights always raises."""
 
     def __init__(self, urls: list[str], folder: str | os.PathLike, *, token: str | None = None,
-                 timeout_s: float = 300.0, dtype: torch.dtype | None = None) -> None:
+                 timeout_s: float = 300.0, dtype: torch.dtype | None = None, drop_failed: bool = False) -> None:
         self.servers = Servers(urls, token=token, timeout_s=timeout_s)
+        self.drop_failed = drop_failed
         self.folder = Path(folder).resolve()
         self.dtype = dtype
         self.last: Path | None = None
@@ -68,6 +71,10 @@ class FileSync:
             self.servers.post_all("/update_weights_from_disk", {
                 "model_path": str(path), "policy_version": int(version), "weight_version": str(version),
             })
+        except PushFailed as e:
+            if not (self.drop_failed and e.unreachable and e.only_unreachable):
+                raise
+            self.servers.drop(e.unreachable)  # the others answered: they have the new weights
         finally:  # the servers have answered (or timed out): the older folder is no longer read
             if self.last is not None and self.last != path:
                 shutil.rmtree(self.last, ignore_errors=True)
