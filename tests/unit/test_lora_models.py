@@ -155,3 +155,37 @@ def test_dpo_lora_reference_is_the_base_with_adapters_disabled(tiny_model_path, 
     margin = pref.implicit_margin(model, None, tok, rows)
     assert margin == pytest.approx(pref.implicit_margin(model, base, tok, rows), abs=1e-6)
     assert margin["margin"] > 0.0
+
+
+def test_ppo_run_with_lora_policy_and_lora_critic(tiny_model_path, tmp_path):
+    """`critic.lora.rank` through the real RL loop: the run's critic trains adapters + head only, from zero."""
+    from tokenmill.config import RLConfig, load_config
+    from tokenmill.controller import build_run, run_rl
+
+    cfg = load_config(RLConfig, {
+        "model": {"path": tiny_model_path, "lora": {"rank": 4}},
+        "data": {"task": "addition", "num_train": 32, "num_eval": 0},
+        "generation": {"group_size": 1, "max_tokens": 4},
+        "algorithm": {"advantage": "gae"},
+        "critic": {"lora": {"rank": 4}, "learning_rate": 1e-2},
+        "controller": {"steps": 2, "prompts_per_step": 8, "eval_every": 0},
+        "tracking": {"output_dir": str(tmp_path), "console": "none"},
+        "checkpoint": {"every": 0},
+    }, {})
+    def length(prompts, completions, **_):  # a random tiny model never adds right: give the critic returns
+        return [len(c) / 4 for c in completions]
+
+    run = build_run(cfg, rewards=[length])
+    try:
+        critic = run.critic.model
+        assert parameter_counts(critic)[0] == ADAPTER_PARAMS_R4 + 33
+        frozen = {n: p.detach().clone() for n, p in critic.named_parameters() if not p.requires_grad}
+        head = critic.base_model.model.score.modules_to_save["default"].weight
+        assert not head.any()
+        run_rl(run)
+    finally:
+        run.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sum("critic/value_loss" in r for r in rows) == 2
+    assert head.abs().sum() > 0  # the head trained
+    assert all(torch.equal(p, frozen[n]) for n, p in critic.named_parameters() if n in frozen)
