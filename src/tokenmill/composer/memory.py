@@ -461,7 +461,8 @@ def to_dict(est: MemoryEstimate, budget: BudgetSolution | None, advice: dict[str
     """The JSON answer of `estimate_for_config` (bytes as integers; GB = 10^9 bytes in the `*_gb` copies)."""
     plan, dev = est.plan, est.device
     settings = {k: v for k, v in asdict(plan).items() if k not in ("policy", "critic", "reward_models")}
-    settings |= {"seq_len": plan.seq_len, "micro_batch_tokens_effective": plan.tokens}
+    settings |= {"lora_targets": list(plan.lora_targets), "seq_len": plan.seq_len,
+                 "micro_batch_tokens_effective": plan.tokens}
     models = [{"role": m.role, "device": m.device, "trainable": m.trainable, "params": m.params,
                "trainable_params": m.trainable_params, "bytes": m.bytes, "phases": m.phases,
                "total_bytes": sum(m.bytes.values())} for m in est.models]
