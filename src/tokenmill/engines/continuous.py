@@ -48,6 +48,10 @@ class EngineUnavailable(TokenmillError):
     """The engine cannot take the request: closed, its loop crashed (the cause is chained), or its queue is full."""
 
 
+class EngineBusy(EngineUnavailable):
+    """The queue is full: retry later (the server answers 429)."""
+
+
 class RequestFuture(Future):
     """`Future[list[Completion]]` plus where the request ran: the policy version of all its tokens and the
     loop steps at which it was admitted and finished (None until then)."""
@@ -152,7 +156,7 @@ class ContinuousEngine(HFEngine):
         with self._cond:
             self._check_alive()
             if len(self._waiting) >= self.max_waiting:
-                raise EngineUnavailable(f"engine queue is full ({self.max_waiting} waiting requests); retry later")
+                raise EngineBusy(f"engine queue is full ({self.max_waiting} waiting requests); retry later")
             self._waiting.append(request)
             self._cond.notify_all()
         return request.future

@@ -1,0 +1,200 @@
+"""The OpenAI-compatible engine server on a real loopback uvicorn: shapes, values, auth, bad bodies."""
+
+from __future__ import annotations
+
+import copy
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tokenmill.engines.continuous import ContinuousEngine
+from tokenmill.engines.server import create_app, render_chat
+from tokenmill.envs.server import start_in_thread
+
+TOKEN = "s3cret-token"
+
+
+@torch.no_grad()
+def teacher_logprobs(model, prompt, completion, temperature: float = 1.0) -> list[float]:
+    logits = model(torch.tensor([list(prompt) + list(completion)])).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return [logp[len(prompt) - 1 + k, t].item() for k, t in enumerate(completion)]
+
+
+@torch.no_grad()
+def greedy_alone(model, prompt, steps: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(steps):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_path):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_path):
+    """(base url, engine) of an open server (no token)."""
+    engine = ContinuousEngine.from_pretrained(tiny_model_path, max_batch=64)
+    server, _ = start_in_thread(create_app(engine, model_name="tiny"))
+    yield server.url, engine
+    server.stop()
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with httpx.Client(base_url=served[0], timeout=60) as c:
+        yield c
+
+
+def test_health_and_models(client):
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and health["policy_version"] == 0
+    assert client.get("/v1/models").json() == {
+        "object": "list", "data": [{"id": "tiny", "object": "model", "created": 0, "owned_by": "tokenmill"}]}
+
+
+def test_completions_return_token_ids_and_teacher_forced_logprobs(client, reference, tokenizer):
+    prompt = tokenizer("12+34=", add_special_tokens=False)["input_ids"]
+    answer = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 6, "n": 3,
+                                                   "temperature": 0.7, "logprobs": 1}).json()
+    assert answer["object"] == "text_completion" and answer["model"] == "tiny" and answer["policy_version"] == 0
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert answer["usage"]["prompt_tokens"] == len(prompt)
+    assert answer["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in answer["choices"])
+    for choice in answer["choices"]:
+        ids, logprobs = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+        assert choice["prompt_token_ids"] == prompt and choice["policy_version"] == 0
+        assert choice["finish_reason"] in ("stop", "length") and 1 <= len(ids) <= 6
+        assert choice["text"] == tokenizer.decode(ids, skip_special_tokens=True)
+        assert choice["logprobs"]["tokens"] == [tokenizer.decode([t]) for t in ids]
+        assert logprobs == pytest.approx(teacher_logprobs(reference, prompt, ids, 0.7), abs=1e-4)
+
+
+def test_several_prompts_text_and_ids_greedy_and_seeded(client, reference, tokenizer):
+    ids = tokenizer("7+5=", add_special_tokens=False)["input_ids"]
+    answer = client.post("/v1/completions", json={"prompt": ["The sum", "of 3"], "max_tokens": 5, "n": 2,
+                                                   "temperature": 0}).json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+    for choice, text in zip(answer["choices"], ["The sum", "The sum", "of 3", "of 3"], strict=True):
+        prompt = tokenizer(text)["input_ids"]
+        assert choice["prompt_token_ids"] == prompt
+        assert choice["token_ids"] == greedy_alone(reference, prompt, 5)
+    assert answer["choices"][0]["logprobs"] is None  # not asked for
+    seeded = [client.post("/v1/completions", json={"prompt": [ids], "max_tokens": 8, "seed": s}).json()
+              for s in (11, 11, 12)]
+    assert seeded[0]["choices"][0]["token_ids"] == seeded[1]["choices"][0]["token_ids"]
+    assert seeded[0]["choices"][0]["token_ids"] != seeded[2]["choices"][0]["token_ids"]
+
+
+def test_concurrent_http_requests_get_the_tokens_they_would_get_alone(client, reference, tokenizer):
+    prompts = [tokenizer("x" * (2 + 5 * i) + "=", add_special_tokens=False)["input_ids"] for i in range(8)]
+
+    def ask(i: int) -> list[int]:
+        body = {"prompt": prompts[i], "max_tokens": 4 + 3 * i, "temperature": 0}
+        return client.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(ask, range(8)))
+    assert got == [greedy_alone(reference, p, 4 + 3 * i) for i, p in enumerate(prompts)]
+
+
+def test_chat_completions_render_the_template_and_return_logprobs(client, reference, tokenizer):
+    messages = [{"role": "system", "content": "Add."}, {"role": "user", "content": [{"type": "text", "text": "2+2"}]}]
+    answer = client.post("/v1/chat/completions", json={"model": "x", "messages": messages, "max_tokens": 5,
+                                                        "logprobs": True, "temperature": 0}).json()
+    expected_prompt = tokenizer("<|system|>Add.<|end|><|user|>2+2<|end|><|assistant|>",
+                                add_special_tokens=False)["input_ids"]
+    assert render_chat(tokenizer, messages) == expected_prompt
+    [choice] = answer["choices"]
+    assert answer["object"] == "chat.completion" and choice["prompt_token_ids"] == expected_prompt
+    assert choice["message"] == {"role": "assistant", "content": tokenizer.decode(choice["token_ids"],
+                                                                                  skip_special_tokens=True)}
+    assert choice["token_ids"] == greedy_alone(reference, expected_prompt, 5)
+    content = choice["logprobs"]["content"]
+    assert [c["token"] for c in content] == [tokenizer.decode([t]) for t in choice["token_ids"]]
+    expected = teacher_logprobs(reference, expected_prompt, choice["token_ids"])
+    assert [c["logprob"] for c in content] == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("/v1/completions", {"prompt": [5, 6], "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "stream": True}, "stream"),
+    ("/v1/completions", {"prompt": [5, 100_000]}, "prompt"),
+    ("/v1/completions", {"prompt": [], "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "n": 65}, "n"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p"),
+])
+def test_bad_bodies_are_400_with_the_field_named(client, route, body, param):
+    answer = client.post(route, json=body)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert param.split(".")[0] in error["message"]
+
+
+def test_not_json_is_400(client):
+    answer = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert answer.status_code == 400 and "error" in answer.json()
+
+
+def test_token_host_and_origin_checks(tiny_model_path):
+    engine = ContinuousEngine.from_pretrained(tiny_model_path, max_batch=8)
+    server, _ = start_in_thread(create_app(engine, model_name="tiny", token=TOKEN))
+    body = {"prompt": [5, 6, 7], "max_tokens": 2}
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            assert c.get("/health").status_code == 200  # probes need no token
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+                answer = c.post("/v1/completions", json=body, headers=headers)
+                assert answer.status_code == 401
+                assert answer.json()["error"]["type"] == "authentication_error"
+            assert c.get("/v1/models").status_code == 401
+            auth = {"Authorization": f"Bearer {TOKEN}"}
+            ok = c.post("/v1/completions", json=body, headers=auth)
+            assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 2
+            rebinding = c.post("/v1/completions", json=body, headers=auth | {"Host": "evil.example:8000"})
+            assert rebinding.status_code == 400 and rebinding.json()["error"]["param"] == "Host"
+            foreign = c.post("/v1/completions", json=body, headers=auth | {"Origin": "https://evil.example"})
+            assert foreign.status_code == 403
+            local = c.post("/v1/completions", json=body, headers=auth | {"Origin": "http://localhost:3000"})
+            assert local.status_code == 200
+    finally:
+        server.stop()
+        engine.close()
+
+
+def test_weight_update_from_disk_bumps_the_version_and_changes_the_logprobs(tiny_model_path, reference, tmp_path):
+    new_model = copy.deepcopy(reference)
+    with torch.no_grad():
+        for p in new_model.parameters():
+            p.mul_(1.25)
+    new_model.save_pretrained(tmp_path / "v3")
+    engine = ContinuousEngine.from_pretrained(tiny_model_path, max_batch=8)
+    server, _ = start_in_thread(create_app(engine, model_name="tiny"))
+    prompt = [10, 11, 12, 13]
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            done = c.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "v3"),
+                                                             "policy_version": 3}).json()
+            assert done["success"] and done["policy_version"] == 3
+            assert c.get("/health").json()["policy_version"] == 3
+            answer = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "logprobs": 0}).json()
+    finally:
+        server.stop()
+        engine.close()
+    [choice] = answer["choices"]
+    assert answer["policy_version"] == choice["policy_version"] == 3
+    expected = teacher_logprobs(new_model, prompt, choice["token_ids"])
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected, abs=1e-4)
