@@ -246,10 +246,13 @@ class RunManager:
                          name=f"composer-run-{run_id}").start()
         return {"id": run_id, "argv": argv, "output_dir": str(run_dir), "status": "running"}
 
+    def _ended(self, run_id: str, code: int) -> dict[str, Any]:
+        status = "stopped" if run_id in self._stopping else ("finished" if code == 0 else "failed")
+        return {"status": status, "returncode": code, "ended": time.time()}
+
     def _wait(self, run_id: str, proc: subprocess.Popen, run_dir: Path) -> None:
         code = proc.wait()
-        status = "stopped" if run_id in self._stopping else ("finished" if code == 0 else "failed")
-        _write_json(run_dir / "status.json", {"status": status, "returncode": code, "ended": time.time()})
+        _write_json(run_dir / "status.json", self._ended(run_id, code))
         with self._lock:
             self._procs.pop(run_id, None)
 
@@ -283,10 +286,13 @@ class RunManager:
         meta = _read_json(run_dir / "composer.json")
         final = _read_json(run_dir / "status.json")
         row = last_metrics(run_dir)
+        proc = self._procs.get(run_id)
+        if final.get("status") not in FINAL and proc is not None and proc.poll() is not None:
+            final = self._ended(run_id, proc.returncode)  # exited; the waiter thread has not written it yet
         if final.get("status") in FINAL:
             status = final["status"]
-        elif meta:
-            status = "running" if _alive(self._procs.get(run_id), meta.get("pid")) else "failed"  # ended while no Composer was watching it
+        elif meta:  # not alive and no status.json: it ended while no Composer was watching it
+            status = "running" if _alive(proc, meta.get("pid")) else "failed"
         else:  # a folder written by `tokenmill train` itself
             status = "finished" if (run_dir / "final").is_dir() else "unknown"
         return {
