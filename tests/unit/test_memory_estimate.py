@@ -117,6 +117,11 @@ def test_lora_adapters_at_full_bytes_base_frozen_reference_free():
     assert qlora["weights"] == 2 * adapters + Q05.num_params // 2
     full_ref = _bytes(replace(plan, lora_rank=0), "reference")
     assert full_ref["weights"] == 2 * Q05.num_params
+    # a LoRA reward model (untied 7B): adapters + its 3584-wide scalar head train, the rest is frozen
+    rm = next(m for m in estimate(MemoryPlan(Q7, mode="reward_model", lora_rank=8)).models)
+    backbone = Q7.num_params - 152064 * 3584  # no LM head
+    assert rm.trainable_params == lora_params(Q7, 8) + 3584 and rm.params == backbone + 3584
+    assert rm.bytes["weights"] == 2 * (rm.params + lora_params(Q7, 8)) and rm.bytes["optimizer"] == 12 * rm.trainable_params
 
 
 def test_precisions_and_sharding():

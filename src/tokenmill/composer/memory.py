@@ -210,11 +210,10 @@ def model_memory(plan: MemoryPlan, role: Role) -> ModelMemory:
         parts, phases = _engine_memory(plan, role)
         return ModelMemory(role.name, device, False, params, 0, parts, phases)
     prec, shape, tokens = plan.prec, role.shape, plan.tokens
-    trainable = 0
-    if role.trainable:
-        trainable = params if role.lora_rank == 0 else lora_params(shape, role.lora_rank, plan.lora_targets) + (
-            params - shape.num_params if role.head != "lm" else 0)  # a LoRA critic / RM also trains its head
-    frozen = (params if role.lora_rank > 0 else 0) if role.trainable else params
+    trainable, frozen = (0, params) if not role.trainable else (params, 0)
+    if role.trainable and role.lora_rank > 0:  # a LoRA critic / reward model also trains its scalar head
+        head = 0 if role.head == "lm" else shape.hidden_size + int(role.head == "value")
+        trainable, frozen = lora_params(shape, role.lora_rank, plan.lora_targets) + head, params - head
     frozen_bytes = FROZEN_QUANT_BYTES[plan.frozen_quant] if role.lora_rank > 0 else None
     stored = trainable * prec.weights + frozen * (frozen_bytes or prec.weights)
     optim = trainable * (prec.master + (ADAM_8BIT_BYTES if plan.optimizer == "adamw_8bit" else prec.adam))
