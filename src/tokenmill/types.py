@@ -74,6 +74,8 @@ class Sample:
     advantage:  one advantage for the whole sequence (GRPO family)
     token_advantages, returns, values: per-token (aligned with tokens, 0 where not trained), set by GAE
                 for PPO with a critic; empty otherwise
+    token_versions: the policy version of each completion token when a completion spans weight updates
+                (partial rollouts); `version` is then the oldest. Empty: every token is from `version`
     """
 
     tokens: tuple[int, ...]
@@ -93,6 +95,7 @@ class Sample:
     returns: tuple[float, ...] = ()
     values: tuple[float, ...] = ()
     row: dict[str, Any] = field(default_factory=dict)
+    token_versions: tuple[int, ...] = ()
 
     @property
     def completion_len(self) -> int:

@@ -4,6 +4,7 @@ staleness bound holds per sample, stale groups are dropped and counted, and fail
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -105,11 +106,18 @@ def test_groups_older_than_the_bound_are_dropped_and_counted():
     assert (feed.dropped_groups, feed.dropped_samples) == (2, 4)
 
 
+def slow_reward(prompts, completions, **_):
+    time.sleep(0.3)
+    return [0.0] * len(completions)
+
+
 def test_a_producer_that_cannot_keep_up_fails_naming_the_placement(model, tmp_path):
-    cfg = _config(model, tmp_path / "t", **{"engine.placement": "thread", "controller.rollout_timeout_s": 0.001})
+    cfg = _config(model, tmp_path / "t", **{"engine.placement": "thread", "controller.rollout_timeout_s": 0.05})
+    t0 = time.monotonic()
     with pytest.raises(tokenmill.types.TokenmillError, match=r"no rollout batch for step 1 within "
-                       r"controller.rollout_timeout_s=0.001s .*placement thread"):
-        tokenmill.train(cfg, rewards=[digit_share])
+                       r"controller.rollout_timeout_s=0.05s .*placement thread"):
+        tokenmill.train(cfg, rewards=[slow_reward])
+    assert time.monotonic() - t0 < 10
 
 
 @pytest.mark.parametrize("overrides, field", [
@@ -129,3 +137,58 @@ def test_bad_async_configs_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as err:
         load_config(RLConfig, {"model": {"path": "m"}, "data": {"task": "addition"}}, overrides)
     assert str(err.value).startswith(field), str(err.value)
+
+
+def test_partial_rollouts_continue_with_new_weights_and_record_token_versions(tiny_model_path, tokenizer):
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.controller.partial import PartialRolloutEngine
+    from tokenmill.controller.placement import ThreadPlacement
+    from tokenmill.engines.hf import HFEngine
+    from tokenmill.training.local import token_logprobs
+    from tokenmill.types import SamplingParams
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    old, new = copy.deepcopy(model), copy.deepcopy(model)  # the engine's module is updated in place
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    placement = ThreadPlacement(None, None, None)
+    engine = PartialRolloutEngine(HFEngine(model, tokenizer, seed=0), chunk=3, placement=placement)
+    placement.engine = engine
+    placement.push(new.named_parameters(), version=7)  # staged: lands at the first chunk boundary
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    out = engine.generate(prompts, SamplingParams(max_tokens=8, n=2, temperature=1.0))
+    groups = [Group(i, tuple(Sample(tokens=tuple(p) + c.token_ids, loss_mask=(0,) * len(p) + (1,) * len(c.token_ids),
+                                    logprobs=(0.0,) * len(p) + c.logprobs, prompt_len=len(p), prompt="", completion="",
+                                    stop_reason=c.stop_reason) for c in cs))
+              for i, (p, cs) in enumerate(zip(prompts, out, strict=True))]
+    stamped = [s for g in placement.stamp_versions(groups) for s in g.samples]
+    crossed = [s for s in stamped if s.completion_len > 3]
+    assert crossed, "the random tiny model should rarely stop within 3 tokens"
+    for s in stamped:
+        assert s.token_versions == (0,) * min(3, s.completion_len) + (7,) * max(0, s.completion_len - 3)
+        assert s.version == (0 if s.token_versions[0] == 0 else 7)
+    # the continued tokens' logprobs are the new weights' own (teacher-forced), the first chunk's the old
+    for s in crossed:
+        ids = torch.tensor([s.tokens])
+        with torch.no_grad():
+            old_lp = token_logprobs(old(ids).logits, ids, 1.0)[0, s.prompt_len :]
+            new_lp = token_logprobs(new(ids).logits, ids, 1.0)[0, s.prompt_len :]
+        sampled = torch.tensor(s.logprobs[s.prompt_len :])
+        torch.testing.assert_close(sampled[:3], old_lp[:3].float(), atol=1e-4, rtol=0)
+        torch.testing.assert_close(sampled[3:], new_lp[3:].float(), atol=1e-4, rtol=0)
+    assert engine.interrupted == len([s for s in stamped if s.completion_len > 3])
+
+
+def test_async_with_partial_rollouts_trains_within_the_bound(model, tmp_path):
+    torch.set_num_threads(1)
+    out = tmp_path / "partial"
+    tokenmill.train(_config(model, out, **{"engine.placement": "thread", "controller.max_staleness": 1,
+                                           "controller.partial_rollouts": True, "controller.partial_chunk_tokens": 2,
+                                           "controller.steps": 4}), rewards=[digit_share])
+    rows = _steps(out)
+    assert len(rows) == 4 and max(r["async/staleness_max"] for r in rows) <= 1

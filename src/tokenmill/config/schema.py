@@ -404,6 +404,9 @@ def _check_async(cfg: RLConfig) -> None:
     if ctl.partial_rollouts and eng.placement != "thread":
         raise ValueError("controller.partial_rollouts: interrupting in-flight generations is implemented for "
                          "engine.placement thread")
+    if ctl.partial_rollouts and cfg.env is not None:
+        raise ValueError("controller.partial_rollouts: single-turn generation only (an env episode is not "
+                         "continued across weight updates)")
     if cfg.algorithm.off_policy != "none" and cfg.algorithm.loss == "gspo":
         raise ValueError("algorithm.off_policy: the correction weighs tokens; gspo clips a sequence ratio "
                          "(use ppo_clip or cispo)")

@@ -218,7 +218,7 @@ class AsyncFeed:
         with contextlib.suppress(queue.Empty):
             while True:
                 self.buffer.get_nowait()
-        self.thread.join(timeout=self.timeout_s)
+        self.thread.join(timeout=max(5.0, min(self.timeout_s, 60.0)))  # a request in flight ends within its timeout
         self.placement.close()
 
 

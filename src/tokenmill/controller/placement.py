@@ -101,6 +101,10 @@ class ThreadPlacement(Placement):
         self.engine.update_weights(tensors.items(), version=version)
         return True
 
+    def stamp_versions(self, groups: list[Group]) -> list[Group]:
+        stamp = getattr(self.engine, "stamp", None)  # partial rollouts: per-token versions
+        return stamp(groups) if stamp is not None else groups
+
     def describe(self) -> str:
         return "thread (in-process engine copy)"
 
@@ -155,7 +159,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_servers(model_dir: str, count: int, *, threads: int = 0, timeout_s: float = 120.0,
+def spawn_servers(model_dir: str, count: int, *, threads: int = 0, timeout_s: float = 120.0, seed: int = 0,
                   log_dir: Path | None = None) -> tuple[list[str], list[subprocess.Popen]]:
     """Start `count` `tokenmill serve MODEL_DIR` processes on free loopback ports and wait for `/health`."""
     import httpx
@@ -169,8 +173,8 @@ def spawn_servers(model_dir: str, count: int, *, threads: int = 0, timeout_s: fl
             port = _free_port()
             log = open(log_dir / f"server_{i}.log", "wb") if log_dir else subprocess.DEVNULL  # noqa: SIM115
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tokenmill.cli", "serve", model_dir, "--host", "127.0.0.1", "--port",
-                 str(port)], stdout=log, stderr=subprocess.STDOUT, env=env,
+                [sys.executable, "-m", "tokenmill.cli", "serve", model_dir, "--port", str(port), "--seed",
+                 str(seed + i)], stdout=log, stderr=subprocess.STDOUT, env=env,
             ))
             urls.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + timeout_s
@@ -247,7 +251,8 @@ def _server_placement(run) -> ServerPlacement:
     try:
         if cfg.engine.placement == "process":
             urls, procs = spawn_servers(cfg.model.path, cfg.engine.num_servers, threads=cfg.engine.threads,
-                                        timeout_s=cfg.engine.timeout_s, log_dir=run.output_dir)
+                                        timeout_s=cfg.engine.timeout_s, seed=cfg.training.seed,
+                                        log_dir=run.output_dir)
         else:
             urls = list(cfg.engine.urls)
         sync = _weight_sync(cfg, urls, token, Path(scratch.name))
