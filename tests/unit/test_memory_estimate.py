@@ -154,8 +154,11 @@ def _roles(result: dict) -> dict[str, bool]:
 
 def test_models_per_algorithm():
     assert _roles(estimate_for_config(_rl())) == {"actor": True, "engine": False}
-    assert _roles(estimate_for_config(_rl(algorithm={"kl_coef": 0.05}))) == {
-        "actor": True, "reference": False, "engine": False}
+    kl = estimate_for_config(_rl(algorithm={"kl_coef": 0.05}))
+    assert _roles(kl) == {"actor": True, "reference": False, "engine": False}
+    actor = kl["models"][0]["bytes"]  # the no-grad old-policy pass never coexists with the training pass
+    assert kl["models"][0]["peak_bytes"] == sum(actor[k] for k in
+                                                ("weights", "gradients", "optimizer", "activations", "logits"))
     ppo = estimate_for_config(_rl(algorithm={"advantage": "gae"}))
     assert _roles(ppo) == {"actor": True, "critic": True, "engine": False}
     critic = ppo["models"][1]

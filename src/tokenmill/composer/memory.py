@@ -16,7 +16,7 @@ reads a tokenmill config dict (what the Composer and `tokenmill estimate` call).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from tokenmill.composer.model_specs import LINEARS, ModelShape
@@ -267,14 +267,19 @@ def overhead_bytes(plan: MemoryPlan) -> int:
     return GIB + (GIB // 2 if plan.num_devices > 1 else 0)
 
 
+def by_phase(m: ModelMemory) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for key, value in m.bytes.items():
+        out[m.phases[key]] = out.get(m.phases[key], 0) + value
+    return out
+
+
 def device_memory(plan: MemoryPlan, models: list[ModelMemory]) -> DeviceMemory:
     persistent, phases = 0, {"train": 0, "score": 0, "rollout": 0}
     for m in models:
-        by_phase: dict[str, int] = {}
-        for key, value in m.bytes.items():
-            by_phase[m.phases[key]] = by_phase.get(m.phases[key], 0) + value
-        persistent += by_phase.pop("persistent", 0)
-        for phase, value in by_phase.items():  # models train / score one after another; engines add up
+        parts = by_phase(m)
+        persistent += parts.pop("persistent", 0)
+        for phase, value in parts.items():  # models train / score one after another; engines add up
             phases[phase] = phases[phase] + value if phase == "rollout" else max(phases[phase], value)
     subtotal = persistent + max(phases.values()) + overhead_bytes(plan)
     margin = math.ceil(subtotal * plan.margin / (1 - plan.margin))
@@ -456,29 +461,6 @@ def recommend_backend(plan: MemoryPlan) -> dict[str, Any]:
             "reason": f"64 x {gib} devices with FSDP2 do not fit: tensor / pipeline parallelism needed"}
 
 
-def to_dict(est: MemoryEstimate, budget: BudgetSolution | None, advice: dict[str, Any]) -> dict[str, Any]:
-    """The JSON answer of `estimate_for_config` (bytes as integers; GB = 10^9 bytes in the `*_gb` copies)."""
-    plan, dev = est.plan, est.device
-    settings = {k: v for k, v in asdict(plan).items() if k not in ("policy", "critic", "reward_models")}
-    settings |= {"lora_targets": list(plan.lora_targets), "seq_len": plan.seq_len,
-                 "micro_batch_tokens_effective": plan.tokens}
-    models = [{"role": m.role, "device": m.device, "trainable": m.trainable, "params": m.params,
-               "trainable_params": m.trainable_params, "bytes": m.bytes, "phases": m.phases,
-               "total_bytes": sum(m.bytes.values())} for m in est.models]
-    device = {"name": dev.name, "count": plan.num_devices, "persistent_bytes": dev.persistent,
-              "phase_bytes": dev.phases, "peak_phase": dev.peak_phase, "overhead_bytes": dev.overhead,
-              "margin_bytes": dev.margin, "total_bytes": dev.total, "total_gb": round(dev.total / GB, 2),
-              "budget_bytes": dev.budget, "fits": dev.fits}
-    out: dict[str, Any] = {"mode": plan.mode, "algorithm": plan.algorithm, "model": plan.policy.to_dict(),
-                           "settings": settings, "models": models, "devices": [device],
-                           "warnings": list(est.warnings), "recommendation": advice, "budget": None}
-    if budget is not None:
-        out["budget"] = {**{k: v for k, v in asdict(budget).items() if k != "proposals"}, "fits": budget.fits,
-                         "suggested_micro_batch_tokens": budget.micro_batch * plan.seq_len,
-                         "proposals": [asdict(p) for p in budget.proposals]}
-    return out
-
-
 def estimate_for_config(
     config: dict[str, Any], *, device_memory_gib: float | None = None, num_devices: int = 1
 ) -> dict[str, Any]:
@@ -486,7 +468,7 @@ def estimate_for_config(
     accept, plus optional `mode` and `estimate:` keys; see `memory_config.EstimateOptions`). The arguments
     override `estimate.device_memory_gib` / `estimate.num_devices` (num_devices when not 1). Raises
     `ConfigError` naming the field on bad input."""
-    from tokenmill.composer.memory_config import plan_from_config
+    from tokenmill.composer.memory_config import plan_from_config, to_dict
 
     plan, notes = plan_from_config(config, device_memory_gib=device_memory_gib, num_devices=num_devices)
     est = estimate(plan)

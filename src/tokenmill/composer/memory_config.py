@@ -1,4 +1,4 @@
-"""A tokenmill config dict -> `MemoryPlan` for the estimator, and the readable table of `tokenmill estimate`.
+"""A tokenmill config dict -> `MemoryPlan`; the estimate -> its JSON answer and `tokenmill estimate`'s table.
 
 The training schema has no fields for what only the estimate needs (numerics of other backends,
 checkpointing, prompt lengths, budgets): they come as optional keys under `estimate:`, validated here
@@ -8,11 +8,20 @@ with the same one-line-per-field errors as the rest of the config.
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tokenmill.composer.memory import GB, GIB, MemoryPlan
+from tokenmill.composer.memory import (
+    GB,
+    GIB,
+    BudgetSolution,
+    MemoryEstimate,
+    MemoryPlan,
+    ModelMemory,
+    by_phase,
+)
 from tokenmill.composer.model_specs import LINEARS, ModelShape, resolve_shape
 from tokenmill.types import ConfigError
 
@@ -156,6 +165,35 @@ def plan_from_config(
     return MemoryPlan(**fields), notes
 
 
+def model_peak(m: ModelMemory) -> int:
+    """The model's persistent bytes plus its largest phase (its items of different phases never coexist)."""
+    parts = by_phase(m)
+    return parts.pop("persistent", 0) + max(parts.values(), default=0)
+
+
+def to_dict(est: MemoryEstimate, budget: BudgetSolution | None, advice: dict[str, Any]) -> dict[str, Any]:
+    """The JSON answer of `estimate_for_config` (bytes as integers; GB = 10^9 bytes in the `*_gb` copies)."""
+    plan, dev = est.plan, est.device
+    settings = {k: v for k, v in asdict(plan).items() if k not in ("policy", "critic", "reward_models")}
+    settings |= {"lora_targets": list(plan.lora_targets), "seq_len": plan.seq_len,
+                 "micro_batch_tokens_effective": plan.tokens}
+    models = [{"role": m.role, "device": m.device, "trainable": m.trainable, "params": m.params,
+               "trainable_params": m.trainable_params, "bytes": m.bytes, "phases": m.phases,
+               "peak_bytes": model_peak(m)} for m in est.models]
+    device = {"name": dev.name, "count": plan.num_devices, "persistent_bytes": dev.persistent,
+              "phase_bytes": dev.phases, "peak_phase": dev.peak_phase, "overhead_bytes": dev.overhead,
+              "margin_bytes": dev.margin, "total_bytes": dev.total, "total_gb": round(dev.total / GB, 2),
+              "budget_bytes": dev.budget, "fits": dev.fits}
+    out: dict[str, Any] = {"mode": plan.mode, "algorithm": plan.algorithm, "model": plan.policy.to_dict(),
+                           "settings": settings, "models": models, "devices": [device],
+                           "warnings": list(est.warnings), "recommendation": advice, "budget": None}
+    if budget is not None:
+        out["budget"] = {**{k: v for k, v in asdict(budget).items() if k != "proposals"}, "fits": budget.fits,
+                         "suggested_micro_batch_tokens": budget.micro_batch * plan.seq_len,
+                         "proposals": [asdict(p) for p in budget.proposals]}
+    return out
+
+
 def _gb(value: int | None) -> str:
     return "" if not value else f"{value / GB:.2f}"
 
@@ -179,7 +217,7 @@ def render(result: dict[str, Any]) -> None:
         phase = next(m["phases"][key] for m in result["models"] if key in m["phases"])
         table.add_row(key, phase, *(_gb(m["bytes"].get(key)) for m in result["models"]))
     table.add_row("trainable params", "", *(f"{m['trainable_params']:,}" for m in result["models"]))
-    table.add_row("sum", "", *(_gb(m["total_bytes"]) for m in result["models"]))
+    table.add_row("peak", "", *(_gb(m["peak_bytes"]) for m in result["models"]))
     console.print(table)
     phases = ", ".join(f"{k} {_gb(v) or '0'}" for k, v in dev["phase_bytes"].items())
     budget = "" if dev["budget_bytes"] is None else (
