@@ -45,6 +45,36 @@ function JsonInput({ field, value, onChange }: Props) {
   );
 }
 
+function parseNumber(raw: string, empty: unknown): unknown {
+  if (raw.trim() === "") return empty;
+  const num = Number(raw.trim());
+  return Number.isFinite(num) ? num : raw.trim(); // not a number: the server's error names the field
+}
+
+/** A text box that keeps what is typed ("0.", "1e-") while the config holds the parsed number; not
+ * type=number, which reports "" for such partial input. */
+function NumberInput({ field, value, onChange, empty }: Props & { empty: unknown }) {
+  const [text, setText] = useState(display(value));
+  useEffect(() => {
+    if (parseNumber(text, empty) !== value) setText(display(value)); // changed elsewhere: a preset, an import
+  }, [value]);
+  return (
+    <input
+      class="input mono"
+      type="text"
+      inputMode={field.type === "integer" ? "numeric" : "decimal"}
+      data-testid={`field-${field.path}`}
+      placeholder={display(field.default)}
+      value={text}
+      onInput={(e) => {
+        const raw = (e.target as HTMLInputElement).value;
+        setText(raw);
+        onChange(parseNumber(raw, empty));
+      }}
+    />
+  );
+}
+
 function Control(props: Props) {
   const { field, value, onChange } = props;
   const id = testId(field.path);
@@ -85,26 +115,7 @@ function Control(props: Props) {
       </select>
     );
   }
-  if (field.type === "integer" || field.type === "number") {
-    return (
-      <input
-        class="input"
-        type="number"
-        data-testid={id}
-        step={field.type === "integer" ? 1 : "any"}
-        min={field.minimum ?? undefined}
-        max={field.maximum ?? undefined}
-        placeholder={display(field.default)}
-        value={display(value)}
-        onChange={(e) => {
-          const raw = (e.target as HTMLInputElement).value.trim();
-          if (raw === "") return onChange(empty);
-          const num = Number(raw);
-          onChange(Number.isFinite(num) ? num : raw); // a non-number goes to the server, which names the field
-        }}
-      />
-    );
-  }
+  if (field.type === "integer" || field.type === "number") return <NumberInput {...props} empty={empty} />;
   if (field.type === "list" || field.type === "object" || field.type === "json") return <JsonInput {...props} />;
   return (
     <input
@@ -113,7 +124,7 @@ function Control(props: Props) {
       data-testid={id}
       placeholder={display(field.default)}
       value={display(value)}
-      onChange={(e) => {
+      onInput={(e) => {
         const raw = (e.target as HTMLInputElement).value;
         onChange(raw === "" ? empty : raw);
       }}

@@ -153,7 +153,7 @@ function Fields({ schema, level, config, errors }: { schema: Schema; level: Leve
       {[...groups.entries()]
         .filter(([group, fields]) => fields.length > 0 || sections.includes(group))
         .map(([group, fields]) => (
-          <section class="group" data-testid={`group-${group}`}>
+          <section class="group" key={group} data-testid={`group-${group}`}>
             <div class="group-head">
               <h3>{meta.get(group)?.title ?? group}</h3>
               {sections.includes(group) && <SectionToggle section={group} config={config} />}
@@ -162,6 +162,7 @@ function Fields({ schema, level, config, errors }: { schema: Schema; level: Leve
             <div class="field-grid">
               {fields.map((f) => (
                 <Field
+                  key={f.path}
                   field={f}
                   value={getPath(config, f.path)}
                   error={byPath.get(f.path)}

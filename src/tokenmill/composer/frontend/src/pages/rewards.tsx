@@ -23,7 +23,7 @@ function RewardCard({ reward, index, total }: { reward: RewardDraft; index: numb
             class="input"
             data-testid={`reward-name-${index}`}
             value={reward.name}
-            onChange={(e) => setReward(index, { name: (e.target as HTMLInputElement).value })}
+            onInput={(e) => setReward(index, { name: (e.target as HTMLInputElement).value })}
           />
         </label>
         <label class="inline" title="The function in the code below that returns one score per completion.">
@@ -32,7 +32,7 @@ function RewardCard({ reward, index, total }: { reward: RewardDraft; index: numb
             class="input mono"
             data-testid={`reward-function-${index}`}
             value={reward.function}
-            onChange={(e) => setReward(index, { function: (e.target as HTMLInputElement).value })}
+            onInput={(e) => setReward(index, { function: (e.target as HTMLInputElement).value })}
           />
         </label>
         <label class="inline grow" title="Weight of this reward in the total (the weighted sum).">
@@ -71,7 +71,7 @@ function ScoreCell({ value, error, testId }: { value: number | null | undefined;
     );
   }
   return (
-    <td class="score mono" data-testid={testId} data-value={value === null || value === undefined ? "null" : String(value)}>
+    <td class="score num mono" data-testid={testId} data-value={value === null || value === undefined ? "null" : String(value)}>
       {value === null || value === undefined ? "—" : formatNumber(value)}
     </td>
   );

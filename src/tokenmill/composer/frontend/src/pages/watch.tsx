@@ -38,8 +38,10 @@ function useRun(id: string | null): Live {
   useEffect(() => {
     setLive(EMPTY);
     if (!id) return;
-    let close = () => {};
-    close = runEvents(id, {
+    // An ended run's stream sends its backlog between a first and a last `status`, then closes; the
+    // browser would reconnect and replay the final status forever, so once ended, a closed stream is final.
+    let ended = false;
+    const close = runEvents(id, {
       metrics: (row: Row) =>
         setLive((l) =>
           "timing_s/step" in row || "reward/mean" in row ? { ...l, rows: [...l.rows, row] } : { ...l, evals: [...l.evals, row] },
@@ -48,9 +50,10 @@ function useRun(id: string | null): Live {
       log: (d: { line?: string } | string) =>
         setLive((l) => ({ ...l, log: [...l.log.slice(-299), typeof d === "string" ? d : d.line ?? ""] })),
       status: (st: RunStatus) => {
+        ended = ENDED.has(st.status);
         setLive((l) => ({ ...l, status: st }));
-        if (ENDED.has(st.status)) close(); // the stream ends here; a reconnect would only repeat it
       },
+      error: () => ended && close(),
     });
     return () => close();
   }, [id]);

@@ -1,0 +1,198 @@
+"""The Composer end to end in headless chromium against the real backend and a tiny local model:
+compose from a preset -> edit a reward -> the preview's scores -> export YAML that `tokenmill validate`
+accepts -> launch a tiny run -> the curves grow -> the run finishes -> it is listed under Runs.
+
+Every assertion compares what the page shows with what the API returned or with a hand computation.
+One screenshot per page is written (see the `shots` fixture).
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+
+# score = the completion's length in characters: checkable by hand from the completion the page shows
+LENGTH_REWARD = (
+    "def length_reward(prompts, completions, **columns):\n"
+    "    return [float(len(c)) for c in completions]\n"
+)
+BROKEN_REWARD = "def broken(prompts, completions, **columns):\n    raise ValueError('deliberately broken')\n"
+TINY_RUN = {  # field path -> value typed into the form (on top of the laptop preset)
+    "data.num_train": "64", "data.num_eval": "0", "generation.group_size": "2", "generation.max_tokens": "6",
+    "controller.steps": "4", "controller.prompts_per_step": "2", "controller.eval_every": "0",
+    "checkpoint.every": "0",
+}
+
+
+def _fill(page, path: str, value: str) -> None:
+    box = page.get_by_test_id(f"field-{path}")
+    box.fill(value)
+    box.press("Tab")  # the form commits on change (blur), as a user leaving the field would
+
+
+def _set_code(page, index: int, code: str) -> None:
+    """Replace a CodeMirror document the way a user pasting would (insert_text: no auto-indent)."""
+    editor = page.get_by_test_id(f"reward-editor-{index}").locator(".cm-content")
+    editor.click()
+    page.keyboard.press("Control+A")
+    page.keyboard.insert_text(code)
+
+
+def _compose(page, model_path: str) -> None:
+    page.get_by_test_id("mode-rl").click()
+    page.get_by_test_id("preset-laptop_cpu").click()
+    assert page.get_by_test_id("field-model.path").input_value() == "Qwen/Qwen2.5-0.5B-Instruct"
+    simple = page.get_by_test_id("fields").locator("[data-testid^=row-]").count()
+    page.get_by_test_id("level-expert").click()
+    expert = page.get_by_test_id("fields").locator("[data-testid^=row-]").count()
+    assert expert > simple > 0  # levels disclose more fields
+    _fill(page, "model.path", model_path)
+    page.get_by_test_id("field-data.task").select_option("addition")
+    for path, value in TINY_RUN.items():
+        _fill(page, path, value)
+    page.get_by_test_id("level-simple").click()
+    status = page.get_by_test_id("validation-status")
+    status.filter(has_text="valid").wait_for()
+    assert status.inner_text() == "valid"
+
+
+def _preview(page, shots) -> None:
+    page.get_by_test_id("nav-rewards").click()
+    page.get_by_test_id("reward-name-0").fill("length_reward")
+    page.get_by_test_id("reward-name-0").press("Tab")
+    page.get_by_test_id("reward-function-0").fill("length_reward")
+    page.get_by_test_id("reward-function-0").press("Tab")
+    _set_code(page, 0, LENGTH_REWARD)
+    page.get_by_test_id("reward-weight-0").fill("0.5")
+    assert page.get_by_test_id("reward-0").locator(".weight").inner_text() == "0.50"
+    page.get_by_test_id("reward-add").click()
+    page.get_by_test_id("reward-name-1").fill("broken")
+    page.get_by_test_id("reward-name-1").press("Tab")
+    page.get_by_test_id("reward-function-1").fill("broken")
+    page.get_by_test_id("reward-function-1").press("Tab")
+    _set_code(page, 1, BROKEN_REWARD)
+    page.get_by_test_id("preview-prompts").fill("2")
+    page.get_by_test_id("preview-samples").fill("2")
+    page.get_by_test_id("preview-samples").press("Tab")
+    with page.expect_response(lambda r: r.url.endswith("/api/rewards/preview"), timeout=90_000) as answer:
+        page.get_by_test_id("preview-run").click()
+    assert answer.value.status == 200, answer.value.text()
+    body = answer.value.json()
+    page.get_by_test_id("preview-table").wait_for()
+    samples = body["samples"]
+    assert len(samples) == 4  # 2 prompts x 2 samples
+    weights = {r["name"]: r["weight"] for r in body["rewards"]}
+    assert weights["length_reward"] == 0.5
+    for i, sample in enumerate(samples):
+        # the score is the completion's length (hand check), and the page shows exactly the API's number
+        assert sample["scores"]["length_reward"] == float(len(sample["completion"]))
+        cell = page.get_by_test_id(f"score-{i}-length_reward")
+        assert float(cell.get_attribute("data-value")) == sample["scores"]["length_reward"]
+        # the broken reward's error is inline, in its own cell, and the others still score
+        error = page.get_by_test_id(f"score-{i}-broken").get_attribute("data-error")
+        assert "deliberately broken" in error and error == sample["errors"]["broken"]
+        scored = {k: v for k, v in sample["scores"].items() if v is not None}
+        total = sum(weights[k] * v for k, v in scored.items())
+        assert math.isclose(sample["total"], total, rel_tol=1e-9)
+        assert math.isclose(float(page.get_by_test_id(f"total-{i}").get_attribute("data-value")), total, rel_tol=1e-9)
+    page.screenshot(path=str(shots / "rewards.png"), full_page=True)
+    page.get_by_test_id("reward-remove-1").click()  # the run trains on the working reward only
+    assert page.get_by_test_id("reward-1").count() == 0
+
+
+def _export(page, tmp_path, shots) -> None:
+    page.get_by_test_id("nav-compose").click()
+    with page.expect_response(lambda r: r.url.endswith("/api/yaml/export")) as answer:
+        page.get_by_test_id("export-yaml").click()
+    assert answer.value.status == 200, answer.value.text()
+    exported = answer.value.json()["yaml"]
+    shown = page.get_by_test_id("yaml-output")
+    shown.filter(has_text="controller").wait_for()
+    assert shown.inner_text().strip() == exported.strip()
+    path = tmp_path / "rl.yaml"
+    path.write_text(shown.inner_text())
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "validate", str(path)], check=False,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "valid. 4 steps of 2 prompts x 2 samples" in done.stdout
+    page.screenshot(path=str(shots / "compose.png"), full_page=False)
+
+
+def _models(page, shots) -> None:
+    page.get_by_test_id("nav-models").click()
+    page.get_by_test_id("models-diagram").wait_for()
+    page.get_by_test_id("memory").wait_for()
+    assert page.get_by_test_id("diagram-actor").get_attribute("data-active") == "true"
+    assert page.get_by_test_id("diagram-actor").get_attribute("data-device") == "cpu"
+    assert page.get_by_test_id("diagram-critic").get_attribute("data-active") == "false"  # GRPO: no critic
+    assert page.get_by_test_id("diagram-reference").get_attribute("data-active") == "false"  # kl_coef 0
+    assert page.get_by_test_id("flow-reference-trainer").get_attribute("data-live") == "false"
+    assert page.get_by_test_id("flow-generator-reward").get_attribute("data-live") == "true"
+    page.screenshot(path=str(shots / "models.png"), full_page=True)
+
+
+def _watch(page, shots) -> str:
+    page.get_by_test_id("nav-watch").click()
+    with page.expect_response(lambda r: r.url.endswith("/api/runs") and r.request.method == "POST") as answer:
+        page.get_by_test_id("launch-run").click()
+    assert answer.value.status == 201, answer.value.text()
+    run_id = answer.value.json()["id"]
+    page.get_by_test_id("run-id").filter(has_text=run_id).wait_for()
+    chart = page.get_by_test_id("chart-reward")
+    status = page.get_by_test_id("run-status")
+    seen: list[int] = []
+    deadline = time.monotonic() + 150
+    while status.inner_text() != "finished":
+        assert status.inner_text() not in ("failed", "stopped"), page.get_by_test_id("run-log").inner_text()
+        assert time.monotonic() < deadline, f"run not finished; status {status.inner_text()}, points {seen}"
+        points = int(chart.get_attribute("data-points"))
+        if not seen or points != seen[-1]:
+            seen.append(points)
+        time.sleep(0.1)
+    final = int(chart.get_attribute("data-points"))
+    assert final == 4  # one point per step
+    assert seen == sorted(seen) and len(set(seen + [final])) >= 2  # the curve grew while we watched
+    assert page.get_by_test_id("run-step").inner_text() == "step 4/4"
+    page.get_by_test_id("samples-table").locator("tbody tr").first.wait_for()
+    page.screenshot(path=str(shots / "watch.png"), full_page=True)
+    return run_id
+
+
+def _runs(page, run_id: str, shots) -> None:
+    page.get_by_test_id("nav-runs").click()
+    row = page.get_by_test_id(f"run-row-{run_id}")
+    row.wait_for()
+    assert "finished" in row.inner_text() and "4/4" in row.inner_text()
+    page.screenshot(path=str(shots / "runs.png"), full_page=False)
+    page.get_by_test_id(f"run-open-{run_id}").click()  # a finished run reopens from its files
+    page.get_by_test_id("run-status").filter(has_text="finished").wait_for()
+    page.wait_for_function("document.querySelector('[data-testid=chart-reward]').dataset.points === '4'")
+
+
+def test_compose_preview_export_launch_watch(page, tiny_model_path, tmp_path, shots):
+    _compose(page, tiny_model_path)
+    _preview(page, shots)
+    _export(page, tmp_path, shots)
+    _models(page, shots)
+    run_id = _watch(page, shots)
+    _runs(page, run_id, shots)
+    assert page.problems == [], page.problems
+
+
+@pytest.mark.parametrize("mode", ["sft", "preference", "reward_model"])
+def test_each_mode_shows_its_own_options(page, mode):
+    """The mode selector swaps the schema: fields that only one mode has appear and disappear."""
+    page.get_by_test_id(f"mode-{mode}").click()
+    page.get_by_test_id("sidebar-mode").filter(has_text={"sft": "SFT", "preference": "preference",
+                                                         "reward_model": "Reward"}[mode]).wait_for()
+    page.get_by_test_id("level-expert").click()
+    page.get_by_test_id("field-model.path").wait_for()
+    assert page.get_by_test_id("field-controller.steps").count() == 0  # an RL-only field
+    assert page.get_by_test_id("field-steps").count() == 1
+    assert (page.get_by_test_id("field-packing").count() == 1) == (mode == "sft")
+    assert (page.get_by_test_id("field-objective").count() == 1) == (mode == "preference")
+    assert page.problems == [], page.problems
