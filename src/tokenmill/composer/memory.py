@@ -227,7 +227,8 @@ def model_memory(plan: MemoryPlan, role: Role) -> ModelMemory:
     if role.trainable:
         acts = activation_bytes(shape, tokens, prec.activations, plan.gradient_checkpointing)
         adapted = sum(name in shape.linear_dims() for name in plan.lora_targets) if role.lora_rank else 0
-        parts["activations"] = acts + shape.num_layers * tokens * prec.activations * role.lora_rank * adapted
+        lora_layers = 1 if plan.gradient_checkpointing else shape.num_layers  # the r-wide LoRA intermediates
+        parts["activations"] = acts + lora_layers * tokens * prec.activations * role.lora_rank * adapted
         if role.head == "lm":
             parts["logits"] = tokens * logit_bytes_per_token(shape.vocab_size, plan.logprobs, prec.activations)
     if role.head == "lm" and (role.name == "reference" or (role.name == "actor" and plan.mode == "rl")):
