@@ -312,3 +312,12 @@ def test_stop_a_run(client, tiny_model_path):
     assert info["status"] == "stopped" and info["returncode"] != 0 and info["config"]["controller"]["steps"] == 100000
     assert client.post("/api/runs/nope/stop").status_code == 404
     assert client.post("/api/runs", json={"mode": "rl", "config": {"model": {}}}).status_code == 422
+
+
+def test_stage_estimate_lays_the_last_step_end_to_end():
+    from tokenmill.composer.runs import estimate_stage
+
+    row = {"timing_s/generate": 2.0, "timing_s/reward": 1.0, "timing_s/train": 3.0, "timing_s/sync": 0.5}
+    got = [estimate_stage(row, t) for t in (0.5, 2.5, 4.0, 6.2, 7.0)]  # 7.0 = 0.5 into the next step
+    assert got == ["generate", "reward", "train", "sync", "generate"]
+    assert estimate_stage(None, 3.0) == "starting"
