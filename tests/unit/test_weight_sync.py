@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import subprocess
 import sys
-import textwrap
 import time
 
 import httpx
@@ -19,56 +19,35 @@ from tokenmill.sync import BroadcastSync, FileSync, InProcessSync, WeightSyncErr
 
 PROMPT = [5, 9, 14, 3, 22, 7, 11, 30, 2, 17, 8, 25]
 
-# The server process: the tiny model in a continuous-batching engine, the weight routes, /health and a
-# sampling route returning the sampled ids and their logprobs. It binds port 0 and prints the port it got.
-_SERVER = textwrap.dedent("""
-    import sys, socket, torch, uvicorn
-    from fastapi import FastAPI
-    from pydantic import BaseModel
-    from tokenmill.engines.continuous import ContinuousEngine
-    from tokenmill.engines.weight_routes import weight_routes
-    from tokenmill.types import SamplingParams
-    torch.set_num_threads(1)
-    engine = ContinuousEngine.from_pretrained(sys.argv[1])
-    app = FastAPI()
-    app.include_router(weight_routes(engine, timeout_s=float(sys.argv[2])))
-
-    @app.get("/health")
-    def health():
-        return {"status": "ok", "policy_version": engine.version}
-
-    class Prompt(BaseModel):
-        token_ids: list[int]
-
-    @app.post("/test/generate")
-    def generate(body: Prompt):
-        [[c]] = engine.generate([body.token_ids], SamplingParams(max_tokens=8, temperature=1.0))
-        return {"token_ids": list(c.token_ids), "logprobs": list(c.logprobs)}
-
-    sock = socket.socket(); sock.bind(("127.0.0.1", 0)); sock.listen(64)
-    print("PORT", sock.getsockname()[1], flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    server.run(sockets=[sock])
-""")
+TOKEN = "sync-test-token"
 
 
 class Server:
-    def __init__(self, model_path: str, timeout_s: float = 20.0) -> None:
+    """`tokenmill serve MODEL --port 0` in its own process (a ContinuousEngine behind the OpenAI routes and
+    the weight routes), with a bearer token."""
+
+    def __init__(self, model_path: str) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, model_path, str(timeout_s)], env=env,
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenmill.cli", "serve", model_path, "--port", "0", "--token", TOKEN,
+             "--served-model-name", "tiny"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = self.proc.stdout.readline()
-        assert line.startswith("PORT"), f"server did not start: {line!r}"
-        self.url = f"http://127.0.0.1:{int(line.split()[1])}"
-        self.http = httpx.Client(timeout=30)
+        match = re.search(r"ready on (http://127\.0\.0\.1:\d+)/v1", line)
+        assert match, f"server did not start: {line!r}"
+        self.url = match.group(1)
+        self.http = httpx.Client(timeout=30, headers={"Authorization": f"Bearer {TOKEN}"})
 
     def version(self) -> int:
         return self.http.get(self.url + "/health").json()["policy_version"]
 
     def sample(self, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-        """Sampled completion ids of `prompt` and the server's logprobs of them."""
-        answer = self.http.post(self.url + "/test/generate", json={"token_ids": prompt}).json()
-        return answer["token_ids"], torch.tensor(answer["logprobs"])
+        """Sampled completion ids of `prompt` and the server's logprobs of them (OpenAI completions route)."""
+        answer = self.http.post(self.url + "/v1/completions", json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 1.0, "logprobs": 1,
+            "return_token_ids": True,
+        }).json()
+        choice = answer["choices"][0]
+        return choice["token_ids"], torch.tensor(choice["logprobs"]["token_logprobs"])
 
     def stop(self) -> None:
         self.http.close()
@@ -125,7 +104,7 @@ def assert_out_of_sync(server: Server, model) -> None:
 
 # -------------------------------------------------------------------------------------------------- files
 def test_file_push_matches_trainer(server, tiny_model, tmp_path):
-    sync = FileSync([server.url], tmp_path / "weights")
+    sync = FileSync([server.url], tmp_path / "weights", token=TOKEN)
     try:
         for step in (1, 2):
             version = server.version() + 1
@@ -141,7 +120,7 @@ def test_file_push_matches_trainer(server, tiny_model, tmp_path):
 
 def test_files_send_only_what_is_pushed(server, tiny_model, tmp_path):
     """A partial push (one tensor) changes only that tensor on the server."""
-    sync = FileSync([server.url], tmp_path / "w")
+    sync = FileSync([server.url], tmp_path / "w", token=TOKEN)
     try:
         sync.push(trainable(tiny_model), server.version() + 1)  # start equal
         name, p = "model.norm.weight", dict(tiny_model.named_parameters())["model.norm.weight"]
@@ -157,7 +136,7 @@ def test_files_send_only_what_is_pushed(server, tiny_model, tmp_path):
 # -------------------------------------------------------------------------------------------------- broadcast
 @pytest.mark.parametrize("api", ["sglang", "vllm"])
 def test_broadcast_push_matches_trainer(server, tiny_model, api):
-    sync = BroadcastSync([server.url], api=api, backend="gloo", timeout_s=20)
+    sync = BroadcastSync([server.url], api=api, backend="gloo", timeout_s=20, token=TOKEN)
     try:
         for step in (3, 4):
             version = server.version() + 1
@@ -177,7 +156,7 @@ def _post(server: Server, path: str, body: dict) -> httpx.Response:
 def test_bad_disk_updates_are_refused_and_old_weights_kept(server, tiny_model, tmp_path):
     from safetensors.torch import save_file
 
-    FileSync([server.url], tmp_path / "start").push(trainable(tiny_model), server.version() + 1)
+    FileSync([server.url], tmp_path / "start", token=TOKEN).push(trainable(tiny_model), server.version() + 1)
     version = server.version()
     r = _post(server, "/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
     assert r.status_code == 400 and "is not a folder" in r.json()["message"]
@@ -198,7 +177,7 @@ def test_bad_disk_updates_are_refused_and_old_weights_kept(server, tiny_model, t
     # nothing was copied: not even the good tensors that came before the bad one
     assert_in_sync(server, tiny_model, version)
     # the sync raises with the server's reason
-    sync = FileSync([server.url], tmp_path / "s", dtype=torch.float64)
+    sync = FileSync([server.url], tmp_path / "s", dtype=torch.float64, token=TOKEN)
     with pytest.raises(WeightSyncError, match=r"refused \(HTTP 400\).*dtype torch.float64"):
         sync.push(trainable(tiny_model), version + 1)
     sync.close()
@@ -206,7 +185,7 @@ def test_bad_disk_updates_are_refused_and_old_weights_kept(server, tiny_model, t
 
 
 def test_bad_broadcast_is_refused_and_the_group_stays_usable(server, tiny_model):
-    sync = BroadcastSync([server.url], timeout_s=20)
+    sync = BroadcastSync([server.url], timeout_s=20, token=TOKEN)
     try:
         version = server.version() + 1
         sync.push(trainable(tiny_model), version)
@@ -223,6 +202,12 @@ def test_bad_broadcast_is_refused_and_the_group_stays_usable(server, tiny_model)
         sync.close()
 
 
+def test_a_push_without_the_token_is_refused(server, tiny_model, tmp_path):
+    with pytest.raises(WeightSyncError, match="HTTP 401"):
+        FileSync([server.url], tmp_path / "w").push(trainable(tiny_model), 77)
+    assert server.version() != 77
+
+
 def test_bad_control_calls_name_the_field(server):
     r = _post(server, "/update_weights_from_distributed",
               {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"})
@@ -232,7 +217,7 @@ def test_bad_control_calls_name_the_field(server):
     assert r.status_code == 400 and "backend" in r.json()["message"]
     r = _post(server, "/update_weights", {"update_info": {"names": [], "dtype_names": [], "shapes": []},
                                           "surprise": 1})
-    assert r.status_code == 422 and "surprise" in r.text
+    assert r.status_code == 400 and "surprise" in r.text, r.text
 
 
 def test_a_server_that_never_joins_fails_within_the_timeout():
@@ -253,7 +238,7 @@ def test_lora_pushes_merged_weights(server, tiny_model_path, tiny_model, tmp_pat
     with torch.no_grad():
         for _, p in backend.weights():
             p.add_(0.1)  # B != 0: the adapters change the outputs
-    sync = FileSync([server.url], tmp_path / "lora")
+    sync = FileSync([server.url], tmp_path / "lora", token=TOKEN)
     try:
         sync.push(tiny_model.named_parameters(), 49)  # the server back on the base weights (earlier tests moved it)
         with pytest.raises(WeightSyncError, match="LoRA adapter.*merged_lora_weights"):
@@ -283,10 +268,10 @@ def test_two_servers_then_one_dies(server, tiny_model_path, tiny_model, tmp_path
     doomed = Server(tiny_model_path)
     urls = [server.url, doomed.url]
     syncs = {  # two groups on one server need two names
-        "broadcast strict": BroadcastSync(urls, timeout_s=10, group_name="strict"),
-        "broadcast tolerant": BroadcastSync(urls, timeout_s=10, drop_failed=True),
-        "files strict": FileSync(urls, tmp_path / "strict"),
-        "files tolerant": FileSync(urls, tmp_path / "tolerant", drop_failed=True),
+        "broadcast strict": BroadcastSync(urls, timeout_s=10, group_name="strict", token=TOKEN),
+        "broadcast tolerant": BroadcastSync(urls, timeout_s=10, drop_failed=True, token=TOKEN),
+        "files strict": FileSync(urls, tmp_path / "strict", token=TOKEN),
+        "files tolerant": FileSync(urls, tmp_path / "tolerant", drop_failed=True, token=TOKEN),
     }
     try:
         for i, name in enumerate(["broadcast tolerant", "files strict"]):
