@@ -290,7 +290,7 @@ class EngineConfig(_Section):
         None, description="How weights reach the engine: inprocess (colocated, thread), files (safetensors "
         "folder + HTTP notify) or broadcast (torch.distributed); default: inprocess in-process, files otherwise."
     )
-    token: str | None = Field(None, description="Bearer token for the servers (default: $TOKENMILL_SERVER_TOKEN).")
+    token: str | None = Field(None, description="Bearer token for the servers (default: $TOKENMILL_SERVE_TOKEN).")
     timeout_s: float = Field(120.0, gt=0, description="Seconds one engine request or weight update may take.")
     threads: int = Field(
         0, ge=0, description="torch threads of the generation side (rollout thread or each server); 0 = default."

@@ -245,7 +245,7 @@ def _server_placement(run) -> ServerPlacement:
     from tokenmill.engines.openai import RemoteEngine
 
     cfg = run.cfg
-    token = cfg.engine.token or os.environ.get("TOKENMILL_SERVER_TOKEN")
+    token = cfg.engine.token or os.environ.get("TOKENMILL_SERVE_TOKEN")
     scratch = tempfile.TemporaryDirectory(prefix="tokenmill-weights-", dir=run.output_dir)
     procs: list[subprocess.Popen] = []
     try:
