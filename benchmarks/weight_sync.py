@@ -1,5 +1,5 @@
 """Weight-sync push time: safetensors files vs torch.distributed (gloo) broadcast, to an engine server in
-another process on this machine.
+another process on this machine (`tokenmill serve`).
 
     python benchmarks/weight_sync.py                 # tiny, quickstart and a 25M-parameter model (~1 min)
 
@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
@@ -36,50 +36,30 @@ MODELS = {
 }
 PROMPT = [5, 9, 14, 3, 22, 7, 11, 30, 2, 17, 8, 25]
 
-_SERVER = textwrap.dedent("""
-    import sys, socket, torch, uvicorn
-    from fastapi import FastAPI
-    from pydantic import BaseModel
-    from tokenmill.engines.hf import HFEngine
-    from tokenmill.engines.weight_routes import weight_routes
-    torch.set_num_threads(1)
-    engine = HFEngine.from_pretrained(sys.argv[1])
-    app = FastAPI()
-    app.include_router(weight_routes(engine, timeout_s=60))
-
-    class Ids(BaseModel):
-        token_ids: list[int]
-
-    @app.post("/test/logprobs")
-    def logprobs(body: Ids):
-        ids = torch.tensor([body.token_ids])
-        with torch.no_grad():
-            logp = torch.log_softmax(engine.model(input_ids=ids).logits[0, :-1].float(), -1)
-        return {"logprobs": logp.gather(-1, ids[0, 1:, None])[:, 0].tolist(), "version": engine.version}
-
-    sock = socket.socket(); sock.bind(("127.0.0.1", 0)); sock.listen(64)
-    print("PORT", sock.getsockname()[1], flush=True)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
-""")
-
-
 def start_server(path: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-c", _SERVER, path], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    line = proc.stdout.readline()
-    if not line.startswith("PORT"):
-        raise RuntimeError(f"server did not start: {line!r}")
-    return proc, f"http://127.0.0.1:{int(line.split()[1])}"
+    """`tokenmill serve MODEL --port 0` (ContinuousEngine, OpenAI routes, weight routes); its URL once ready."""
+    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", path, "--port", "0",
+                             "--served-model-name", "bench"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    match = re.search(r"ready on (http://127\.0\.0\.1:\d+)/v1", proc.stdout.readline())
+    if not match:
+        proc.kill()
+        raise RuntimeError("tokenmill serve did not start")
+    return proc, match.group(1)
 
 
 def check(url: str, model, version: int) -> None:
-    answer = httpx.post(url + "/test/logprobs", json={"token_ids": PROMPT}, timeout=60).json()
-    ids = torch.tensor([PROMPT])
+    """The server's logprobs of a completion it samples equal the trainer's teacher-forced ones."""
+    answer = httpx.post(url + "/v1/completions", timeout=60, json={
+        "model": "bench", "prompt": PROMPT, "max_tokens": 4, "logprobs": 1, "return_token_ids": True}).json()
+    choice = answer["choices"][0]
+    ids = torch.tensor([PROMPT + choice["token_ids"]])
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
-    diff = (torch.tensor(answer["logprobs"]) - logp).abs().max().item()
-    if diff > 1e-4 or answer["version"] != version:
-        raise AssertionError(f"server out of sync after push {version}: diff {diff}, version {answer['version']}")
+    diff = (torch.tensor(choice["logprobs"]["token_logprobs"]) - logp[len(PROMPT) - 1:]).abs().max().item()
+    if diff > 1e-4 or answer["policy_version"] != version:
+        raise AssertionError(f"server out of sync after push {version}: diff {diff}, "
+                             f"version {answer['policy_version']}")
 
 
 def bench_model(name: str, shape: dict, repeats: int, workdir: Path) -> dict:
