@@ -15,7 +15,14 @@ import httpx
 import pytest
 import torch
 
-from tokenmill.sync import BroadcastSync, FileSync, InProcessSync, WeightSyncError, merged_lora_weights
+from tokenmill.sync import (
+    BroadcastSync,
+    FileSync,
+    InProcessSync,
+    WeightSync,
+    WeightSyncError,
+    merged_lora_weights,
+)
 
 PROMPT = [5, 9, 14, 3, 22, 7, 11, 30, 2, 17, 8, 25]
 
@@ -105,6 +112,7 @@ def assert_out_of_sync(server: Server, model) -> None:
 # -------------------------------------------------------------------------------------------------- files
 def test_file_push_matches_trainer(server, tiny_model, tmp_path):
     sync = FileSync([server.url], tmp_path / "weights", token=TOKEN)
+    assert isinstance(sync, WeightSync)
     try:
         for step in (1, 2):
             version = server.version() + 1
@@ -137,6 +145,7 @@ def test_files_send_only_what_is_pushed(server, tiny_model, tmp_path):
 @pytest.mark.parametrize("api", ["sglang", "vllm"])
 def test_broadcast_push_matches_trainer(server, tiny_model, api):
     sync = BroadcastSync([server.url], api=api, backend="gloo", timeout_s=20, token=TOKEN)
+    assert isinstance(sync, WeightSync)
     try:
         for step in (3, 4):
             version = server.version() + 1
@@ -256,7 +265,9 @@ def test_inprocess_sync_copies_into_the_engine(tiny_model, tokenizer):
 
     engine = HFEngine(copy.deepcopy(tiny_model), tokenizer)
     perturb(tiny_model, seed=5)
-    InProcessSync(engine).push(trainable(tiny_model), 3)
+    sync = InProcessSync(engine)
+    assert isinstance(sync, WeightSync)
+    sync.push(trainable(tiny_model), 3)
     torch.testing.assert_close(trainer_logprobs(engine.model, PROMPT), trainer_logprobs(tiny_model, PROMPT))
     assert engine.version == 3
 
