@@ -38,6 +38,12 @@ def _fill(page, path: str, value: str) -> None:
     box.press("Tab")  # the form commits on change (blur), as a user leaving the field would
 
 
+def _shot(page, shots, name: str) -> None:
+    """A full-page screenshot from the top (the sidebar is sticky: scrolled, it would be drawn mid-page)."""
+    page.evaluate("window.scrollTo(0, 0)")
+    page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
+
+
 def _set_code(page, index: int, code: str) -> None:
     """Replace a CodeMirror document the way a user pasting would (insert_text: no auto-indent)."""
     editor = page.get_by_test_id(f"reward-editor-{index}").locator(".cm-content")
@@ -103,7 +109,7 @@ def _preview(page, shots) -> None:
         total = sum(weights[k] * v for k, v in scored.items())
         assert math.isclose(sample["total"], total, rel_tol=1e-9)
         assert math.isclose(float(page.get_by_test_id(f"total-{i}").get_attribute("data-value")), total, rel_tol=1e-9)
-    page.screenshot(path=str(shots / "rewards.png"), full_page=True)
+    _shot(page, shots, "rewards")
     page.get_by_test_id("reward-remove-1").click()  # the run trains on the working reward only
     assert page.get_by_test_id("reward-1").count() == 0
 
@@ -123,7 +129,14 @@ def _export(page, tmp_path, shots) -> None:
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "valid. 4 steps of 2 prompts x 2 samples" in done.stdout
-    page.screenshot(path=str(shots / "compose.png"), full_page=False)
+    # import the exported file back: the form shows the same values
+    page.get_by_test_id("yaml-input").fill(exported.replace("steps: 4", "steps: 5"))
+    page.get_by_test_id("import-yaml").click()
+    page.get_by_test_id("yaml-message").filter(has_text="Imported").wait_for()
+    assert page.get_by_test_id("field-controller.steps").input_value() == "5"
+    _fill(page, "controller.steps", "4")
+    page.get_by_test_id("validation-status").filter(has_text="valid").wait_for()
+    _shot(page, shots, "compose")
 
 
 def _models(page, shots) -> None:
@@ -136,7 +149,6 @@ def _models(page, shots) -> None:
     assert page.get_by_test_id("diagram-reference").get_attribute("data-active") == "false"  # kl_coef 0
     assert page.get_by_test_id("flow-reference-trainer").get_attribute("data-live") == "false"
     assert page.get_by_test_id("flow-generator-reward").get_attribute("data-live") == "true"
-    page.screenshot(path=str(shots / "models.png"), full_page=True)
 
 
 def _watch(page, shots) -> str:
@@ -162,7 +174,7 @@ def _watch(page, shots) -> str:
     assert seen == sorted(seen) and set(seen) & {1, 2, 3}, seen  # the curve grew while we watched
     assert page.get_by_test_id("run-step").inner_text() == "step 4/4"
     page.get_by_test_id("samples-table").locator("tbody tr").first.wait_for()
-    page.screenshot(path=str(shots / "watch.png"), full_page=True)
+    _shot(page, shots, "watch")
     return run_id
 
 
@@ -171,7 +183,7 @@ def _runs(page, run_id: str, shots) -> None:
     row = page.get_by_test_id(f"run-row-{run_id}")
     row.wait_for()
     assert "finished" in row.inner_text() and "4/4" in row.inner_text()
-    page.screenshot(path=str(shots / "runs.png"), full_page=False)
+    _shot(page, shots, "runs")
     page.get_by_test_id(f"run-open-{run_id}").click()  # a finished run reopens from its files
     page.get_by_test_id("run-status").filter(has_text="finished").wait_for()
     page.wait_for_function("document.querySelector('[data-testid=chart-reward]').dataset.points === '4'")
@@ -184,6 +196,30 @@ def test_compose_preview_export_launch_watch(page, tiny_model_path, tmp_path, sh
     _models(page, shots)
     run_id = _watch(page, shots)
     _runs(page, run_id, shots)
+    assert page.problems == [], page.problems
+
+
+def test_memory_of_a_gpu_preset_follows_the_budget_slider(page, shots):
+    """The 24 GB preset's estimate: the over-budget warning and the proposed micro-batch are the API's, and
+    moving the budget slider re-estimates and shows the new proposal."""
+    page.get_by_test_id("preset-gpu_24gb").click()
+    with page.expect_response(lambda r: r.url.endswith("/api/estimate")) as answer:
+        page.get_by_test_id("nav-models").click()
+    estimate = answer.value.json()
+    page.get_by_test_id("memory").wait_for()
+    device = estimate["devices"][0]
+    assert page.get_by_test_id(f"memory-device-{device['name']}").get_attribute("data-over") == \
+        str(device["fits"] is False).lower()
+    assert page.get_by_test_id("memory-warning").all_inner_texts() == estimate["warnings"]
+    assert page.get_by_test_id("budget-micro-batch").inner_text() == str(estimate["budget"]["micro_batch"])
+    assert page.get_by_test_id("diagram-actor").get_attribute("data-device") == "cuda:0"
+    _shot(page, shots, "models")
+    with page.expect_response(lambda r: r.url.endswith("/api/estimate")) as answer:
+        page.get_by_test_id("budget-slider").fill("80")
+    bigger = answer.value.json()
+    assert bigger["budget"]["budget_bytes"] == 80 * 1024**3
+    assert bigger["budget"]["micro_batch"] > estimate["budget"]["micro_batch"]
+    page.get_by_test_id("budget-micro-batch").filter(has_text=str(bigger["budget"]["micro_batch"])).wait_for()
     assert page.problems == [], page.problems
 
 

@@ -45,8 +45,17 @@ export function LineChart(props: { title: string; steps: number[]; series: Serie
         <span class="mono">{props.note ?? (last === undefined || last === null ? "—" : formatNumber(last))}</span>
       </div>
       <div ref={host} class="chart-body" />
+      {props.note && props.series.every((x) => x.values.every((v) => v === null || v === 0)) && (
+        <div class="chart-off">{props.note}</div>
+      )}
     </div>
   );
+}
+
+export function formatSeconds(s: number): string {
+  if (s < 1e-3) return `${(s * 1e6).toFixed(0)} µs`;
+  if (s < 1) return `${(s * 1e3).toFixed(s < 0.01 ? 2 : 1)} ms`;
+  return `${s.toFixed(s < 10 ? 2 : 1)} s`;
 }
 
 export function formatNumber(v: number): string {

@@ -13,7 +13,12 @@ interface ModelMem {
   params: number;
   trainable_params: number;
   bytes: Record<string, number>;
-  total_bytes: number;
+  peak_bytes?: number; // what the model holds at its busiest phase (older estimators: total_bytes)
+  total_bytes?: number;
+}
+
+function modelBytes(m: ModelMem): number {
+  return m.peak_bytes ?? m.total_bytes ?? Object.values(m.bytes).reduce((a, b) => a + b, 0);
 }
 interface DeviceMem {
   name: string;
@@ -172,7 +177,7 @@ export function MemoryPanel() {
       <Legend keys={parts} />
       <div class="mem-bars" data-testid="memory-models">
         {estimate.models.map((m) => (
-          <div class="mem-row" data-testid={`memory-model-${m.role}`} data-bytes={m.total_bytes}>
+          <div class="mem-row" data-testid={`memory-model-${m.role}`} data-bytes={modelBytes(m)}>
             <div>
               <b>{m.role}</b>{" "}
               <span class="muted small">
@@ -180,7 +185,7 @@ export function MemoryPanel() {
               </span>
             </div>
             <Bar items={Object.entries(m.bytes)} scale={scale} />
-            <div class="mono">{gib(m.total_bytes)}</div>
+            <div class="mono" title="at its busiest phase">{gib(modelBytes(m))}</div>
           </div>
         ))}
       </div>

@@ -3,7 +3,7 @@
 import { useEffect, useState } from "preact/hooks";
 import { api, runEvents } from "../api";
 import type { RunStatus } from "../api";
-import { formatNumber, LineChart } from "../components/chart";
+import { formatNumber, formatSeconds, LineChart } from "../components/chart";
 import type { Series } from "../components/chart";
 import { getPath, getState, navigate, useStore } from "../store";
 
@@ -83,9 +83,9 @@ function Stages({ last, status }: { last: Row | undefined; status: RunStatus | n
                 <div style={{ width: `${Math.round(100 * (share ?? 0))}%` }} />
               </div>
               <div class="stage-nums mono">
-                <span>{secs === null ? "—" : `${formatNumber(secs)} s`}</span>
+                <span>{secs === null ? "—" : formatSeconds(secs)}</span>
                 <span>{share === null ? "" : `${Math.round(100 * share)}%`}</span>
-                <span>{tps === null ? "" : `${formatNumber(tps)} tok/s`}</span>
+                <span>{tps === null ? "" : `${Math.round(tps).toLocaleString()} tok/s`}</span>
               </div>
             </div>
           );
