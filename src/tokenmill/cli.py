@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tokenmill.types import ConfigError
+from tokenmill.types import ConfigError, TokenmillError
 
 CONFIG_COMMANDS = {"train", "sft", "eval", "validate", "preference"}
 
@@ -288,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"tokenmill: invalid configuration\n{exc}", file=sys.stderr)
         return 2
+    except TokenmillError as exc:  # a run that cannot go on (a dead engine server, a producer timeout): one line
+        print(f"tokenmill: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("tokenmill: interrupted", file=sys.stderr)
         return 130

@@ -192,3 +192,28 @@ def test_async_with_partial_rollouts_trains_within_the_bound(model, tmp_path):
                                            "controller.steps": 4}), rewards=[digit_share])
     rows = _steps(out)
     assert len(rows) == 4 and max(r["async/staleness_max"] for r in rows) <= 1
+
+
+def test_async_stop_and_resume_records_the_trained_rows_not_the_generated_ones(model, tmp_path):
+    torch.set_num_threads(1)
+    out = tmp_path / "resume"
+    cfg = _config(model, out, **{"engine.placement": "thread", "controller.max_staleness": 1,
+                                 "controller.steps": 4, "controller.max_steps_per_run": 2})
+    first = tokenmill.train(cfg, rewards=[digit_share])
+    assert first["resumed_from"] == 0
+    # the producer had drawn rows for step 3 (one version ahead) but the checkpoint holds the trained position:
+    # 2 steps x 4 prompts
+    state = torch.load(out / "checkpoints" / "step_00000002" / "trainer.pt", weights_only=True)
+    assert state["data"] == {"epoch": 0, "index": 8}
+    second = tokenmill.train(cfg, rewards=[digit_share], checkpoint__resume=True)
+    assert second["resumed_from"] == 2 and second["last_metrics"]["async/policy_version"] == 3
+    assert [r["step"] for r in _steps(out)] == [1, 2, 3, 4]
+
+
+def test_a_dead_remote_server_fails_naming_it(model, tmp_path):
+    cfg = _config(model, tmp_path / "dead", **{"engine.placement": "remote", "engine.urls": ["http://127.0.0.1:9"],
+                                               "engine.timeout_s": 2.0})
+    t0 = time.monotonic()
+    with pytest.raises(tokenmill.types.TokenmillError, match=r"127\.0\.0\.1:9"):
+        tokenmill.train(cfg, rewards=[digit_share])
+    assert time.monotonic() - t0 < 60

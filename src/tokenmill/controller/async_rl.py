@@ -85,7 +85,11 @@ class AsyncFeed:
         # the producer's view of the run: its own engine, generator (or agent) and prompt position
         self.view = replace(run, engine=self.placement.engine, generator=self.placement.generator,
                             agent=self.placement.agent, source=copy.copy(run.source))
-        self.placement.push(run.backend.weights(), start)
+        try:
+            self._push(start)
+        except BaseException:
+            self.placement.close()  # spawned servers go with it
+            raise
         self.buffer: queue.Queue[RolloutBatch | BaseException] = queue.Queue(maxsize=self.k + 1)
         self.published = start
         self.cond = threading.Condition()
@@ -93,6 +97,7 @@ class AsyncFeed:
         self.started = time.perf_counter()
         self.producer_busy = 0.0
         self.producer_blocked = 0.0
+        self.trainer_waited = 0.0
         self.dropped_groups = 0
         self.dropped_samples = 0
         self.thread = threading.Thread(target=self._produce, args=(start + 1, last), name="tokenmill-rollout",
@@ -160,6 +165,7 @@ class AsyncFeed:
                     f"{self.timeout_s:g}s (producer thread {alive}, placement {self.placement.describe()})"
                 ) from None
         waited = time.perf_counter() - t0
+        self.trainer_waited += waited
         if isinstance(item, BaseException):
             raise ProducerError(f"async: the rollout producer ({self.placement.describe()}) failed: "
                                 f"{type(item).__name__}: {item}") from item
@@ -190,7 +196,10 @@ class AsyncFeed:
         out: dict[str, Any] = {
             "async/buffer_fill": fill,
             "async/wait_s": waited,
+            # shares of the wall time since the feed started: the producer generating and scoring, the trainer
+            # doing anything but waiting for a batch (what overlap buys is both near 1)
             "async/generate_busy": min(1.0, self.producer_busy / elapsed),
+            "async/train_busy": max(0.0, 1.0 - self.trainer_waited / elapsed),
             "async/producer_blocked_s": self.producer_blocked,
             "async/staleness_mean": sum(k * v for k, v in lag.items()) / n if n else 0.0,
             "async/staleness_max": max(lag, default=0),
@@ -206,10 +215,17 @@ class AsyncFeed:
 
     def push(self, step: int) -> None:
         """Hand the new weights (version `step`) to the engine side and let the producer run on."""
-        self.placement.push(self.run.backend.weights(), step)
+        self._push(step)
         with self.cond:
             self.published = step
             self.cond.notify_all()
+
+    def _push(self, version: int) -> None:
+        try:
+            self.placement.push(self.run.backend.weights(), version)
+        except Exception as exc:  # one error naming the engine side and the cause
+            raise ProducerError(f"async: pushing weights (version {version}) to {self.placement.describe()} "
+                                f"failed: {type(exc).__name__}: {exc}") from exc
 
     def close(self) -> None:
         self.stopping.set()
