@@ -3,7 +3,7 @@
 The quickstart recipe as in test_grpo_learns.py (same warm start, steps and seed), but generation runs in a
 `tokenmill serve` subprocess on a loopback port, one policy version ahead of training
 (`controller.max_staleness: 1`), weights pushed through a safetensors folder after every step. The
-synchronous run of test_grpo_learns.py gains >= 0.15 held-out accuracy here; the async one must too.
+synchronous run gains >= 0.15 held-out accuracy here; the async one must too, and end within 0.1 of it.
 """
 
 from __future__ import annotations
@@ -33,3 +33,7 @@ def test_async_grpo_with_a_server_process_raises_heldout_accuracy(warm, tmp_path
     assert all(r["async/dropped_stale_groups"] == 0 for r in steps)
     rewards = [r["reward/mean"] for r in steps]
     assert sum(rewards[-30:]) > sum(rewards[:30])
+    # and it lands where the synchronous run of the same recipe lands (measured: 0.796 sync, 0.788-0.804 async)
+    sync = grpo(warm, tmp_path / "sync", steps=150, num_eval=500, eval_every=0, console="none", say=lambda _: None)
+    assert sync["eval_before"]["eval/accuracy"] == before
+    assert abs(after - sync["eval_after"]["eval/accuracy"]) <= 0.1, (after, sync["eval_after"])
