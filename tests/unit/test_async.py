@@ -217,3 +217,17 @@ def test_a_dead_remote_server_fails_naming_it(model, tmp_path):
     with pytest.raises(tokenmill.types.TokenmillError, match=r"127\.0\.0\.1:9"):
         tokenmill.train(cfg, rewards=[digit_share])
     assert time.monotonic() - t0 < 60
+
+
+def test_async_multi_turn_episodes_run_ahead_within_the_bound(model, tmp_path):
+    torch.set_num_threads(1)
+    out = tmp_path / "agent"
+    cfg = _config(model, out, **{"engine.placement": "thread", "controller.max_staleness": 1,
+                                 "controller.steps": 3})
+    cfg["data"] = {"task": "guess_number", "num_train": 100, "num_eval": 0}
+    cfg["env"] = {"name": "guess_number", "max_turns": 2, "max_episode_tokens": 64}
+    tokenmill.train(cfg)
+    rows = _steps(out)
+    assert len(rows) == 3 and max(r["async/staleness_max"] for r in rows) <= 1
+    assert sum(r["async/staleness_share/1"] for r in rows) > 0  # episodes did run a version ahead
+    assert all(r["async/dropped_stale_groups"] == 0 for r in rows)

@@ -160,7 +160,7 @@ def _free_port() -> int:
 
 
 def spawn_servers(model_dir: str, count: int, *, threads: int = 0, timeout_s: float = 120.0, seed: int = 0,
-                  log_dir: Path | None = None) -> tuple[list[str], list[subprocess.Popen]]:
+                  device: str = "cpu", log_dir: Path | None = None) -> tuple[list[str], list[subprocess.Popen]]:
     """Start `count` `tokenmill serve MODEL_DIR` processes on free loopback ports and wait for `/health`."""
     import httpx
 
@@ -174,7 +174,7 @@ def spawn_servers(model_dir: str, count: int, *, threads: int = 0, timeout_s: fl
             log = open(log_dir / f"server_{i}.log", "wb") if log_dir else subprocess.DEVNULL  # noqa: SIM115
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "tokenmill.cli", "serve", model_dir, "--port", str(port), "--seed",
-                 str(seed + i)], stdout=log, stderr=subprocess.STDOUT, env=env,
+                 str(seed + i), "--device", device], stdout=log, stderr=subprocess.STDOUT, env=env,
             ))
             urls.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + timeout_s
@@ -252,7 +252,7 @@ def _server_placement(run) -> ServerPlacement:
         if cfg.engine.placement == "process":
             urls, procs = spawn_servers(cfg.model.path, cfg.engine.num_servers, threads=cfg.engine.threads,
                                         timeout_s=cfg.engine.timeout_s, seed=cfg.training.seed,
-                                        log_dir=run.output_dir)
+                                        device=str(run.engine.device), log_dir=run.output_dir)
         else:
             urls = list(cfg.engine.urls)
         sync = _weight_sync(cfg, urls, token, Path(scratch.name))
