@@ -125,13 +125,18 @@ class ServerPlacement(Placement):
             named_tensors = merged_lora_weights(self.lora_model)
         self.engine.update_weights(named_tensors, version=version)
 
+    def apply_pending(self) -> bool:
+        """Nothing to apply (pushes land on the servers directly); remember the version at the rollout's start
+        for servers that report none (vLLM, SGLang)."""
+        self._version_at_start = self.engine.version
+        return False
+
     def stamp_versions(self, groups: list[Group]) -> list[Group]:
         """Each group carries the version its server reported (the oldest, when a weight update landed during
-        the batch): the server's word, not the version last pushed."""
+        the batch): the server's word, not the version last pushed. Without one, the version published when
+        the rollout started (a push during it may or may not have reached the samples: assume not)."""
         seen = self.engine.versions_seen
-        if not seen:
-            return groups
-        oldest = min(seen)
+        oldest = min(seen) if seen else getattr(self, "_version_at_start", self.engine.version)
         seen.clear()
         return [Group(g.group_id, tuple(s.with_(version=min(s.version, oldest)) for s in g.samples)) for g in groups]
 
