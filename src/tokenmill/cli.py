@@ -1,4 +1,4 @@
-"""`tokenmill quickstart | train | sft | eval | validate | preference | env serve | composer`.
+"""`tokenmill quickstart | train | sft | eval | validate | preference | env serve | composer | serve`.
 
 Config errors print one line per bad field and exit with status 2, never a traceback.
 """
@@ -200,6 +200,24 @@ def cmd_env_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """`tokenmill serve MODEL_DIR`: the OpenAI-compatible engine server (tokenmill.engines.server)."""
+    import logging
+
+    from tokenmill.engines.server import serve
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    token = args.token if args.token is not None else os.environ.get("TOKENMILL_SERVE_TOKEN") or None
+    try:
+        serve(args.model_dir, host=args.host, port=args.port, token=token, allow_remote=args.allow_remote,
+              served_model_name=args.served_model_name, dtype=args.dtype, max_batch=args.max_batch,
+              seed=args.seed, device=args.device)
+    except ValueError as exc:  # an unsafe exposure, a bad folder or flag: one line, no traceback
+        print(f"tokenmill serve: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_composer(args: argparse.Namespace) -> int:
     from tokenmill.composer.app import ExposureError, serve
 
@@ -253,6 +271,18 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-episodes", type=int, default=1024, help="live episodes at once")
     srv.add_argument("--step-timeout-s", type=float, default=60.0, help="seconds one reset / step / close may take")
     srv.set_defaults(fn=cmd_env_serve)
+    srv = sub.add_parser("serve", help="OpenAI-compatible engine server with continuous batching")
+    srv.add_argument("model_dir", help="a Hugging Face model folder (config.json, weights, tokenizer)")
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    srv.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed when ready)")
+    srv.add_argument("--token", default=None, help="bearer token (default: $TOKENMILL_SERVE_TOKEN)")
+    srv.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host (needs a token)")
+    srv.add_argument("--served-model-name", default=None, help="the model id in answers (default: folder name)")
+    srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    srv.add_argument("--max-batch", type=int, default=256, help="running sequences at most")
+    srv.add_argument("--seed", type=int, default=0, help="seed of the sampling of requests without their own")
+    srv.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
+    srv.set_defaults(fn=cmd_serve)
     comp = sub.add_parser("composer", help="web UI: compose a config, preview rewards, launch and watch runs")
     comp.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     comp.add_argument("--port", type=int, default=8600, help="port (0 picks a free one)")

@@ -198,3 +198,61 @@ def test_weight_update_from_disk_bumps_the_version_and_changes_the_logprobs(tiny
     assert answer["policy_version"] == choice["policy_version"] == 3
     expected = teacher_logprobs(new_model, prompt, choice["token_ids"])
     assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--host", "0.0.0.0"], "refusing to serve on non-loopback host '0.0.0.0'"),
+    (["--host", "0.0.0.0", "--allow-remote"], "--allow-remote together with --token"),
+    (["--token", ""], "--token: must not be empty"),
+])
+def test_serve_refuses_unsafe_exposure_in_one_line(tiny_model_path, capsys, args, message):
+    from tokenmill.cli import main
+
+    assert main(["serve", tiny_model_path, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_serve_refuses_a_folder_without_a_model(tmp_path, capsys):
+    from tokenmill.cli import main
+
+    assert main(["serve", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "MODEL_DIR" in err and "no config.json" in err and err.count("\n") == 1
+
+
+def test_serve_command_prints_its_url_and_serves(tiny_model_path):
+    import os
+    import re
+    import selectors
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "TOKENMILL_SERVE_TOKEN": TOKEN}
+    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", tiny_model_path, "--port", "0",
+                             "--served-model-name", "tiny-cli", "--max-batch", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        selector = selectors.DefaultSelector()
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        deadline, line = time.monotonic() + 120, ""
+        while "ready on" not in line:
+            assert time.monotonic() < deadline and proc.poll() is None, f"no ready line; last: {line!r}"
+            if selector.select(timeout=1):
+                line = proc.stdout.readline()
+        url = re.search(r"(http://\S+)/v1", line).group(1)
+        with httpx.Client(base_url=url, timeout=30) as c:
+            assert c.get("/health").json()["status"] == "ok"
+            assert c.get("/v1/models").status_code == 401  # the token came from $TOKENMILL_SERVE_TOKEN
+            answer = c.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3},
+                            headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        assert answer["model"] == "tiny-cli" and len(answer["choices"][0]["token_ids"]) == 3
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: a graceful stop, the CLI's "interrupted" status
+        assert proc.wait(timeout=30) in (0, 130)
+        assert "Traceback" not in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)

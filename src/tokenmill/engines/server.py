@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tokenmill.engines.continuous import EngineBusy, EngineUnavailable, RequestFuture
+from tokenmill.engines.continuous import ContinuousEngine, EngineBusy, EngineUnavailable, RequestFuture
 from tokenmill.envs.server import LOOPBACK_HOSTS, _host_name, _normalise_host
 from tokenmill.types import Completion, SamplingParams
 
@@ -377,3 +377,63 @@ def _answer(prefix: str, kind: str, model_name: str, prompts: list[list[int]], f
                   "total_tokens": prompt_tokens + completion_tokens},
         "policy_version": min(int(f.policy_version or 0) for f in futures),
     }
+
+
+# ------------------------------------------------------------------------------------------ running it
+def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
+          allow_remote: bool = False, served_model_name: str | None = None, dtype: str = "float32",
+          max_batch: int = 256, seed: int = 0, device: str = "cpu") -> None:
+    """Load `model_dir` into a ContinuousEngine and serve it until interrupted; print the URL once it accepts
+    connections. Loopback only unless `allow_remote` and a token are both given (ValueError otherwise)."""
+    import socket
+    import threading
+    from pathlib import Path
+
+    import torch
+    import uvicorn
+
+    from tokenmill.envs.server import _bound_hosts, is_loopback
+
+    if token is not None and not token:
+        raise ValueError("--token: must not be empty")
+    if not is_loopback(host) and not (allow_remote and token):
+        raise ValueError(f"refusing to serve on non-loopback host {host!r}: bind 127.0.0.1 (and tunnel, e.g. "
+                         "`ssh -L`), or pass --allow-remote together with --token")
+    if not Path(model_dir, "config.json").is_file():
+        raise ValueError(f"MODEL_DIR {model_dir!r}: not a model folder (no config.json)")
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in dtypes:
+        raise ValueError(f"--dtype: one of {', '.join(dtypes)}, got {dtype!r}")
+    try:
+        engine = ContinuousEngine.from_pretrained(model_dir, dtype=dtypes[dtype], device=device, seed=seed,
+                                                  max_batch=max_batch)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"MODEL_DIR {model_dir!r}: could not load it: {exc}".splitlines()[0]) from None
+    name = served_model_name or Path(model_dir).resolve().name
+    app = create_app(engine, model_name=name, token=token, allowed_hosts=_bound_hosts(host))
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((_normalise_host(host), port))
+    except OSError as exc:
+        sock.close()
+        engine.close()
+        raise ValueError(f"cannot bind {host}:{port}: {exc.strerror or exc}") from None
+    bound = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30,
+                                           timeout_graceful_shutdown=5))
+
+    def announce() -> None:
+        deadline = time.monotonic() + 60
+        while not server.started and not server.should_exit and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if server.started:
+            shown = f"[{host}]" if ":" in host else host
+            print(f"tokenmill serve: {name} ready on http://{shown}:{bound}/v1 (auth {'on' if token else 'off'}, "
+                  f"max_batch {max_batch}, {dtype})", flush=True)
+
+    threading.Thread(target=announce, name="tokenmill-serve-announce", daemon=True).start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.close()
