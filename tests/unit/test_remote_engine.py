@@ -1,0 +1,128 @@
+"""The remote engine client against real `tokenmill serve` processes on loopback: exact tokens and logprobs,
+load spread across two servers, failover when one is killed mid-run, clear errors when all are gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from tokenmill.engines.openai import RemoteEngine
+from tokenmill.engines.pool import EngineRequestError, EngineUnavailable
+from tokenmill.types import SamplingParams, StopReason
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(model_path: str, seed: int) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokenmill.cli", "serve", model_path, "--port", str(port), "--seed", str(seed)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tokenmill serve exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("tokenmill serve did not start within 60 s")
+
+
+@pytest.fixture(scope="module")
+def two_servers(tiny_model_path):
+    procs = [_serve(tiny_model_path, seed) for seed in (1, 2)]
+    yield procs
+    for proc, _ in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def _teacher_forced(model, prompt: list[int], completion: list[int]) -> list[float]:
+    tokens = prompt + completion
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([tokens])).logits[0].float(), dim=-1)
+    return [logp[len(prompt) + i - 1, t].item() for i, t in enumerate(completion)]
+
+
+def test_remote_samples_are_exact_tokens_with_the_models_logprobs(two_servers, tiny_model, tokenizer):
+    engine = RemoteEngine([url for _, url in two_servers], pad_id=tokenizer.pad_token_id, timeout_s=60)
+    prompts = [list(tokenizer(p)["input_ids"]) for p in ["12+34=", "7+8=", "99+1="]]
+    out = engine.generate(prompts, SamplingParams(max_tokens=6, n=3, temperature=1.0))
+    assert [len(group) for group in out] == [3, 3, 3]
+    for prompt, group in zip(prompts, out, strict=True):
+        for c in group:
+            assert 1 <= len(c.token_ids) == len(c.logprobs) <= 6
+            assert c.stop_reason in (StopReason.STOP, StopReason.LENGTH)
+            want = _teacher_forced(tiny_model, prompt, list(c.token_ids))
+            assert max(abs(a - b) for a, b in zip(c.logprobs, want, strict=True)) < 1e-4
+    greedy = engine.generate(prompts, SamplingParams(max_tokens=6, greedy=True))
+    again = engine.generate(prompts, SamplingParams(max_tokens=6, greedy=True))
+    assert [g[0].token_ids for g in greedy] == [g[0].token_ids for g in again]  # both servers agree
+    engine.close()
+
+
+def test_load_is_spread_and_a_bad_request_is_not_retried(two_servers, tokenizer):
+    engine = RemoteEngine([url for _, url in two_servers], pad_id=0, timeout_s=60)
+    engine.generate([[5, 6, 7]] * 32, SamplingParams(max_tokens=4))
+    served = [s["served"] for s in engine.pool.stats().values()]
+    assert sum(served) == 32 and min(served) >= 8, served
+    with pytest.raises(EngineRequestError) as err:
+        engine.generate([[10**6]], SamplingParams(max_tokens=2))  # outside the vocabulary
+    assert err.value.status == 400 and "vocabulary" in str(err.value)
+    assert sum(s["served"] for s in engine.pool.stats().values()) == 32
+    engine.close()
+
+
+def test_killing_one_of_two_servers_mid_run_moves_requests_to_the_other(tiny_model_path):
+    victim, survivor = _serve(tiny_model_path, 3), _serve(tiny_model_path, 4)
+    try:
+        engine = RemoteEngine([victim[1], survivor[1]], pad_id=0, timeout_s=30, retries=2, backoff_s=0.1)
+        rounds: list[int] = []
+
+        def run() -> None:  # a "run": 12 rounds of 16 prompts x 2 samples
+            for _ in range(12):
+                out = engine.generate([[5, 6, 7, 8]] * 16, SamplingParams(max_tokens=8, n=2))
+                rounds.append(sum(len(g) for g in out))
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        while len(rounds) < 3:
+            time.sleep(0.01)
+        victim[0].send_signal(signal.SIGKILL)
+        worker.join(120)
+        assert not worker.is_alive() and rounds == [32] * 12
+        stats = engine.pool.stats()
+        assert stats[victim[1]]["failures"] >= 1 and stats[victim[1]]["last_error"]
+        assert stats[survivor[1]]["served"] >= 9 * 16 // 2  # it took at least the rounds after the kill
+        # with no server left the client gives up with one error naming each server
+        survivor[0].send_signal(signal.SIGKILL)
+        survivor[0].wait(10)
+        with pytest.raises(EngineUnavailable) as err:
+            engine.generate([[5, 6]], SamplingParams(max_tokens=2))
+        assert victim[1] in str(err.value) and survivor[1] in str(err.value)
+        engine.close()
+    finally:
+        for proc, _ in (victim, survivor):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
