@@ -42,6 +42,7 @@ from tokenmill.types import Completion, SamplingParams, StopReason, TokenmillErr
 
 log = logging.getLogger("tokenmill.engines.continuous")
 _IDLE_WAIT_S = 0.05  # how often an idle loop looks at its shutdown flag
+_UNIFORM_BLOCK = 64  # sampling steps of uniform numbers drawn at once per request
 
 
 class EngineUnavailable(TokenmillError):
@@ -72,14 +73,20 @@ class _Request:
     generator: torch.Generator | None  # its own (seeded) generator, or None: the engine's
     max_tokens: int
     results: list[Completion | None] = field(default_factory=list)
+    # sampling randomness, drawn _UNIFORM_BLOCK steps at a time for all n rows (they advance in step)
+    uniforms_N_K: list[list[float]] = field(default_factory=list)
+    block_index: int = -1
+    spec: tuple[float, float, float, float] = field(init=False)  # temperature, top_p, top_k, greedy
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.spec = (p.temperature, p.top_p, float(p.top_k), float(p.greedy))
 
 
 @dataclass(eq=False)
 class _Row:
     request: _Request
     index: int  # which of the request's n samples
-    spec: tuple[float, float, float, float]  # temperature, top_p, top_k, greedy
-    uniforms: list[float]  # the uniform numbers its sampling steps use, drawn at admission
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -341,7 +348,7 @@ class ContinuousEngine(HFEngine):
         logits_P_V, cache, mask_P_L, pos_P = self._prefill([list(p) for p in unique])
         self.prefills += 1
         source = [unique[tuple(r.prompt)] for r in requests for _ in range(r.params.n)]
-        rows = [row for r in requests for row in self._new_rows(r)]
+        rows = [_Row(r, i) for r in requests for i in range(r.params.n)]
         index_N = torch.tensor(source, device=self.device)
         if source != list(range(len(unique))):
             cache.batch_select_indices(index_N)
@@ -349,15 +356,6 @@ class ContinuousEngine(HFEngine):
         tok_N, keep = self._advance(rows, logits_P_V)
         if keep:
             self._join(rows, keep, cache, mask_P_L, pos_P, tok_N)
-
-    def _new_rows(self, request: _Request) -> list[_Row]:
-        """The request's n rows, with all their sampling randomness drawn now: from the request's own generator
-        (seeded: the same tokens whatever runs beside it) or the engine's."""
-        p = request.params
-        spec = (p.temperature, p.top_p, float(p.top_k), float(p.greedy))
-        generator = request.generator or self.generator
-        uniforms_N_T = torch.rand((p.n, request.max_tokens), generator=generator, device=self.device)
-        return [_Row(request, i, spec, u) for i, u in enumerate(uniforms_N_T.tolist())]
 
     def _decode_step(self) -> None:
         mask_B_L = torch.cat([self._mask_B_L, self._mask_B_L.new_ones((len(self._rows), 1))], dim=1)
@@ -425,8 +423,16 @@ class ContinuousEngine(HFEngine):
 
     def _sample(self, rows: list[_Row], logits_B_V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One batched sampling call for all rows, whatever their parameters (one small table per step)."""
-        table_B_5 = torch.tensor([(*row.spec, row.uniforms[len(row.tokens)]) for row in rows],
-                                 dtype=torch.float64, device=logits_B_V.device)
+        table = []
+        for row in rows:
+            request, step = row.request, len(row.tokens)
+            if step // _UNIFORM_BLOCK != request.block_index:
+                # the request's own generator (seeded: the same draws whatever runs beside it) or the engine's
+                request.block_index = step // _UNIFORM_BLOCK
+                request.uniforms_N_K = torch.rand((request.params.n, _UNIFORM_BLOCK), device=self.device,
+                                                  generator=request.generator or self.generator).tolist()
+            table.append((*request.spec, request.uniforms_N_K[row.index][step % _UNIFORM_BLOCK]))
+        table_B_5 = torch.tensor(table, dtype=torch.float64, device=logits_B_V.device)
         return sample_rows(logits_B_V, temperature_B=table_B_5[:, 0], top_p_B=table_B_5[:, 1],
                            top_k_B=table_B_5[:, 2].long(), greedy_B=table_B_5[:, 3].bool(),
                            uniform_B=table_B_5[:, 4])
