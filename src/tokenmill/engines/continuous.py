@@ -5,9 +5,8 @@ waiting ones (one batched prefill, one prefill per request even with `n` samples
 merges their key/value states into the running batch and retires rows as they finish, so a short request
 never waits for a long one and a new one never waits for the batch to drain.
 
-The running batch is one padded `DynamicCache`: rows are right-aligned, a key mask marks each row's real
-columns, and each row keeps its own positions (so a row's numbers do not depend on its neighbours). Joining
-rows are left-padded (or the batch is) to the same width; columns no live row uses are cut off the left.
+The running batch is one right-aligned padded `DynamicCache` with a key mask and per-row positions (a row's
+numbers do not depend on its neighbours); joining rows or the batch are left-padded to one width.
 
 Weight updates and in-flight requests (the rule): `update_weights` waits until the loop is between steps
 with no running rows. By default running requests *finish on the old weights* (admission pauses meanwhile),
@@ -19,7 +18,6 @@ controller continues under the new weights. `abort_all()` does the same without 
     >>> engine = ContinuousEngine.from_pretrained("path/to/model", max_batch=64)      # doctest: +SKIP
     >>> future = engine.submit([5, 6, 7], SamplingParams(max_tokens=8, n=2), seed=1) # doctest: +SKIP
     >>> [a, b] = future.result(timeout=60)                                            # doctest: +SKIP
-    >>> engine.close()                                                                # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -244,8 +242,7 @@ class ContinuousEngine(HFEngine):
                     self._cond.notify_all()
 
     def stats(self) -> dict[str, int]:
-        with self._cond:
-            waiting = len(self._waiting)
+        waiting = len(self._waiting)  # a len() needs no lock
         return {"running_rows": len(self._rows), "waiting_requests": waiting, "steps": self.steps,
                 "prefills": self.prefills, "generated_tokens": self.generated_tokens, "policy_version": self.version}
 
