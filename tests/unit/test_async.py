@@ -205,9 +205,23 @@ def test_async_stop_and_resume_records_the_trained_rows_not_the_generated_ones(m
     # 2 steps x 4 prompts
     state = torch.load(out / "checkpoints" / "step_00000002" / "trainer.pt", weights_only=True)
     assert state["data"] == {"epoch": 0, "index": 8}
+    # the batches generated ahead were kept with the checkpoint: step 3 (from version 1), and step 4 (from
+    # version 2) when the producer had started it before the stop (it is then completed, not dropped)
+    batches = state["rollouts"]["batches"]
+    assert [b["step"] for b in batches] in ([3], [3, 4])
+    assert [b["data_state"]["index"] for b in batches] == [12, 16][: len(batches)]
+    assert {s["version"] for g in batches[0]["groups"] for s in g["samples"]} == {1}
+    saved = [[s["reward"] for g in b["groups"] for s in g["samples"]] for b in batches]
     second = tokenmill.train(cfg, rewards=[digit_share], checkpoint__resume=True)
     assert second["resumed_from"] == 2 and second["last_metrics"]["async/policy_version"] == 3
-    assert [r["step"] for r in _steps(out)] == [1, 2, 3, 4]
+    rows = _steps(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # the resumed run trained those very batches first (one version behind), then went on after their rows
+    for row, rewards in zip(rows[2:], saved, strict=False):
+        assert row["reward/mean"] == pytest.approx(sum(rewards) / len(rewards))
+    assert rows[2]["async/staleness_max"] == 1
+    state = torch.load(out / "checkpoints" / "step_00000004" / "trainer.pt", weights_only=True)
+    assert state["data"] == {"epoch": 0, "index": 16} and state["rollouts"] == {"batches": []}
 
 
 def test_a_dead_remote_server_fails_naming_it(model, tmp_path):

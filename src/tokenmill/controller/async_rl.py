@@ -14,9 +14,11 @@ is generated with the newest weights, after the previous update: the synchronous
 trainer also checks every group's oldest sample and drops (and counts) groups older than k; that only happens
 when an engine did not take an update (a restarted server), since the producer never runs further ahead.
 
-Resume in async mode restores weights, optimiser, RNGs and the data position of the last *trained* batch
-(the feed sets `run.source` to it as batches are taken); batches generated ahead but not trained are not
-saved: they are generated again, from the same prompts, with the checkpoint's weights.
+Resume in async mode restores weights, optimiser, RNGs, the data position of the last *trained* batch (the
+feed sets `run.source` to it as batches are taken) and the batches that were complete in the buffer (generated
+ahead, not trained yet): the resumed run trains them first, with their original versions, and the producer
+draws prompts after them. Only a batch still being generated at the checkpoint is lost; its prompts are
+drawn again.
 """
 
 from __future__ import annotations
@@ -28,14 +30,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Self
 
 import torch
 
 from tokenmill.controller.placement import Placement, build_placement
 from tokenmill.tracking.stages import stage, step_timer
-from tokenmill.types import Group, TokenmillError
+from tokenmill.types import Group, Sample, StopReason, TokenmillError
 
 Rollout = Callable[[Any, int], tuple[list[Group], dict[str, float]]]
 
@@ -53,6 +55,15 @@ class InlineFeed:
         """A version bump: the engine already samples from the updated module."""
         self.run.engine.update_weights(self.run.backend.weights(), version=step)
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"batches": []}  # nothing is generated ahead
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -69,6 +80,21 @@ class RolloutBatch:
     busy_s: float  # seconds the producer spent making it (generation and rewards, not waiting)
 
 
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data (what `torch.load(weights_only=True)` reads back)."""
+        groups = [{"group_id": g.group_id, "samples": [{**asdict(s), "stop_reason": s.stop_reason.value}
+                                                       for s in g.samples]} for g in self.groups]
+        return {"step": self.step, "groups": groups, "info": self.info, "data_state": self.data_state,
+                "tokens": self.tokens, "busy_s": self.busy_s}
+
+    @staticmethod
+    def from_state(state: dict[str, Any]) -> RolloutBatch:
+        groups = [Group(g["group_id"], tuple(Sample(**{**s, "stop_reason": StopReason(s["stop_reason"])})
+                                             for s in g["samples"])) for g in state["groups"]]
+        return RolloutBatch(state["step"], groups, dict(state["info"]), dict(state["data_state"]),
+                            state["tokens"], state["busy_s"])
+
+
 class ProducerError(TokenmillError):
     """The rollout producer failed; the message names the placement and the cause."""
 
@@ -76,7 +102,8 @@ class ProducerError(TokenmillError):
 class AsyncFeed:
     """A producer thread running `rollout` ahead of the trainer, at most `max_staleness` versions ahead."""
 
-    def __init__(self, run, rollout: Rollout, start: int, last: int, placement: Placement | None = None) -> None:
+    def __init__(self, run, rollout: Rollout, start: int, buffered: dict | None = None,
+                 placement: Placement | None = None) -> None:
         cfg = run.cfg
         self.run, self.rollout = run, rollout
         self.k = cfg.controller.max_staleness
@@ -100,7 +127,11 @@ class AsyncFeed:
         self.trainer_waited = 0.0
         self.dropped_groups = 0
         self.dropped_samples = 0
-        self.thread = threading.Thread(target=self._produce, args=(start + 1, last), name="tokenmill-rollout",
+        self.leftover: list[RolloutBatch] | None = None  # what close() found in the buffer
+        # the producer runs towards the run's last step (past a max_steps_per_run stop: a checkpoint keeps those)
+        last = cfg.controller.steps
+        first = start + 1 + self._restore(buffered or {}, start, last)
+        self.thread = threading.Thread(target=self._produce, args=(first, last), name="tokenmill-rollout",
                                        daemon=True)
         self.thread.start()
 
@@ -140,15 +171,17 @@ class AsyncFeed:
         return not self.stopping.is_set()
 
     def _put(self, item: RolloutBatch | BaseException) -> bool:
+        """Queue `item`; False when the feed is closing (a batch finished while closing is still queued if
+        there is room, so that a checkpoint can keep it)."""
         t0 = time.perf_counter()
-        while not self.stopping.is_set():
+        while True:
             try:
                 self.buffer.put(item, timeout=0.2)
                 self.producer_blocked += time.perf_counter() - t0
-                return True
+                return not self.stopping.is_set()
             except queue.Full:
-                continue
-        return False
+                if self.stopping.is_set():
+                    return False
 
     # ------------------------------------------------------------------------------------------- trainer
     def get(self, step: int) -> tuple[list[Group], dict[str, float]]:
@@ -220,6 +253,28 @@ class AsyncFeed:
             self.published = step
             self.cond.notify_all()
 
+    def state_dict(self) -> dict[str, Any]:
+        """The batches generated ahead and not trained yet (a checkpoint keeps them; the one in flight is lost)."""
+        if self.leftover is not None:
+            batches = self.leftover
+        else:
+            with self.buffer.mutex:
+                batches = [b for b in self.buffer.queue if isinstance(b, RolloutBatch)]
+        return {"batches": [b.state_dict() for b in batches]}
+
+    def _restore(self, buffered: dict, start: int, last: int) -> int:
+        """Queue a checkpoint's buffered batches (steps start + 1, ...) and move the producer's prompt position
+        past them; return how many. Batches that do not follow on are ignored (their rows are drawn again)."""
+        batches = [RolloutBatch.from_state(b) for b in buffered.get("batches", [])]
+        restored = 0
+        for batch in batches[: self.k + 1]:
+            if batch.step != start + 1 + restored or batch.step > last:
+                break
+            self.buffer.put_nowait(batch)
+            self.view.source.load_state_dict(batch.data_state)
+            restored += 1
+        return restored
+
     def _push(self, version: int) -> None:
         try:
             self.placement.push(self.run.backend.weights(), version)
@@ -227,19 +282,32 @@ class AsyncFeed:
             raise ProducerError(f"async: pushing weights (version {version}) to {self.placement.describe()} "
                                 f"failed: {type(exc).__name__}: {exc}") from exc
 
-    def close(self) -> None:
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type, *_: object) -> None:
+        self.close(finish=exc_type is None)
+
+    def close(self, finish: bool = False) -> None:
+        """Stop the producer. With `finish` (a clean stop), the rollout in progress is completed and kept for
+        the checkpoint; otherwise it is abandoned (its thread ends within the engine's own timeout)."""
         self.stopping.set()
         with self.cond:
             self.cond.notify_all()
+        if finish:
+            self.thread.join(timeout=self.timeout_s)
+        leftover = []
         with contextlib.suppress(queue.Empty):
             while True:
-                self.buffer.get_nowait()
+                leftover.append(self.buffer.get_nowait())
+        self.leftover = [b for b in leftover if isinstance(b, RolloutBatch)]
         self.thread.join(timeout=max(5.0, min(self.timeout_s, 60.0)))  # a request in flight ends within its timeout
         self.placement.close()
 
 
-def rollout_feed(run, rollout: Rollout, start: int, last: int):
-    """The synchronous in-place feed for a colocated engine, else the producer thread."""
+def rollout_feed(run, rollout: Rollout, start: int, buffered: dict | None = None):
+    """The synchronous in-place feed for a colocated engine, else the producer thread (serving a checkpoint's
+    `buffered` batches first). Either is a context manager that closes it."""
     if run.cfg.engine.placement == "colocated":
         return InlineFeed(run, rollout)
-    return AsyncFeed(run, rollout, start, last)
+    return AsyncFeed(run, rollout, start, buffered)

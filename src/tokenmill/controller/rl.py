@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-from contextlib import closing
 from typing import Any
 
 from tokenmill.algorithms.advantages import assign_advantages
@@ -37,7 +36,7 @@ def run_rl(run: Run) -> dict[str, Any]:
     )
     trainable, total = parameter_counts(run.model)
     log.message(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / max(1, total):.2f}%)")
-    start = resume(run) if cfg.checkpoint.resume else 0
+    start, buffered = resume(run) if cfg.checkpoint.resume else (0, {})
     if start >= cfg.controller.steps:
         log.message(f"checkpoint is at step {start} of {cfg.controller.steps}: nothing left to train")
     result: dict[str, Any] = {"resumed_from": start}
@@ -49,7 +48,7 @@ def run_rl(run: Run) -> dict[str, Any]:
     if cfg.controller.max_steps_per_run:
         last = min(last, start + cfg.controller.max_steps_per_run)
     # generation runs in place (colocated) or ahead in a producer, at most controller.max_staleness versions
-    with closing(rollout_feed(run, rollout, start, last)) as feed:
+    with rollout_feed(run, rollout, start, buffered) as feed:
         for step in range(start + 1, last + 1):
             with step_timer() as timer:
                 # 1-3. sample prompts, generate G completions each (all groups in one engine batch), score them
@@ -87,14 +86,14 @@ def run_rl(run: Run) -> dict[str, Any]:
             log.log_samples(step, sample_records(groups, cfg.tracking.log_samples))
             # 8. checkpoint
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < last:
-                save(run, step)
+                save(run, step, feed)
     if last < cfg.controller.steps:
-        save(run, last)
+        save(run, last, feed)
         log.message(f"stopped after step {last} of {cfg.controller.steps} (max_steps_per_run); resume to go on")
         result["last_metrics"] = metrics
         return result
     if cfg.checkpoint.save_final and start < cfg.controller.steps:
-        save(run, cfg.controller.steps)
+        save(run, cfg.controller.steps, feed)
         export_model(run.model, run.tokenizer, run.output_dir / "final")
     if run.eval_rows is not None:
         result["eval_after"] = held_out(run)
@@ -164,25 +163,27 @@ def rollout(run: Run, step: int) -> tuple[list[Group], dict[str, float]]:
     return groups, info
 
 
-def save(run: Run, step: int) -> None:
+def save(run: Run, step: int, feed) -> None:
     state = {
         "trainer": run.backend.state_dict(),
         "engine_rng": run.engine.generator.get_state(),
         "update_rng": run.update_rng.getstate(),
         "rng": rng_state(),
         "data": run.source.state_dict(),
+        "rollouts": feed.state_dict(),  # async: batches generated ahead, not trained yet
     }
     if run.critic is not None:
         state["critic"] = run.critic.state_dict()
     save_checkpoint(run.output_dir / "checkpoints", step, run.model, state, keep_last=run.cfg.checkpoint.keep_last)
 
 
-def resume(run: Run) -> int:
-    """Restore weights, optimiser, schedule, RNGs and data position; return the step to continue after."""
+def resume(run: Run) -> tuple[int, dict]:
+    """Restore weights, optimiser, schedule, RNGs and data position; return the step to continue after and
+    the rollouts that were buffered (async) for the feed to serve first."""
     path = latest_checkpoint(run.output_dir / "checkpoints")
     if path is None:
         run.logger.message("resume: no complete checkpoint found, starting from scratch")
-        return 0
+        return 0, {}
     step, state = load_checkpoint(path, run.model)
     run.backend.load_state_dict(state["trainer"])
     run.engine.generator.set_state(state["engine_rng"])
@@ -194,4 +195,4 @@ def resume(run: Run) -> int:
         run.critic.load_state_dict(state["critic"])
     run.engine.update_weights(run.backend.weights(), version=step)
     run.logger.message(f"resumed from {path} (step {step})")
-    return step
+    return step, state.get("rollouts", {})
