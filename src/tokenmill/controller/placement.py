@@ -207,9 +207,12 @@ def spawn_servers(model_dir: str, count: int, *, threads: int = 0, timeout_s: fl
 def _weight_sync(cfg, urls: list[str], token: str | None, scratch: Path):
     from tokenmill.sync import BroadcastSync, FileSync
 
+    # with several servers, one that stops answering is dropped (the pool sends its requests elsewhere) and
+    # the run goes on; a refusal, or the last server gone, still stops it
+    survive = len(urls) > 1
     if cfg.engine.weight_sync == "files":
-        return FileSync(urls, scratch / "weights", token=token, timeout_s=cfg.engine.timeout_s)
-    return BroadcastSync(urls, token=token, timeout_s=cfg.engine.timeout_s)
+        return FileSync(urls, scratch / "weights", token=token, timeout_s=cfg.engine.timeout_s, drop_failed=survive)
+    return BroadcastSync(urls, token=token, timeout_s=cfg.engine.timeout_s, drop_failed=survive)
 
 
 def build_placement(run) -> Placement:
