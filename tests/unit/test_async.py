@@ -245,3 +245,23 @@ def test_async_multi_turn_episodes_run_ahead_within_the_bound(model, tmp_path):
     assert len(rows) == 3 and max(r["async/staleness_max"] for r in rows) <= 1
     assert sum(r["async/staleness_share/1"] for r in rows) > 0  # episodes did run a version ahead
     assert all(r["async/dropped_stale_groups"] == 0 for r in rows)
+
+
+def test_generation_and_training_split_the_cores(monkeypatch):
+    import os
+
+    from tokenmill.controller.placement import thread_split
+
+    def cfg(**engine):
+        return load_config(RLConfig, {"model": {"path": "m"}, "data": {"task": "addition"}, "engine": engine})
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(8)))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    assert thread_split(cfg()) == (0, 0)  # colocated: one pool
+    assert thread_split(cfg(placement="remote", urls=["http://h:1"])) == (0, 0)  # other machines' cores
+    assert thread_split(cfg(placement="thread")) == (4, 4)
+    assert thread_split(cfg(placement="thread", threads=2)) == (2, 6)
+    assert thread_split(cfg(placement="process", num_servers=2)) == (2, 4)
+    assert thread_split(cfg(placement="process", num_servers=3, threads=3)) == (3, 1)  # oversubscribed: 1 left
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert thread_split(cfg(placement="thread")) == (4, 2)  # the trainer never gets more than it had

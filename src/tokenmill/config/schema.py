@@ -293,7 +293,8 @@ class EngineConfig(_Section):
     token: str | None = Field(None, description="Bearer token for the servers (default: $TOKENMILL_SERVE_TOKEN).")
     timeout_s: float = Field(120.0, gt=0, description="Seconds one engine request or weight update may take.")
     threads: int = Field(
-        0, ge=0, description="torch threads of the generation side (rollout thread or each server); 0 = default."
+        0, ge=0, description="torch threads of the generation side (rollout thread or each spawned server); "
+        "0 = half the cores (shared by the servers). The trainer gets the rest."
     )
 
     @property

@@ -35,7 +35,7 @@ from typing import Any, Self
 
 import torch
 
-from tokenmill.controller.placement import Placement, build_placement
+from tokenmill.controller.placement import Placement, build_placement, thread_split
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.types import Group, Sample, StopReason, TokenmillError
 
@@ -109,6 +109,12 @@ class AsyncFeed:
         self.k = cfg.controller.max_staleness
         self.timeout_s = cfg.controller.rollout_timeout_s
         self.placement = placement or build_placement(run)
+        # generation and training share this machine's cores: split them (restored at close)
+        self.threads, self.trainer_threads_before = thread_split(cfg), torch.get_num_threads()
+        if self.threads[1] and run.engine.device.type == "cpu":
+            torch.set_num_threads(self.threads[1])
+            run.logger.message(f"async ({cfg.engine.placement}): {self.threads[0]} torch thread(s) per engine, "
+                               f"{self.threads[1]} for training")
         # the producer's view of the run: its own engine, generator (or agent) and prompt position
         self.view = replace(run, engine=self.placement.engine, generator=self.placement.generator,
                             agent=self.placement.agent, source=copy.copy(run.source))
@@ -137,9 +143,8 @@ class AsyncFeed:
 
     # ------------------------------------------------------------------------------------------ producer
     def _produce(self, first: int, last: int) -> None:
-        threads = self.run.cfg.engine.threads
-        if threads:
-            torch.set_num_threads(threads)
+        if self.threads[0]:
+            torch.set_num_threads(self.threads[0])
         try:
             for step in range(first, last + 1):
                 if not self._wait_for_version(step - 1 - self.k):
@@ -303,6 +308,7 @@ class AsyncFeed:
         self.leftover = [b for b in leftover if isinstance(b, RolloutBatch)]
         self.thread.join(timeout=max(5.0, min(self.timeout_s, 60.0)))  # a request in flight ends within its timeout
         self.placement.close()
+        torch.set_num_threads(self.trainer_threads_before)
 
 
 def rollout_feed(run, rollout: Rollout, start: int, buffered: dict | None = None):
