@@ -109,12 +109,6 @@ class AsyncFeed:
         self.k = cfg.controller.max_staleness
         self.timeout_s = cfg.controller.rollout_timeout_s
         self.placement = placement or build_placement(run)
-        # generation and training share this machine's cores: split them (restored at close)
-        self.threads, self.trainer_threads_before = thread_split(cfg), torch.get_num_threads()
-        if self.threads[1] and run.engine.device.type == "cpu":
-            torch.set_num_threads(self.threads[1])
-            run.logger.message(f"async ({cfg.engine.placement}): {self.threads[0]} torch thread(s) per engine, "
-                               f"{self.threads[1]} for training")
         # the producer's view of the run: its own engine, generator (or agent) and prompt position
         self.view = replace(run, engine=self.placement.engine, generator=self.placement.generator,
                             agent=self.placement.agent, source=copy.copy(run.source))
@@ -123,6 +117,12 @@ class AsyncFeed:
         except BaseException:
             self.placement.close()  # spawned servers go with it
             raise
+        # generation and training share this machine's cores: split them (restored at close)
+        self.threads, self.trainer_threads_before = thread_split(cfg), torch.get_num_threads()
+        if self.threads[1] and run.engine.device.type == "cpu":
+            torch.set_num_threads(self.threads[1])
+            run.logger.message(f"async ({cfg.engine.placement}): {self.threads[0]} torch thread(s) per engine, "
+                               f"{self.threads[1]} for training")
         self.buffer: queue.Queue[RolloutBatch | BaseException] = queue.Queue(maxsize=self.k + 1)
         self.published = start
         self.cond = threading.Condition()

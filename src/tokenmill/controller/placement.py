@@ -89,9 +89,6 @@ class ThreadPlacement(Placement):
         with self._lock:
             self._staged = (copied, version)
 
-    def has_pending(self) -> bool:
-        return self._staged is not None
-
     def apply_pending(self) -> bool:
         with self._lock:
             staged, self._staged = self._staged, None
