@@ -36,11 +36,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from tokenmill.controller import build_run, run_rl
+    from tokenmill.controller.proxy_rl import run_proxy
 
     cfg = _rl_config(args.config, args.overrides)
     run = build_run(cfg)
     try:
-        result = run_rl(run)
+        result = run_proxy(run) if cfg.proxy is not None else run_rl(run)
     finally:
         run.close()
     _print_eval(result)

@@ -389,7 +389,7 @@ def serve(host: str = "127.0.0.1", port: int = 8600, *, token: str | None = None
     check_exposure(host, allow_remote)
     token = token or secrets.token_urlsafe(24)
     bare = host.strip("[]")
-    sock = socket.socket(socket.AF_INET6 if ":" in bare else socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET6 if ":" in bare else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((bare, port))

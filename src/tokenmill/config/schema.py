@@ -376,6 +376,9 @@ class RLConfig(_Section):
         if self.algorithm.kl_in_reward and self.algorithm.advantage != "gae":
             raise ValueError("algorithm.kl_in_reward: only PPO (algorithm.advantage 'gae') has per-token rewards")
         _check_async(self)
+        if self.proxy is not None and (self.engine.placement != "colocated" or self.controller.max_staleness):
+            raise ValueError("proxy: proxy mode serves the policy itself (the agent plays while the trainer trains, "
+                             "one version behind); leave engine.placement colocated and controller.max_staleness 0")
         if self.algorithm.overlong_buffer >= self.generation.max_tokens:
             raise ValueError(
                 f"algorithm.overlong_buffer: algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must be "

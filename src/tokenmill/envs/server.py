@@ -490,7 +490,7 @@ def start_in_thread(
     read it from `server.port` (or `server.url`). The socket is bound here, so the port is known at once
     and a bind error is raised here, not lost in the thread."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # proto set: asyncio turns Nagle off
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((_normalise_host(host), port))
