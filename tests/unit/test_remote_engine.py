@@ -126,3 +126,55 @@ def test_killing_one_of_two_servers_mid_run_moves_requests_to_the_other(tiny_mod
             if proc.poll() is None:
                 proc.kill()
             proc.wait(10)
+
+
+def test_a_training_run_survives_losing_one_of_its_two_servers(tiny_model_path, tmp_path):
+    """The fault test at run level: async GRPO on two remote servers; one is SIGKILLed after two steps; the
+    run's requests and weight pushes move to the other and all steps finish."""
+    import json
+
+    from tokenmill.config import RLConfig, load_config
+    from tokenmill.controller import build_run, run_rl
+
+    torch.set_num_threads(1)
+    victim, survivor = _serve(tiny_model_path, 5), _serve(tiny_model_path, 6)
+    metrics = tmp_path / "metrics.jsonl"
+    try:
+        cfg = load_config(RLConfig, {
+            "model": {"path": tiny_model_path},
+            "data": {"task": "addition", "num_train": 500, "num_eval": 0},
+            "generation": {"group_size": 4, "max_tokens": 4},
+            "training": {"learning_rate": 1e-3, "seed": 3},
+            "controller": {"steps": 8, "prompts_per_step": 8, "max_staleness": 1},
+            "engine": {"placement": "remote", "urls": [victim[1], survivor[1]], "timeout_s": 30, "threads": 1},
+            "tracking": {"output_dir": str(tmp_path), "console": "none"},
+            "checkpoint": {"every": 0, "save_final": False},
+        })
+
+        def kill_after_two_steps() -> None:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                lines = metrics.read_text().splitlines() if metrics.exists() else []
+                if sum('"reward/mean"' in line for line in lines) >= 2:
+                    victim[0].send_signal(signal.SIGKILL)
+                    return
+                time.sleep(0.02)
+
+        killer = threading.Thread(target=kill_after_two_steps)
+        killer.start()
+        run = build_run(cfg)
+        try:
+            run_rl(run)
+        finally:
+            run.close()
+        killer.join(5)
+        assert victim[0].poll() is not None  # it really died mid-run
+        steps = [json.loads(line) for line in metrics.read_text().splitlines() if '"reward/mean"' in line]
+        assert len(steps) == 8 and all(s["reward/unscored"] == 0 for s in steps)
+        # the survivor has every push: it reports the last policy version
+        assert httpx.get(f"{survivor[1]}/health", timeout=5).json()["policy_version"] >= 7
+    finally:
+        for proc, _ in (victim, survivor):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
