@@ -204,7 +204,8 @@ def _engine_memory(plan: MemoryPlan, role: Role) -> tuple[dict[str, int], dict[s
 
 def model_memory(plan: MemoryPlan, role: Role) -> ModelMemory:
     """The byte breakdown of one model on each device of the training group."""
-    device = "train" if plan.num_devices == 1 else f"train x{plan.num_devices}"
+    kind = "cpu" if plan.device == "cpu" else "cuda"
+    device = f"{kind}:0" if plan.num_devices == 1 else f"each of {plan.num_devices} x {kind}"
     params = _params(role)
     if role.name == "engine":
         parts, phases = _engine_memory(plan, role)
@@ -446,7 +447,8 @@ def recommend_backend(plan: MemoryPlan) -> dict[str, Any]:
                 "reason": f"{params / 1e9:.0f}B parameters: tensor / pipeline parallelism (Megatron-class)"}
     if _fits(base):
         return {"backend": "single_gpu", "num_devices": 1,
-                "reason": f"fits one {gib} device (micro-batch sized by the budget solver)"}
+                "reason": f"fits one {gib} device once the micro-batch is sized by the budget solver (the "
+                          "budget panel's setting)"}
     full_fsdp = next((n for n in (2, 4, 8, 16, 32, 64) if _fits(replace(base, num_devices=n, sharding="fsdp"))), None)
     if plan.lora_rank == 0:
         for label, changed in (("LoRA", replace(base, lora_rank=16)),
