@@ -189,3 +189,49 @@ def test_ppo_run_with_lora_policy_and_lora_critic(tiny_model_path, tmp_path):
     assert sum("critic/value_loss" in r for r in rows) == 2
     assert head.abs().sum() > 0  # the head trained
     assert all(torch.equal(p, frozen[n]) for n, p in critic.named_parameters() if n in frozen)
+
+
+def test_grpo_kl_reference_of_a_lora_policy_is_the_base_with_adapters_off(tiny_model_path, tmp_path):
+    """kl_coef > 0 with LoRA: no copy of the model; after training, the reference's logprobs are the base
+    model's (within 1e-6) while the policy's have moved, and the policy's training mode is left as it was."""
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.config import RLConfig, load_config
+    from tokenmill.controller import build_run, run_rl
+    from tokenmill.training.batch import collate
+    from tokenmill.training.local import batch_logprobs
+
+    cfg = load_config(RLConfig, {
+        "model": {"path": tiny_model_path, "lora": {"rank": 4}},
+        "data": {"task": "addition", "num_train": 64, "num_eval": 0},
+        "generation": {"group_size": 4, "max_tokens": 4},
+        "algorithm": {"kl_coef": 0.1},
+        "training": {"learning_rate": 5e-2},
+        "controller": {"steps": 3, "prompts_per_step": 4, "eval_every": 0},
+        "tracking": {"output_dir": str(tmp_path), "console": "none"},
+        "checkpoint": {"every": 0, "save_final": False},
+    }, {})
+
+    def length(prompts, completions, **_):
+        return [len(c) / 4 for c in completions]
+
+    run = build_run(cfg, rewards=[length])
+    try:
+        assert run.reference.model is run.model and run.reference.adapters_off
+        run_rl(run)
+        rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert all(r["kl"] >= 0 for r in rows if "kl" in r) and any(r.get("kl", 0) > 0 for r in rows)
+        sample = Sample(tokens=(5, 6, 7, 8, 9, 10), loss_mask=(0, 0, 0, 1, 1, 1), logprobs=(0.0,) * 6,
+                        prompt_len=3, prompt="", completion="", stop_reason=StopReason.STOP)
+        batch = collate([sample], [1.0], pad_id=0)
+        run.model.train()
+        ref = run.reference.forward(batch)
+        assert run.model.training
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            want = batch_logprobs(base, batch, temperature=1.0, token_budget=4096)
+            policy = batch_logprobs(run.model.eval(), batch, temperature=1.0, token_budget=4096)
+        assert torch.allclose(ref, want, atol=1e-6)
+        assert (policy - want).abs().max() > 1e-4  # the adapters did train
+    finally:
+        run.close()

@@ -276,9 +276,10 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     )
     reference = None
     if cfg.algorithm.kl_coef > 0:
+        lora = cfg.model.lora.rank > 0  # the base is the policy with its adapters off: no copy
         reference = ReferenceModel(
-            copy.deepcopy(model), temperature=gen.temperature, token_budget=tr.micro_batch_tokens,
-            share_prompts=tr.share_prompts,
+            model if lora else copy.deepcopy(model), temperature=gen.temperature,
+            token_budget=tr.micro_batch_tokens, share_prompts=tr.share_prompts, adapters_off=lora,
         )
     critic = None
     if cfg.algorithm.advantage == "gae":

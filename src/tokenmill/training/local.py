@@ -102,17 +102,32 @@ def batch_logprobs(
 
 
 class ReferenceModel:
-    """A frozen copy of the initial policy, used only for the KL term (loaded only when kl_coef > 0)."""
+    """The initial policy, used only for the KL term (built only when kl_coef > 0): a frozen copy, or, for a
+    LoRA policy (`adapters_off=True`), the trainer's own module with its adapters disabled: the same
+    numbers as the base, without a second copy of the weights."""
 
     def __init__(
-        self, model: torch.nn.Module, *, temperature: float, token_budget: int, share_prompts: bool = True
+        self, model: torch.nn.Module, *, temperature: float, token_budget: int, share_prompts: bool = True,
+        adapters_off: bool = False,
     ) -> None:
-        self.model = model.eval().requires_grad_(False)
+        self.adapters_off = adapters_off
+        self.model = model if adapters_off else model.eval().requires_grad_(False)
         self.temperature = temperature
         self.token_budget = token_budget
         self.share_prompts = share_prompts
 
     def forward(self, batch: Batch) -> torch.Tensor:
+        if not self.adapters_off:
+            return self._logprobs(batch)
+        was_training = self.model.training
+        self.model.eval()  # like the frozen copy: no dropout
+        try:
+            with torch.no_grad(), self.model.disable_adapter():
+                return self._logprobs(batch)
+        finally:
+            self.model.train(was_training)
+
+    def _logprobs(self, batch: Batch) -> torch.Tensor:
         return batch_logprobs(self.model, batch, temperature=self.temperature, token_budget=self.token_budget,
                               share_prompts=self.share_prompts)
 
