@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+expect = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the dev extra)").expect
+
 # score = the completion's length in characters: checkable by hand from the completion the page shows. The
 # sleep spaces the tiny run's steps (~1 s each) beyond the server's 0.25 s tail poll, so the page receives the
 # metrics rows one by one and the test sees the curve grow rather than all four points at once.
@@ -55,7 +57,8 @@ def _set_code(page, index: int, code: str) -> None:
 def _compose(page, model_path: str) -> None:
     page.get_by_test_id("mode-rl").click()
     page.get_by_test_id("preset-laptop_cpu").click()
-    assert page.get_by_test_id("field-model.path").input_value() == "Qwen/Qwen2.5-0.5B-Instruct"
+    # to_have_value retries: an input follows a new config one render after it (see field.tsx)
+    expect(page.get_by_test_id("field-model.path")).to_have_value("Qwen/Qwen2.5-0.5B-Instruct")
     simple = page.get_by_test_id("fields").locator("[data-testid^=row-]").count()
     page.get_by_test_id("level-expert").click()
     expert = page.get_by_test_id("fields").locator("[data-testid^=row-]").count()
@@ -133,7 +136,7 @@ def _export(page, tmp_path, shots) -> None:
     page.get_by_test_id("yaml-input").fill(exported.replace("steps: 4", "steps: 5"))
     page.get_by_test_id("import-yaml").click()
     page.get_by_test_id("yaml-message").filter(has_text="Imported").wait_for()
-    assert page.get_by_test_id("field-controller.steps").input_value() == "5"
+    expect(page.get_by_test_id("field-controller.steps")).to_have_value("5")
     _fill(page, "controller.steps", "4")
     page.get_by_test_id("validation-status").filter(has_text="valid").wait_for()
     _shot(page, shots, "compose")
