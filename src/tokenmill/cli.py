@@ -144,20 +144,12 @@ def _print_eval(result: dict[str, Any]) -> None:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     """Memory per model and per device for a config (RL, SFT, preference or reward model), without loading it."""
-    import yaml
 
     from tokenmill.composer.memory import estimate_for_config
     from tokenmill.composer.memory_config import render
+    from tokenmill.config.load import read_yaml_tree
 
-    path = Path(args.config)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    tree = read_yaml_tree(args.config)
     result = estimate_for_config(tree, device_memory_gib=args.device_memory_gib, num_devices=args.num_devices)
     if args.json:
         print(json.dumps(result, indent=2))

@@ -12,17 +12,10 @@ import torch
 
 from tokenmill.engines import InferenceEngine
 from tokenmill.engines.continuous import ContinuousEngine, EngineUnavailable
+from tokenmill.testing.reference import teacher_logprobs
 from tokenmill.types import SamplingParams, StopReason
 
 TIMEOUT_S = 60
-
-
-@torch.no_grad()
-def teacher_logprobs(model, prompt, completion, temperature: float = 1.0) -> list[float]:
-    """log p(completion_k | prompt, completion_<k) from one plain forward pass over the whole sequence."""
-    logits = model(torch.tensor([list(prompt) + list(completion)])).logits[0].float()
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    return [logp[len(prompt) - 1 + k, t].item() for k, t in enumerate(completion)]
 
 
 @torch.no_grad()

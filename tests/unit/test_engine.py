@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tokenmill.engines import HFEngine, InferenceEngine, sample_tokens
+from tokenmill.testing.reference import teacher_logprobs
 from tokenmill.types import SamplingParams, StopReason
 
 PROMPTS = ["12+34=", "7+5=", "The sum of 100 and 23 is "]  # different lengths: left padding in the engine
@@ -16,15 +17,6 @@ PROMPTS = ["12+34=", "7+5=", "The sum of 100 and 23 is "]  # different lengths: 
 @pytest.fixture
 def prompts(tokenizer) -> list[list[int]]:
     return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
-
-
-@torch.no_grad()
-def teacher_logprobs(model, prompt: list[int], completion: tuple[int, ...], temperature: float = 1.0):
-    """log p(completion_k | prompt, completion_<k) from one plain forward pass over the whole sequence."""
-    ids = torch.tensor([list(prompt) + list(completion)])
-    logits = model(ids).logits[0].float()
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    return [logp[len(prompt) - 1 + k, tok].item() for k, tok in enumerate(completion)]
 
 
 @torch.no_grad()

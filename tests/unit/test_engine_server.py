@@ -13,15 +13,9 @@ from transformers import AutoModelForCausalLM
 from tokenmill.engines.continuous import ContinuousEngine
 from tokenmill.engines.server import create_app, render_chat
 from tokenmill.envs.server import start_in_thread
+from tokenmill.testing.reference import teacher_logprobs
 
 TOKEN = "s3cret-token"
-
-
-@torch.no_grad()
-def teacher_logprobs(model, prompt, completion, temperature: float = 1.0) -> list[float]:
-    logits = model(torch.tensor([list(prompt) + list(completion)])).logits[0].float()
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    return [logp[len(prompt) - 1 + k, t].item() for k, t in enumerate(completion)]
 
 
 @torch.no_grad()

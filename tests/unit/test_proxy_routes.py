@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import torch
 from fastapi import FastAPI
 
 from tokenmill.engines.hf import HFEngine
 from tokenmill.engines.proxy_routes import proxy_routes
 from tokenmill.envs.server import start_in_thread
 from tokenmill.rollout.proxy import EpisodeRecorder
+from tokenmill.testing.reference import teacher_logprobs
 
 openai = pytest.importorskip("openai")
 
@@ -23,13 +23,6 @@ def proxy(tiny_model, tokenizer):
     server, _ = start_in_thread(app)
     yield server.url, recorder
     server.stop()
-
-
-def _teacher_forced_logprobs(model, tokens: list[int], start: int) -> list[float]:
-    with torch.no_grad():
-        logits = model(torch.tensor([tokens])).logits[0].float()
-    logp = torch.log_softmax(logits, dim=-1)
-    return [logp[t - 1, tokens[t]].item() for t in range(start, len(tokens))]
 
 
 def test_an_sdk_agent_episode_is_recorded_as_one_exact_sample(proxy, tiny_model, tokenizer):
@@ -54,7 +47,7 @@ def test_an_sdk_agent_episode_is_recorded_as_one_exact_sample(proxy, tiny_model,
         assert [list(s.tokens[s.prompt_len:]) for s in samples] == replies
     for s in samples:
         trained = [i for i, m in enumerate(s.loss_mask) if m]
-        want = _teacher_forced_logprobs(tiny_model, list(s.tokens), s.prompt_len)
+        want = teacher_logprobs(tiny_model, s.tokens[: s.prompt_len], s.tokens[s.prompt_len :])
         got = [s.logprobs[i] for i in range(s.prompt_len, len(s.tokens))]
         for i in trained:
             assert abs(got[i - s.prompt_len] - want[i - s.prompt_len]) < 1e-4

@@ -17,6 +17,7 @@ import torch
 
 from tokenmill.engines.openai import RemoteEngine
 from tokenmill.engines.pool import EngineRequestError, EngineUnavailable
+from tokenmill.testing.reference import teacher_logprobs
 from tokenmill.types import SamplingParams, StopReason
 
 
@@ -57,13 +58,6 @@ def two_servers(tiny_model_path):
         proc.wait(10)
 
 
-def _teacher_forced(model, prompt: list[int], completion: list[int]) -> list[float]:
-    tokens = prompt + completion
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([tokens])).logits[0].float(), dim=-1)
-    return [logp[len(prompt) + i - 1, t].item() for i, t in enumerate(completion)]
-
-
 def test_remote_samples_are_exact_tokens_with_the_models_logprobs(two_servers, tiny_model, tokenizer):
     engine = RemoteEngine([url for _, url in two_servers], pad_id=tokenizer.pad_token_id, timeout_s=60)
     prompts = [list(tokenizer(p)["input_ids"]) for p in ["12+34=", "7+8=", "99+1="]]
@@ -73,7 +67,7 @@ def test_remote_samples_are_exact_tokens_with_the_models_logprobs(two_servers, t
         for c in group:
             assert 1 <= len(c.token_ids) == len(c.logprobs) <= 6
             assert c.stop_reason in (StopReason.STOP, StopReason.LENGTH)
-            want = _teacher_forced(tiny_model, prompt, list(c.token_ids))
+            want = teacher_logprobs(tiny_model, prompt, list(c.token_ids))
             assert max(abs(a - b) for a, b in zip(c.logprobs, want, strict=True)) < 1e-4
     greedy = engine.generate(prompts, SamplingParams(max_tokens=6, greedy=True))
     again = engine.generate(prompts, SamplingParams(max_tokens=6, greedy=True))

@@ -78,6 +78,20 @@ def format_validation_error(err: ValidationError) -> str:
     return "\n".join(lines)
 
 
+def read_yaml_tree(source: str | Path) -> dict[str, Any]:
+    """A config file's top-level mapping; `ConfigError` naming the file when it is missing or not one."""
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return tree
+
+
 def load_config(
     schema: type[C], source: str | Path | dict[str, Any] | None = None, overrides: dict[str, Any] | None = None
 ) -> C:
@@ -87,15 +101,7 @@ def load_config(
     elif isinstance(source, dict):
         tree = dict(source)
     else:
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        tree = read_yaml_tree(source)
     for key, value in (overrides or {}).items():
         _set_dotted(tree, key, value)
     try:
