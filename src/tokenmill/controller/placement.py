@@ -240,7 +240,8 @@ def build_placement(run) -> Placement:
 
         engine = HFEngine(copy.deepcopy(run.model), run.tokenizer, seed=cfg.training.seed,
                           autocast_dtype=run.engine.autocast_dtype)
-        engine.generator.set_state(run.engine.generator.get_state())  # a resumed run continues its stream
+        # one sampling stream: what a checkpoint saves (the run's engine's) is what the producer draws from
+        engine.generator = run.engine.generator
         engine.version = run.engine.version
         if cfg.controller.partial_rollouts:
             from tokenmill.controller.partial import PartialRolloutEngine
