@@ -1,8 +1,8 @@
 """Runs launched from the Composer: a `tokenmill train|sft|preference` subprocess per run folder, and the
 files it leaves, read back as a list and as a resumable event stream.
 
-The trainer never talks to the UI: it appends to `metrics.jsonl` / `samples.jsonl` and prints to `log.txt`.
-We tail those files by byte offset; the offsets are the event cursor, so a reconnecting client resumes
+The trainer never talks to the UI: it appends to `metrics.jsonl` / `samples.jsonl` / `events.jsonl` (a line
+per stage entered) and prints to `log.txt`. We tail those files by byte offset; the offsets are the event cursor, so a reconnecting client resumes
 exactly (no line twice, none lost), and a run that ended, or that outlived a Composer restart, reopens from
 its files alone. Runs are started as an argv list in their own session (never through a shell), so stop
 signals the whole process group.
@@ -30,8 +30,9 @@ from tokenmill.composer.configs import RewardCode, export_yaml, validate
 from tokenmill.composer.schema_ui import MODES
 
 FINAL = ("finished", "failed", "stopped")
-STREAMS = ("metrics", "samples", "log")  # the cursor's three offsets, in this order
-FILES = {"metrics": "metrics.jsonl", "samples": "samples.jsonl", "log": "log.txt"}
+STREAMS = ("metrics", "samples", "log", "events")  # the cursor's four offsets, in this order
+FILES = {"metrics": "metrics.jsonl", "samples": "samples.jsonl", "log": "log.txt", "events": "events.jsonl"}
+SSE_NAMES = {"metrics": "metrics", "samples": "samples", "log": "log", "events": "stage"}
 STAGE_ORDER = ("generate", "reward", "critic", "train", "sync")
 STOP_GRACE_S = 10.0
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -48,22 +49,25 @@ class RunError(Exception):
 
 @dataclass(frozen=True)
 class Cursor:
-    """Byte offsets read so far in metrics.jsonl, samples.jsonl and log.txt."""
+    """Byte offsets read so far in metrics.jsonl, samples.jsonl, log.txt and events.jsonl."""
 
     metrics: int = 0
     samples: int = 0
     log: int = 0
+    events: int = 0
 
     def __str__(self) -> str:
-        return f"{self.metrics}.{self.samples}.{self.log}"
+        return f"{self.metrics}.{self.samples}.{self.log}.{self.events}"
 
     @classmethod
     def parse(cls, text: str | None) -> Cursor:
         if not text:
             return cls()
         parts = text.strip().split(".")
-        if len(parts) != 3 or not all(p.isdigit() for p in parts):
-            raise RunError(400, f"Last-Event-ID: expected '<metrics>.<samples>.<log>' byte offsets, got {text!r:.60}")
+        # three parts: an id from before events.jsonl was tailed (its stage lines are then sent from the start)
+        if len(parts) not in (3, 4) or not all(p.isdigit() for p in parts):
+            raise RunError(400, "Last-Event-ID: expected '<metrics>.<samples>.<log>.<events>' byte offsets, "
+                                f"got {text!r:.60}")
         return cls(*(int(p) for p in parts))
 
 
@@ -90,31 +94,60 @@ def read_lines(path: Path, offset: int, limit: int = _MAX_LINES_PER_READ) -> lis
 def read_events(run_dir: Path, cursor: Cursor) -> tuple[list[tuple[str, str, str]], Cursor]:
     """New (event, data, id) triples since `cursor`, and the cursor after them."""
     events: list[tuple[str, str, str]] = []
-    offsets = {"metrics": cursor.metrics, "samples": cursor.samples, "log": cursor.log}
+    offsets = {stream: getattr(cursor, stream) for stream in STREAMS}
     for stream in STREAMS:
         for line, end in read_lines(run_dir / FILES[stream], offsets[stream]):
             offsets[stream] = end
             if stream == "log":
                 data = json.dumps({"line": line})
-            elif not line.strip():
-                continue
+            elif not line.strip() or (stream == "events" and _stage_record(line) is None):
+                continue  # blank, or not a stage line (kinds of event a later trainer may add)
             else:
                 data = line  # already one JSON object per line
-            events.append((stream, data, str(Cursor(**offsets))))
+            events.append((SSE_NAMES[stream], data, str(Cursor(**offsets))))
     return events, Cursor(**offsets)
+
+
+def _tail(path: Path, size: int) -> bytes:
+    """The last `size` bytes of `path` (empty when it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - size))
+            return f.read()
+    except FileNotFoundError:
+        return b""
+
+
+def _stage_record(line: str | bytes) -> dict[str, Any] | None:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    if isinstance(row, dict) and row.get("event") == "stage" and isinstance(row.get("stage"), str):
+        return row
+    return None
+
+
+def reported_stages(run_dir: Path, since: float | None = None) -> list[dict[str, Any]]:
+    """The last stage line of each side in events.jsonl (the trainer's report), newest first; lines older
+    than `since` (an earlier launch of a resumed run folder) do not count."""
+    found: dict[Any, dict[str, Any]] = {}
+    for line in reversed(_tail(run_dir / FILES["events"], 16 << 10).splitlines()):
+        row = _stage_record(line)
+        if row is None or row.get("side") in found:
+            continue
+        if since is not None and isinstance(row.get("t"), (int, float)) and row["t"] < since:
+            break
+        found[row.get("side")] = row
+        if len(found) == 3:  # no side, producer, trainer
+            break
+    return list(found.values())
 
 
 def last_metrics(run_dir: Path) -> dict[str, Any] | None:
     """The last row of metrics.jsonl (read from the end: runs can log many thousand rows)."""
-    path = run_dir / FILES["metrics"]
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - (256 << 10)))
-            tail = f.read()
-    except FileNotFoundError:
-        return None
+    tail = _tail(run_dir / FILES["metrics"], 256 << 10)
     for line in reversed(tail.splitlines()):
         try:
             row = json.loads(line)
@@ -314,10 +347,20 @@ class RunManager:
         info = self.describe(run_id)
         row = info["last_metrics"]
         running = info["status"] == "running"
-        since = time.time() - _mtime(self.runs_dir / run_id, FILES["metrics"]) if row else 0.0
-        return {"status": info["status"], "returncode": info["returncode"], "step": info["step"],
-                "total_steps": info["total_steps"], "stage": estimate_stage(row, since) if running else None,
-                "bottleneck": row.get("bottleneck") if row else None}
+        out = {"status": info["status"], "returncode": info["returncode"], "step": info["step"],
+               "total_steps": info["total_steps"], "stage": None, "stage_step": None, "stage_source": None,
+               "sides": {}, "bottleneck": row.get("bottleneck") if row else None}
+        if not running:
+            return out
+        reported = reported_stages(self.runs_dir / run_id, since=info["started"])
+        if reported:  # the trainer's own report: the newest stage entered, and each async side's
+            out |= {"stage": reported[0]["stage"], "stage_step": reported[0].get("step"),
+                    "stage_source": "reported",
+                    "sides": {r["side"]: r["stage"] for r in reported if isinstance(r.get("side"), str)}}
+        else:  # a trainer that writes no events.jsonl (older tokenmill): guess from the last step's timings
+            since = time.time() - _mtime(self.runs_dir / run_id, FILES["metrics"]) if row else 0.0
+            out |= {"stage": estimate_stage(row, since), "stage_source": "estimated"}
+        return out
 
     def close(self) -> None:
         """Leave running runs alone (they outlive the Composer, like `nohup`); only forget them."""

@@ -45,6 +45,8 @@ Rollout = Callable[[Any, int], tuple[list[Group], dict[str, float]]]
 class InlineFeed:
     """Colocated: the engine shares the trainer's module, so rollouts happen in place, one step at a time."""
 
+    side = None  # one side: generation and training take turns in the trainer's step (stage events)
+
     def __init__(self, run, rollout: Rollout) -> None:
         self.run, self.rollout = run, rollout
 
@@ -102,6 +104,8 @@ class ProducerError(TokenmillError):
 class AsyncFeed:
     """A producer thread running `rollout` ahead of the trainer, at most `max_staleness` versions ahead."""
 
+    side = "trainer"  # the loop's own stages; the producer thread labels its stages "producer"
+
     def __init__(self, run, rollout: Rollout, start: int, buffered: dict | None = None,
                  placement: Placement | None = None) -> None:
         cfg = run.cfg
@@ -151,7 +155,7 @@ class AsyncFeed:
                     return
                 self.placement.apply_pending()
                 t0 = time.perf_counter()
-                with step_timer() as timer:
+                with step_timer(step, side="producer") as timer:
                     groups, info = self.rollout(self.view, step)
                 groups = self.placement.stamp_versions(groups)
                 busy = time.perf_counter() - t0

@@ -71,7 +71,7 @@ def _train(run: Run, serving, recorder: EpisodeRecorder, agent: subprocess.Popen
     metrics: dict[str, Any] = {}
     step = 0
     for step in range(1, cfg.controller.steps + 1):
-        with step_timer() as timer:
+        with step_timer(step) as timer:
             # 1. the agent's finished episodes, as complete groups
             with stage("generate") as t:
                 groups = _collect(run, recorder, pending, agent, first_group=0)

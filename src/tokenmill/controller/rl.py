@@ -50,7 +50,7 @@ def run_rl(run: Run) -> dict[str, Any]:
     # generation runs in place (colocated) or ahead in a producer, at most controller.max_staleness versions
     with rollout_feed(run, rollout, start, buffered) as feed:
         for step in range(start + 1, last + 1):
-            with step_timer() as timer:
+            with step_timer(step, side=feed.side) as timer:
                 # 1-3. sample prompts, generate G completions each (all groups in one engine batch), score them
                 groups, sampling = feed.get(step)
                 # 4. advantages: inside each group (GRPO family), or per token from the critic's values (PPO)

@@ -1,6 +1,7 @@
-"""Timing by stage, throughput, bottleneck, and metric sinks."""
+"""Timing by stage, throughput, bottleneck, metric sinks, and the stage events live views tail."""
 
+from tokenmill.tracking.events import EventLog, emit_stage
 from tokenmill.tracking.logger import MetricsLogger
 from tokenmill.tracking.stages import StageTimer, stage, step_timer
 
-__all__ = ["MetricsLogger", "StageTimer", "stage", "step_timer"]
+__all__ = ["EventLog", "MetricsLogger", "StageTimer", "emit_stage", "stage", "step_timer"]

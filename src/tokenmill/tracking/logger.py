@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tokenmill.tracking import events
+
 SUMMARY_KEYS = [
     ("reward/mean", "reward", "{:.3f}"),
     ("eval/accuracy", "eval_acc", "{:.3f}"),
@@ -41,6 +43,8 @@ class MetricsLogger:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics_file = open(self.dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
         self.samples_file = open(self.dir / "samples.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.events = events.EventLog(self.dir / events.FILENAME)  # stage entries, for live views
+        events.activate(self.events)
         self.console = console if sys.stdout.isatty() or console != "rich" else "plain"
         self.log_every = log_every
         self.total = total_steps
@@ -105,5 +109,7 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+        events.deactivate(self.events)
+        self.events.close()
         self.metrics_file.close()
         self.samples_file.close()

@@ -2,7 +2,8 @@
 
 Each stage accumulates wall seconds and the tokens it reports; `StageTimer.report()` turns a step's
 stages into `timing_s/<stage>`, `throughput/<stage>_tok_s`, each stage's share of the step and the
-bottleneck (the stage with the largest share).
+bottleneck (the stage with the largest share). Entering a stage also appends a line to the run's
+`events.jsonl` (see `tracking.events`) when a run logger is active, so live views see the real stage.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from tokenmill.tracking.events import emit_stage
+
 
 @dataclass
 class StageTimer:
@@ -20,6 +23,8 @@ class StageTimer:
     tokens: dict[str, int] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     current: str | None = None
+    step: int | None = None  # the loop step these stages belong to (for the stage events)
+    side: str | None = None  # "producer" / "trainer" in an async run; None when there is one side
 
     def add_tokens(self, name: str, count: int) -> None:
         self.tokens[name] = self.tokens.get(name, 0) + count
@@ -41,9 +46,9 @@ _current: contextvars.ContextVar[StageTimer | None] = contextvars.ContextVar("to
 
 
 @contextlib.contextmanager
-def step_timer() -> Iterator[StageTimer]:
-    """Collect the stages of one step."""
-    timer = StageTimer()
+def step_timer(step: int | None = None, side: str | None = None) -> Iterator[StageTimer]:
+    """Collect the stages of one step (`step` and `side` label its stage events)."""
+    timer = StageTimer(step=step, side=side)
     token = _current.set(timer)
     try:
         yield timer
@@ -59,6 +64,7 @@ def stage(name: str, tokens: int = 0) -> Iterator[StageTimer | None]:
         yield None
         return
     previous, timer.current = timer.current, name
+    emit_stage(name, timer.step, timer.side)
     start = time.perf_counter()
     try:
         yield timer

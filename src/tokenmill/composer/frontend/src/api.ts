@@ -110,6 +110,12 @@ export interface RunStatus {
   step: number | null;
   total_steps: number | null;
   stage: string | null;
+  /** The step the trainer was in when it entered `stage`. */
+  stage_step: number | null;
+  /** "reported" (the trainer's events.jsonl) or "estimated" (from the last step's timings). */
+  stage_source: "reported" | "estimated" | null;
+  /** Async runs: each side's current stage, e.g. {"producer": "generate", "trainer": "train"}. */
+  sides: Record<string, string>;
   bottleneck: string | null;
 }
 

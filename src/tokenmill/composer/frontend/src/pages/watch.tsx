@@ -62,7 +62,9 @@ function useRun(id: string | null): Live {
 
 function Stages({ last, status }: { last: Row | undefined; status: RunStatus | null }) {
   const bottleneck = (last?.bottleneck as string | undefined) ?? status?.bottleneck ?? null;
-  const current = status?.stage ?? null;
+  // async runs have two sides busy at once (the producer generating while the trainer trains): mark both
+  const sides = Object.entries(status?.sides ?? {});
+  const current = new Map<string, string>(sides.length ? sides.map(([side, st]) => [st, side]) : status?.stage ? [[status.stage, ""]] : []);
   const used = STAGES.filter((s) => s !== "critic" || (last && `timing_s/critic` in last));
   return (
     <div class="card">
@@ -72,11 +74,12 @@ function Stages({ last, status }: { last: Row | undefined; status: RunStatus | n
           const share = last ? num(last, `timing_share/${s}`) : null;
           const secs = last ? num(last, `timing_s/${s}`) : null;
           const tps = last ? num(last, `throughput/${s}_tok_s`) : null;
-          const cls = `stage${s === current ? " current" : ""}${s === bottleneck ? " bottleneck" : ""}`;
+          const cls = `stage${current.has(s) ? " current" : ""}${s === bottleneck ? " bottleneck" : ""}`;
           return (
-            <div class={cls} data-testid={`stage-${s}`} data-current={String(s === current)} data-bottleneck={String(s === bottleneck)}>
+            <div class={cls} data-testid={`stage-${s}`} data-current={String(current.has(s))} data-bottleneck={String(s === bottleneck)}>
               <div class="stage-name">
                 {s}
+                {current.get(s) && <span class="side muted">{current.get(s)}</span>}
                 {s === bottleneck && <span class="tag">bottleneck</span>}
               </div>
               <div class="stage-bar">
