@@ -8,7 +8,9 @@ each 150 steps of 16 prompts x 8 from the quickstart's warm model, held-out gree
 PPO with a critic (one sample per prompt, 128 prompts); DPO (held-out implicit margin and chosen-preferred
 share) and a Bradley-Terry reward model (held-out pairwise accuracy, 2,000 steps) on the synthetic preference
 pairs; and the RLHF pipeline, PPO against a learned reward model alone (held-out RM score and the hidden rule's
-accuracy). Results go to benchmarks/results/.
+accuracy); and proxy mode, the plain OpenAI-SDK agent of examples/openai_agent/ playing guess-the-number
+against the served policy (held-out greedy success, and the agent's own success early and late). Results go
+to benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--out", default="benchmarks/results/learning.json")
     args = p.parse_args()
-    wanted = set(filter(None, args.only.split(","))) or {*RL_VARIANTS, "dpo", "reward_model", "ppo_rm"}
+    wanted = set(filter(None, args.only.split(","))) or {*RL_VARIANTS, "dpo", "reward_model", "ppo_rm", "proxy"}
     torch.set_num_threads(2)
 
     from tokenmill.testing.quickstart import grpo, rlhf, warm_start
@@ -100,6 +102,25 @@ def main() -> None:
                          "seconds": seconds})
         print(f"ppo_rm         RM score {rows[-2]['before']:.3f} -> {rows[-2]['after']:.3f}, hidden rule accuracy "
               f"{rows[-1]['before']:.3f} -> {rows[-1]['after']:.3f} (RM pairwise {r['rm_accuracy']:.3f})", flush=True)
+
+    if "proxy" in wanted:  # an external agent program trains through the OpenAI endpoint
+        import sys
+
+        from tokenmill.testing.quickstart import game_proxy, game_warm_start
+
+        start = time.time()
+        game = game_warm_start(work / "game", say=print)
+        agent = Path(__file__).parents[1] / "examples" / "openai_agent" / "agent.py"
+        r = game_proxy(game, work / "proxy", [sys.executable, str(agent), "--url", "{url}", "--games", "320",
+                                              "--group-size", "8", "--parallel", "64"])
+        seconds = round(time.time() - start, 1)
+        rows.append({"objective": "proxy", "metric": "held-out greedy game success",
+                     "before": r["eval_before"]["eval/accuracy"], "after": r["eval_after"]["eval/accuracy"],
+                     "seconds": seconds})
+        rows.append({"objective": "proxy", "metric": "the agent's own success, first vs last 10 steps",
+                     "before": r["agent_success_first10"], "after": r["agent_success_last10"], "seconds": seconds})
+        print(f"proxy          greedy success {rows[-2]['before']:.3f} -> {rows[-2]['after']:.3f}, agent's own "
+              f"{rows[-1]['before']:.3f} -> {rows[-1]['after']:.3f}", flush=True)
 
     print("\n| objective | metric | before | after | seconds |\n|---|---|---|---|---|")
     for r in rows:

@@ -195,3 +195,41 @@ def game_grpo(
         return run_rl(run)
     finally:
         run.close()
+
+
+def game_proxy(
+    warm: str | Path, output_dir: str | Path, agent_command: list[str], *, steps: int = 40,
+    prompts_per_step: int = 8, group_size: int = 8, learning_rate: float = 5e-5, num_eval: int = 200,
+) -> dict[str, Any]:
+    """Proxy mode on guess-the-number: `agent_command` (an OpenAI-SDK program; '{url}' becomes the endpoint)
+    plays against the served policy and posts rewards; the run trains on its episodes. Returns
+    `run_proxy`'s result plus the agent's own success over the first and last ten steps."""
+    import json
+
+    from tokenmill.config import RLConfig, load_config
+    from tokenmill.controller import build_run
+    from tokenmill.controller.proxy_rl import run_proxy
+
+    cfg = load_config(RLConfig, {
+        "model": {"path": str(warm)},
+        "data": {"task": "guess_number", "num_train": 100, "num_eval": num_eval},
+        "env": {"name": "guess_number", "max_turns": 3, "max_episode_tokens": 64},  # held-out evaluation
+        "generation": {"group_size": group_size, "max_tokens": 4},
+        "training": {"learning_rate": learning_rate},
+        "controller": {"steps": steps, "prompts_per_step": prompts_per_step, "eval_max_rows": num_eval},
+        "tracking": {"output_dir": str(output_dir), "console": "none"},
+        "checkpoint": {"every": 0, "save_final": False},
+        "proxy": {"port": 0, "wait_timeout_s": 120, "agent_command": agent_command},
+    })
+    run = build_run(cfg)
+    try:
+        result = run_proxy(run)
+    finally:
+        run.close()
+    rows = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    result["agent_success_first10"] = sum(rewards[:10]) / max(1, len(rewards[:10]))
+    result["agent_success_last10"] = sum(rewards[-10:]) / max(1, len(rewards[-10:]))
+    result["version_lag_max"] = max((r["proxy/version_lag_max"] for r in rows if "reward/mean" in r), default=0)
+    result["trained_steps"] = len(rewards)
+    return result
