@@ -145,6 +145,9 @@ def test_status_reports_the_trainers_stage_per_side(tmp_path):
     run.mkdir()
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)  # tokenmill"])
     try:
+        deadline = time.monotonic() + 10  # until the child has exec'd (before, its cmdline is pytest's)
+        while b"tokenmill" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)
         now = time.time()
         (run / "composer.json").write_text(json.dumps({"id": "live", "mode": "rl", "pid": proc.pid,
                                                        "started": now - 5, "total_steps": 4}))
