@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
-from tokenmill.engines.hf import HFEngine
-from tokenmill.engines.proxy_routes import proxy_routes
+from tokenmill.engines.continuous import ContinuousEngine
+from tokenmill.engines.server import create_app
 from tokenmill.envs.server import start_in_thread
 from tokenmill.rollout.proxy import EpisodeRecorder
 from tokenmill.testing.reference import teacher_logprobs
@@ -18,11 +17,12 @@ openai = pytest.importorskip("openai")
 @pytest.fixture
 def proxy(tiny_model, tokenizer):
     recorder = EpisodeRecorder()
-    app = FastAPI()
-    app.include_router(proxy_routes(HFEngine(tiny_model, tokenizer, seed=0), tokenizer, recorder, max_tokens=6))
+    engine = ContinuousEngine(tiny_model, tokenizer, seed=0)
+    app = create_app(engine, model_name="policy", recorder=recorder, default_max_tokens=6, max_tokens_cap=6)
     server, _ = start_in_thread(app)
     yield server.url, recorder
     server.stop()
+    engine.close()
 
 
 def test_an_sdk_agent_episode_is_recorded_as_one_exact_sample(proxy, tiny_model, tokenizer):
@@ -38,7 +38,7 @@ def test_an_sdk_agent_episode_is_recorded_as_one_exact_sample(proxy, tiny_model,
     [episode] = recorder.take_finished(10)
     samples = episode.samples(group_id=0)
     replies = [first.choices[0].model_extra["token_ids"], second.choices[0].model_extra["token_ids"]]
-    prompt2 = second.model_extra["prompt_token_ids"]
+    prompt2 = second.choices[0].model_extra["prompt_token_ids"]
     if len(samples) == 1:  # the template re-renders the first reply exactly as sampled: one merged sample
         [s] = samples
         assert list(s.tokens) == prompt2 + replies[1]
@@ -58,16 +58,20 @@ def test_an_sdk_agent_episode_is_recorded_as_one_exact_sample(proxy, tiny_model,
 def test_bad_requests_are_refused_naming_the_field(proxy):
     url, _ = proxy
     chat = {"model": "policy", "messages": [{"role": "user", "content": "1-7"}]}
+
+    def error(r):
+        return r.json()["error"]
+
     r = httpx.post(f"{url}/proxy/e/v1/chat/completions", json=chat | {"n": 2})
-    assert r.status_code == 422 and "n" in str(r.json()["detail"][0]["loc"])
+    assert r.status_code == 400 and error(r)["param"] == "n"
     r = httpx.post(f"{url}/proxy/e/v1/chat/completions", json=chat | {"stream": True})
-    assert r.status_code == 400 and "stream" in r.json()["detail"]
+    assert r.status_code == 400 and "stream" in error(r)["message"]
     r = httpx.post(f"{url}/proxy/bad id!/v1/completions", json={"prompt": "1+1="})
-    assert r.status_code == 400 and "episode_id" in r.json()["detail"]
+    assert r.status_code == 400 and "episode_id" in error(r)["message"]
     r = httpx.post(f"{url}/v1/episodes/never/reward", json={"reward": 1.0})
-    assert r.status_code == 404 and "'never' is not open" in r.json()["detail"]
+    assert r.status_code == 404 and "'never' is not open" in error(r)["message"]
     r = httpx.post(f"{url}/proxy/t/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3})
-    assert r.status_code == 200 and r.json()["prompt_token_ids"] == [5, 6, 7]
+    assert r.status_code == 200 and r.json()["choices"][0]["prompt_token_ids"] == [5, 6, 7]
     r = httpx.post(f"{url}/v1/episodes/t/reward", json={"reward": "lots"})
-    assert r.status_code == 422
+    assert r.status_code == 400 and error(r)["param"] == "reward"
     assert httpx.get(f"{url}/v1/episodes").json() == {"open": 1, "finished": 0, "dropped": 0}

@@ -17,8 +17,8 @@ import subprocess
 import time
 from typing import Any
 
-from tokenmill.controller.metrics import rollout_metrics
-from tokenmill.controller.rl import advantages, held_out, sample_records
+from tokenmill.controller.metrics import rollout_metrics, sample_records
+from tokenmill.controller.rl import advantages, held_out
 from tokenmill.controller.setup import Run
 from tokenmill.rollout.proxy import Episode, EpisodeRecorder, episodes_to_groups
 from tokenmill.tracking.stages import stage, step_timer
@@ -33,7 +33,6 @@ class ProxyError(TokenmillError):
 def run_proxy(run: Run) -> dict[str, Any]:
     """Serve `run`'s policy at the proxy endpoint and train on the agent's episodes until `controller.steps`."""
     from tokenmill.engines.continuous import ContinuousEngine
-    from tokenmill.engines.proxy_routes import proxy_routes
     from tokenmill.engines.server import create_app
     from tokenmill.envs.server import check_exposure, start_in_thread
 
@@ -41,9 +40,9 @@ def run_proxy(run: Run) -> dict[str, Any]:
     check_exposure(pc.host, pc.token, pc.allow_remote)
     serving = ContinuousEngine(copy.deepcopy(run.model).eval(), run.tokenizer, seed=cfg.training.seed)
     recorder = EpisodeRecorder(ttl_s=pc.episode_ttl_s)
-    routes = proxy_routes(serving, run.tokenizer, recorder, max_tokens=cfg.generation.max_tokens)
-    server, _ = start_in_thread(create_app(serving, model_name="policy", token=pc.token, extra_routers=[routes]),
-                                pc.host, pc.port)
+    app = create_app(serving, model_name="policy", token=pc.token, recorder=recorder,
+                     default_max_tokens=cfg.generation.max_tokens, max_tokens_cap=cfg.generation.max_tokens)
+    server, _ = start_in_thread(app, pc.host, pc.port)
     log.message(f"proxy endpoint: {server.url}/proxy/<episode id>/v1 (OpenAI API); post rewards to "
                 f"{server.url}/v1/episodes/<episode id>/reward")
     agent = _start_agent(pc.agent_command, server.url, pc.token)

@@ -38,7 +38,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.engines.continuous import ContinuousEngine, EngineBusy, EngineUnavailable, RequestFuture
+from tokenmill.engines.proxy_routes import check_episode_id, episode_routes
 from tokenmill.envs.server import LOOPBACK_HOSTS, _host_name, _normalise_host
+from tokenmill.rollout.proxy import EpisodeError, EpisodeRecorder
 from tokenmill.types import Completion, SamplingParams
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -164,7 +166,8 @@ class _Guard:
 # ------------------------------------------------------------------------------------------ the app
 def create_app(engine, *, model_name: str, token: str | None = None, extra_routers: Iterable[APIRouter] = (),
                allowed_hosts: Iterable[str] = (), request_timeout_s: float = 600.0,
-               default_max_tokens: int = 1024) -> FastAPI:
+               default_max_tokens: int = 1024, max_tokens_cap: int | None = None,
+               recorder: EpisodeRecorder | None = None) -> FastAPI:
     """An OpenAI-compatible app over `engine` (a ContinuousEngine, or anything with `submit`, `cancel`,
     `tokenizer`, `version`).
 
@@ -173,6 +176,10 @@ def create_app(engine, *, model_name: str, token: str | None = None, extra_route
                         (only behind a token, e.g. bound to 0.0.0.0)
     request_timeout_s:  a request without an answer by then is cancelled (504)
     default_max_tokens: a chat request's `max_tokens` when it sends none (capped by the context left)
+    max_tokens_cap:     the most tokens any request may generate (None: the context left)
+    recorder:           proxy mode (`tokenmill.rollout.proxy`): the same two routes are also served under
+                        `/proxy/<episode id>/v1/...`, one reply per call, each recorded into the episode;
+                        `/v1/episodes/<id>/reward` ends an episode (see `engines/proxy_routes.py`)
     """
     if token is not None and not token:
         raise ValueError("token must be a non-empty string (or None for no auth)")
@@ -242,12 +249,32 @@ def create_app(engine, *, model_name: str, token: str | None = None, extra_route
     def room(prompts: list[list[int]]) -> int:
         """Tokens left in the model's context after the longest prompt (the engine refuses a full one)."""
         limit = getattr(engine, "max_positions", None)
-        return max(1, limit - max(len(p) for p in prompts)) if limit else 1 << 30
+        left = max(1, limit - max(len(p) for p in prompts)) if limit else 1 << 30
+        return min(left, max_tokens_cap) if max_tokens_cap else left
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody) -> dict[str, Any]:
+    def record(episode_id: str | None, prompt: list[int], future: RequestFuture, shown: Any) -> None:
+        """Proxy mode: the call's exact tokens go into its episode (an episode is one trajectory: n = 1)."""
+        if episode_id is None:
+            return
+        [c] = future.result()
+        try:
+            recorder.record(episode_id, prompt, c, int(future.policy_version or 0), prompt=shown)
+        except EpisodeError as exc:
+            raise ApiError(409, str(exc)) from None
+
+    def check_episode(episode_id: str | None, n: int) -> None:
+        if episode_id is None:
+            return
+        check_episode_id(episode_id)
+        if n != 1:
+            raise ApiError(400, "n: one reply per call in proxy mode (an episode is one trajectory)", "n")
+
+    async def complete_text(body: CompletionBody, episode_id: str | None) -> dict[str, Any]:
+        check_episode(episode_id, body.n)
         _refuse_unsupported(body)
         prompts = _completion_prompts(tokenizer, body.prompt)
+        if episode_id is not None and len(prompts) != 1:
+            raise ApiError(400, "prompt: one prompt per call in proxy mode", "prompt")
         params = _sampling(body, min(body.max_tokens or 16, room(prompts)))
         futures = await run(prompts, params, body.seed)
         choices = []
@@ -256,10 +283,11 @@ def create_app(engine, *, model_name: str, token: str | None = None, extra_route
                 choice = {"index": i * body.n + j, "text": c.text, "finish_reason": c.stop_reason.value,
                           "logprobs": None if body.logprobs is None else _text_logprobs(tokenizer, c)}
                 choices.append(choice | _extras(prompt, c, future))
+        record(episode_id, prompts[0], futures[0], body.prompt)
         return _answer("cmpl", "text_completion", model_name, prompts, futures, choices)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody) -> dict[str, Any]:
+    async def complete_chat(body: ChatBody, episode_id: str | None) -> dict[str, Any]:
+        check_episode(episode_id, body.n)
         _refuse_unsupported(body)
         prompt = render_chat(tokenizer, body.messages, body.tools, body.chat_template_kwargs)
         wanted = body.max_completion_tokens or body.max_tokens or default_max_tokens
@@ -271,8 +299,28 @@ def create_app(engine, *, model_name: str, token: str | None = None, extra_route
             choice = {"index": j, "message": message, "finish_reason": reason,
                       "logprobs": _chat_logprobs(tokenizer, c) if body.logprobs else None}
             choices.append(choice | _extras(prompt, c, future))
+        record(episode_id, prompt, future, body.messages)
         return _answer("chatcmpl", "chat.completion", model_name, [prompt], [future], choices)
 
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody) -> dict[str, Any]:
+        return await complete_text(body, None)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody) -> dict[str, Any]:
+        return await complete_chat(body, None)
+
+    if recorder is not None:  # proxy mode: the same answers, each call recorded into its episode
+        @app.post("/proxy/{episode_id}/v1/completions")
+        async def proxy_completions(episode_id: str, body: CompletionBody) -> dict[str, Any]:
+            return await complete_text(body, episode_id)
+
+        @app.post("/proxy/{episode_id}/v1/chat/completions")
+        async def proxy_chat_completions(episode_id: str, body: ChatBody) -> dict[str, Any]:
+            return await complete_chat(body, episode_id)
+
+        app.get("/proxy/{episode_id}/v1/models")(models)
+        app.include_router(episode_routes(recorder))
     weight_routes = _weight_routes(engine)
     if weight_routes is not None:
         app.include_router(weight_routes)
