@@ -7,7 +7,7 @@
 The parent process builds the shared tiny model once (a random-init Llama with the character tokenizer, then a
 short supervised warm start on the addition task; cached in --workdir), then runs each trainer in its own
 child process (`vs_trl.py tokenmill|trl --spec ... --result ...`), so peak RSS is measured per trainer. Both
-children use the same evaluation code (`tokenmill.controller.metrics.evaluate`, greedy, outside the timed
+children use the same evaluation code (`tokenmill.controller.evaluate.evaluate`, greedy, outside the timed
 region) before and after training.
 
 Timed region = the training steps only:
@@ -105,7 +105,7 @@ def step_stats(step_seconds: list[float]) -> dict[str, float]:
 
 def evaluate_model(model, tokenizer, eval_rows, max_rows: int, max_new_tokens: int) -> dict[str, float]:
     """Greedy held-out accuracy with tokenmill's own evaluation (the one `tokenmill.train` runs)."""
-    from tokenmill.controller.metrics import evaluate
+    from tokenmill.controller.evaluate import evaluate
     from tokenmill.engines import HFEngine
     from tokenmill.rewards import FunctionReward, RewardSet
     from tokenmill.rollout import Generator

@@ -20,8 +20,8 @@ from typing import Any
 
 from tokenmill.config.load import load_config
 from tokenmill.config.schema import RLConfig
+from tokenmill.controller.build import build_run
 from tokenmill.controller.rl import run_rl
-from tokenmill.controller.setup import build_run
 
 
 def train(

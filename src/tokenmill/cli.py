@@ -24,7 +24,7 @@ def _rl_config(path: str | None, overrides: list[str]):
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from tokenmill.controller.setup import check_references
+    from tokenmill.controller.build import check_references
 
     cfg = _rl_config(args.config, args.overrides)
     check_references(cfg)
@@ -50,7 +50,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_sft(args: argparse.Namespace) -> int:
     from tokenmill.config import SFTConfig, load_config, parse_overrides
-    from tokenmill.controller.setup import load_policy, resolve_device
+    from tokenmill.controller.build import load_policy, resolve_device
     from tokenmill.data import load_rows
     from tokenmill.testing.tasks import task_splits
     from tokenmill.training.sft import run_sft
@@ -80,7 +80,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 def cmd_preference(args: argparse.Namespace) -> int:
     from tokenmill.config import PreferenceConfig, load_config, parse_overrides
-    from tokenmill.controller.setup import load_policy, resolve_device
+    from tokenmill.controller.build import load_policy, resolve_device
     from tokenmill.data import load_rows
     from tokenmill.testing.tasks import addition_preferences
     from tokenmill.training import preference as pref
@@ -113,8 +113,8 @@ def cmd_preference(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from tokenmill.controller.metrics import evaluate
-    from tokenmill.controller.setup import build_datasets, build_rewards, load_policy, resolve_device
+    from tokenmill.controller.build import build_datasets, build_rewards, load_policy, resolve_device
+    from tokenmill.controller.evaluate import evaluate
     from tokenmill.engines.hf import HFEngine
     from tokenmill.rollout.generator import Generator
     from tokenmill.types import SamplingParams

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import tokenmill
 from tokenmill.config import RLConfig, load_config
-from tokenmill.controller.async_rl import AsyncFeed
+from tokenmill.controller.feeds import AsyncFeed
 from tokenmill.types import ConfigError, Group, Sample, StopReason
 
 
@@ -144,9 +144,9 @@ def test_partial_rollouts_continue_with_new_weights_and_record_token_versions(ti
 
     from transformers import AutoModelForCausalLM
 
-    from tokenmill.controller.partial import PartialRolloutEngine
     from tokenmill.controller.placement import ThreadPlacement
     from tokenmill.engines.hf import HFEngine
+    from tokenmill.engines.partial import PartialRolloutEngine
     from tokenmill.training.local import token_logprobs
     from tokenmill.types import SamplingParams
 

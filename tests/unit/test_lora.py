@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tokenmill.config.schema import LoRAConfig, ModelConfig
-from tokenmill.controller.setup import load_policy, parameter_counts
+from tokenmill.controller.build import load_policy, parameter_counts
 from tokenmill.types import ConfigError
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tokenmill.config.schema import AlgorithmConfig, CriticConfig, LoRAConfig, ModelConfig
-from tokenmill.controller.setup import load_policy, parameter_counts
+from tokenmill.controller.build import load_policy, parameter_counts
 from tokenmill.testing.tasks import addition_preferences
 from tokenmill.training import preference as pref
 from tokenmill.training.critic import Critic, gae_advantages, load_critic

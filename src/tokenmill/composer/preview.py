@@ -72,7 +72,7 @@ def import_reward_worker(spec: str, per_sample: bool, field: str) -> Callable[..
 
     def call(prompts: list[Any], completions: list[str], **columns: list[Any]) -> Any:
         if "fn" not in loaded:
-            from tokenmill.controller.setup import import_string
+            from tokenmill.controller.build import import_string
 
             loaded["fn"] = _filtered_call(import_string(spec, field), per_sample)
         return loaded["fn"](prompts, completions, **columns)
@@ -90,7 +90,7 @@ class Previewer:
         self._tokenizer: Any = None
 
     def _policy(self, cfg: RLConfig) -> tuple[Any, Any, float]:
-        from tokenmill.controller.setup import load_policy, resolve_device
+        from tokenmill.controller.build import load_policy, resolve_device
 
         key = (cfg.model.path, cfg.model.tokenizer_path or "", cfg.model.device, cfg.model.attn_implementation or "")
         if key == self._key:
@@ -145,7 +145,7 @@ class Previewer:
 
 
 def _rows(cfg: RLConfig, n: int) -> tuple[list[dict[str, Any]], Any]:
-    from tokenmill.controller.setup import build_datasets
+    from tokenmill.controller.build import build_datasets
 
     small = cfg.model_copy(update={"data": cfg.data.model_copy(update={"num_train": n, "num_eval": 0})})
     try:

@@ -7,7 +7,7 @@
            go through `tokenmill.sync` (files or broadcast). The servers are stopped at the end.
 - remote:  the same client and sync, for servers at `engine.urls` (ours, vLLM, SGLang).
 
-Colocated runs need none of this (the engine shares the trainer's module; see `async_rl.InlineFeed`).
+Colocated runs need none of this (the engine shares the trainer's module; see `feeds.InlineFeed`).
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def _weight_sync(cfg, urls: list[str], token: str | None, scratch: Path):
 
 def build_placement(run) -> Placement:
     """The producer's engine for `run.cfg.engine.placement` (thread, process or remote)."""
-    from tokenmill.controller.setup import build_agent
+    from tokenmill.controller.build import build_agent
 
     cfg = run.cfg
     place = cfg.engine.placement
@@ -244,7 +244,7 @@ def build_placement(run) -> Placement:
         engine.generator = run.engine.generator
         engine.version = run.engine.version
         if cfg.controller.partial_rollouts:
-            from tokenmill.controller.partial import PartialRolloutEngine
+            from tokenmill.engines.partial import PartialRolloutEngine
 
             placement = ThreadPlacement(None, None, None)
             engine = PartialRolloutEngine(engine, cfg.controller.partial_chunk_tokens, placement)

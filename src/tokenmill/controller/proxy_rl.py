@@ -17,9 +17,9 @@ import subprocess
 import time
 from typing import Any
 
-from tokenmill.controller.metrics import rollout_metrics, sample_records
+from tokenmill.controller.build import Run
+from tokenmill.controller.evaluate import rollout_metrics, sample_records
 from tokenmill.controller.rl import advantages, held_out
-from tokenmill.controller.setup import Run
 from tokenmill.rollout.proxy import Episode, EpisodeRecorder, episodes_to_groups
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.update import policy_update

@@ -1,5 +1,5 @@
 """The synchronous RL loop, top to bottom: sample -> generate -> score -> advantages -> train -> sync -> log
--> checkpoint. Everything it calls is built in `setup.py`; timing goes through `stage()`.
+-> checkpoint. Everything it calls is built in `build.py`; timing goes through `stage()`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from tokenmill.checkpoint.atomic import (
     set_rng_state,
 )
 from tokenmill.checkpoint.export import export_model
-from tokenmill.controller.async_rl import rollout_feed
-from tokenmill.controller.metrics import evaluate, evaluate_agent, rollout_metrics, sample_records
-from tokenmill.controller.setup import Run, parameter_counts
+from tokenmill.controller.build import Run, parameter_counts
+from tokenmill.controller.evaluate import evaluate, evaluate_agent, rollout_metrics, sample_records
+from tokenmill.controller.feeds import rollout_feed
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.critic import gae_advantages
 from tokenmill.training.update import policy_update, value_update

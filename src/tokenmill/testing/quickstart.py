@@ -21,7 +21,7 @@ def warm_start(
 ) -> Path:
     """Build the tiny model and give it the sloppy teacher's supervised warm start; return the warm folder."""
     from tokenmill.config.schema import ModelConfig
-    from tokenmill.controller.setup import load_policy, resolve_device
+    from tokenmill.controller.build import load_policy, resolve_device
     from tokenmill.testing.tasks import task_splits
     from tokenmill.testing.tiny import build_tiny_model
     from tokenmill.training.sft import run_sft
@@ -153,7 +153,7 @@ def game_warm_start(
     from datasets import Dataset
 
     from tokenmill.config.schema import ModelConfig
-    from tokenmill.controller.setup import load_policy, resolve_device
+    from tokenmill.controller.build import load_policy, resolve_device
     from tokenmill.envs.guess import guess_demonstration
     from tokenmill.testing.tiny import build_tiny_model
     from tokenmill.training.sft import run_sft
