@@ -1,0 +1,217 @@
+"""The shape of `src/tokenmill`, checked so that it stays: which package may import which, the training
+loop's line budget, and the size caps on files and functions.
+
+Everything here reads the source with `ast` (nothing is imported), so a rule is checked even for code that
+only runs on a GPU or a cluster. Each failure names the file and line to look at.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "tokenmill"
+
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 80
+LOOP_LINE_BUDGET = 80  # `run_rl`, the one training loop: a reader holds it on one screen
+
+
+@dataclass(frozen=True)
+class Import:
+    file: Path
+    line: int
+    module: str  # absolute dotted name, relative imports resolved
+    top_level: bool  # runs when the module is imported (not inside a function, not under TYPE_CHECKING)
+
+    def __str__(self) -> str:
+        return f"{self.file.relative_to(SRC)}:{self.line} imports {self.module}"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def source_files() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+@cache
+def parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _resolve(path: Path, node: ast.ImportFrom) -> list[str]:
+    if node.level == 0:
+        base = node.module or ""
+    else:
+        package = module_name(path).split(".")
+        if path.name != "__init__.py":
+            package = package[:-1]
+        package = package[: len(package) - (node.level - 1)]
+        base = ".".join(package + ([node.module] if node.module else []))
+    # `from tokenmill import testing` imports the submodule tokenmill.testing
+    return [base] + [f"{base}.{alias.name}" for alias in node.names if alias.name != "*"]
+
+
+def imports(path: Path) -> list[Import]:
+    """Every import in `path`, with whether it runs at import time."""
+    found: list[Import] = []
+
+    def visit(node: ast.AST, top_level: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                found.extend(Import(path, child.lineno, a.name, top_level) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                found.extend(Import(path, child.lineno, m, top_level) for m in _resolve(path, child))
+            else:
+                deferred = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) or (
+                    isinstance(child, ast.If) and _is_type_checking(child)
+                )
+                visit(child, top_level and not deferred)
+
+    visit(parse(path), True)
+    return found
+
+
+def under(path: Path, package: str) -> bool:
+    return module_name(path) == package or module_name(path).startswith(package + ".")
+
+
+def names(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def all_imports() -> list[Import]:
+    return [imp for path in source_files() for imp in imports(path)]
+
+
+def report(bad: list[Import]) -> str:
+    """One line per import statement (`from a import b` is both `a` and `a.b`)."""
+    seen: dict[tuple[Path, int], Import] = {}
+    for imp in bad:
+        seen.setdefault((imp.file, imp.line), imp)
+    return "\n".join(str(i) for i in seen.values())
+
+
+# --- the checker checks what it claims (on snippets written to a temporary package) -------------------------
+
+
+def test_the_import_reader_resolves_relative_lazy_and_type_checking_imports(tmp_path, monkeypatch):
+    pkg = tmp_path / "tokenmill" / "engines"
+    pkg.mkdir(parents=True)
+    (pkg / "x.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import torch\n"
+        "from ..envs import server\n"
+        "from . import hf\n"
+        "if TYPE_CHECKING:\n"
+        "    import ray\n"
+        "def f():\n"
+        "    import tokenmill.testing.tiny\n"
+    )
+    monkeypatch.setitem(globals(), "SRC", tmp_path)
+    got = {(i.module, i.top_level) for i in imports(pkg / "x.py")}
+    assert got == {
+        ("typing", True), ("typing.TYPE_CHECKING", True), ("torch", True),
+        ("tokenmill.envs", True), ("tokenmill.envs.server", True),
+        ("tokenmill.engines", True), ("tokenmill.engines.hf", True),
+        ("ray", False), ("tokenmill.testing.tiny", False),
+    }
+
+
+# --- import direction --------------------------------------------------------------------------------------
+
+
+def test_engines_do_not_import_envs():
+    """Engines sample tokens; environments are a layer above (the agent loop joins them). Shared server code
+    lives in its own module that both import."""
+    bad = [i for i in all_imports() if under(i.file, "tokenmill.engines") and names(i.module, "tokenmill.envs")]
+    assert not bad, report(bad)
+
+
+def test_the_library_does_not_import_testing():
+    """`tokenmill.testing` holds test helpers; a user's run never needs them."""
+    bad = [
+        i for i in all_imports()
+        if not under(i.file, "tokenmill.testing") and names(i.module, "tokenmill.testing")
+    ]
+    assert not bad, report(bad)
+
+
+def test_ray_only_in_the_controller():
+    """Ray is an optional dependency for scale-out; only the controller package may know it exists."""
+    bad = [i for i in all_imports() if names(i.module, "ray") and not under(i.file, "tokenmill.controller")]
+    assert not bad, report(bad)
+
+
+@pytest.mark.parametrize("package", ["tokenmill.envs", "tokenmill.rewards"])
+def test_envs_and_rewards_import_no_torch_or_ray_at_import_time(package):
+    """Environments and rewards run in CPU-only sandboxes and env servers: importing them must stay cheap.
+    A function that needs torch imports it where it is used."""
+    bad = [
+        i for i in all_imports()
+        if under(i.file, package) and i.top_level and (names(i.module, "torch") or names(i.module, "ray"))
+    ]
+    assert not bad, report(bad)
+
+
+def test_the_cli_does_not_import_the_composer_at_import_time():
+    """`tokenmill train` and `tokenmill estimate` must work without the UI's dependencies loaded; only the
+    `composer` subcommand imports it, inside its function."""
+    cli = PACKAGE / "cli.py"
+    bad = [i for i in imports(cli) if i.top_level and names(i.module, "tokenmill.composer")]
+    assert not bad, report(bad)
+
+
+# --- sizes ---------------------------------------------------------------------------------------------------
+
+
+def functions(path: Path) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    return [n for n in ast.walk(parse(path)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def span(node: ast.AST) -> int:
+    """Lines from the `def` (or its first decorator) to the last line of the body, docstring included."""
+    first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+    return node.end_lineno - first + 1
+
+
+def test_the_training_loop_fits_its_line_budget():
+    rl = PACKAGE / "controller" / "rl.py"
+    [run_rl] = [f for f in functions(rl) if f.name == "run_rl"]
+    assert span(run_rl) <= LOOP_LINE_BUDGET, (
+        f"{rl.relative_to(SRC)}:{run_rl.lineno} run_rl is {span(run_rl)} lines (budget {LOOP_LINE_BUDGET}): "
+        "move a step into a named helper or a feed"
+    )
+
+
+def test_no_source_file_over_the_cap():
+    long = [
+        f"{p.relative_to(SRC)}: {n} lines" for p in source_files()
+        if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
+    ]
+    assert not long, f"files over {MAX_FILE_LINES} lines:\n" + "\n".join(long)
+
+
+def test_no_source_function_over_the_cap():
+    long = [
+        f"{p.relative_to(SRC)}:{f.lineno} {f.name}: {span(f)} lines"
+        for p in source_files() for f in functions(p) if span(f) > MAX_FUNCTION_LINES
+    ]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
