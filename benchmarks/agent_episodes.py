@@ -95,9 +95,9 @@ def main() -> None:
     torch.set_num_threads(2)
 
     from tokenmill.engines.hf import HFEngine
+    from tokenmill.recipes import MODEL
+    from tokenmill.recipes.tiny import build_tiny_model
     from tokenmill.rollout.agent import AgentLimits, AgentLoop
-    from tokenmill.testing.quickstart import MODEL
-    from tokenmill.testing.tiny import build_tiny_model
     from tokenmill.types import SamplingParams
 
     path = build_tiny_model(Path(tempfile.mkdtemp(prefix="tokenmill_agent_")) / "m", seed=0, **MODEL)

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 import tokenmill
-from tokenmill.testing.quickstart import MODEL
-from tokenmill.testing.tiny import build_tiny_model
+from tokenmill.recipes import MODEL
+from tokenmill.recipes.tiny import build_tiny_model
 
 RESULTS = Path(__file__).parent / "results" / "async_overlap.json"
 

@@ -48,8 +48,8 @@ def main() -> None:
     wanted = set(filter(None, args.only.split(","))) or {*RL_VARIANTS, "dpo", "reward_model", "ppo_rm", "proxy"}
     torch.set_num_threads(2)
 
-    from tokenmill.testing.quickstart import grpo, rlhf, warm_start
-    from tokenmill.testing.tasks import addition_preferences
+    from tokenmill.data.tasks import addition_preferences
+    from tokenmill.recipes import grpo, rlhf, warm_start
     from tokenmill.training import preference as pref
 
     work = Path(tempfile.mkdtemp(prefix="tokenmill_learning_"))
@@ -106,7 +106,7 @@ def main() -> None:
     if "proxy" in wanted:  # an external agent program trains through the OpenAI endpoint
         import sys
 
-        from tokenmill.testing.quickstart import game_proxy, game_warm_start
+        from tokenmill.recipes import game_proxy, game_warm_start
 
         start = time.time()
         game = game_warm_start(work / "game", say=print)

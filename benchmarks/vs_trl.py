@@ -106,10 +106,10 @@ def step_stats(step_seconds: list[float]) -> dict[str, float]:
 def evaluate_model(model, tokenizer, eval_rows, max_rows: int, max_new_tokens: int) -> dict[str, float]:
     """Greedy held-out accuracy with tokenmill's own evaluation (the one `tokenmill.train` runs)."""
     from tokenmill.controller.evaluate import evaluate
+    from tokenmill.data.tasks import addition_reward
     from tokenmill.engines import HFEngine
     from tokenmill.rewards import FunctionReward, RewardSet
     from tokenmill.rollout import Generator
-    from tokenmill.testing.tasks import addition_reward
     from tokenmill.types import SamplingParams
 
     rewards = RewardSet([FunctionReward(addition_reward, isolation="thread")])
@@ -196,7 +196,7 @@ def child_tokenmill(spec: dict[str, Any]) -> dict[str, Any]:
 
     import tokenmill
     from tokenmill.data.prompts import PromptSource
-    from tokenmill.testing import task_splits
+    from tokenmill.data.tasks import task_splits
 
     out_dir = Path(spec["workdir"]) / "tokenmill_run"
     if out_dir.exists():  # metrics.jsonl is opened in append mode: start clean
@@ -323,8 +323,7 @@ def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOTrainer
 
-    from tokenmill.testing import task_splits
-    from tokenmill.testing.tasks import addition_reward
+    from tokenmill.data.tasks import addition_reward, task_splits
 
     train_rows, eval_rows, _ = task_splits("addition", spec["num_train"], spec["num_eval"], seed=spec["seed"])
     train_ds = train_rows.select_columns(["prompt", "answer"])  # plain-string prompts + the reward's column
@@ -485,7 +484,8 @@ def prepare_model(spec: dict[str, Any], sft_steps: int, rebuild: bool) -> dict[s
     torch.set_num_threads(spec["threads"])
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tokenmill.testing import build_tiny_model, task_splits
+    from tokenmill.data.tasks import task_splits
+    from tokenmill.testing import build_tiny_model
     from tokenmill.training.sft import run_sft
 
     base = Path(spec["workdir"]) / "base_model"

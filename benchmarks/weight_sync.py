@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 import torch
 
+from tokenmill.recipes.tiny import build_tiny_model
 from tokenmill.sync import BroadcastSync, FileSync
-from tokenmill.testing.tiny import build_tiny_model
 
 MODELS = {
     "tiny": {"hidden_size": 32, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2},

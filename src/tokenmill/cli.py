@@ -52,7 +52,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     from tokenmill.config import SFTConfig, load_config, parse_overrides
     from tokenmill.controller.build import load_policy, resolve_device
     from tokenmill.data import load_rows
-    from tokenmill.testing.tasks import task_splits
+    from tokenmill.data.tasks import task_splits
     from tokenmill.training.sft import run_sft
 
     cfg = load_config(SFTConfig, args.config, parse_overrides(args.overrides))
@@ -82,7 +82,7 @@ def cmd_preference(args: argparse.Namespace) -> int:
     from tokenmill.config import PreferenceConfig, load_config, parse_overrides
     from tokenmill.controller.build import load_policy, resolve_device
     from tokenmill.data import load_rows
-    from tokenmill.testing.tasks import addition_preferences
+    from tokenmill.data.tasks import addition_preferences
     from tokenmill.training import preference as pref
 
     cfg = load_config(PreferenceConfig, args.config, parse_overrides(args.overrides))
@@ -162,7 +162,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     """Tiny model -> supervised warm start -> GRPO on addition, with accuracy before and after."""
     import torch
 
-    from tokenmill.testing.quickstart import quickstart
+    from tokenmill.recipes import quickstart
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     result = quickstart(args.output_dir, steps=args.steps, sft_steps=args.sft_steps, learning_rate=args.lr,

@@ -8,7 +8,7 @@ import torch
 
 @pytest.fixture(scope="session")
 def warm(tmp_path_factory):
-    from tokenmill.testing.quickstart import warm_start
+    from tokenmill.recipes import warm_start
 
     torch.set_num_threads(2)
     return warm_start(tmp_path_factory.mktemp("quickstart"), num_eval=500, say=lambda _: None)

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tokenmill.testing.quickstart import game_grpo, game_warm_start
+from tokenmill.recipes import game_grpo, game_warm_start
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_an_openai_sdk_agent_trains_through_the_proxy(game_warm, tmp_path):
     import sys
     from pathlib import Path
 
-    from tokenmill.testing.quickstart import game_proxy
+    from tokenmill.recipes import game_proxy
 
     torch.set_num_threads(2)
     steps, prompts, group = 40, 8, 8

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.testing.quickstart import grpo
+from tokenmill.recipes import grpo
 
 
 def test_async_grpo_with_a_server_process_raises_heldout_accuracy(warm, tmp_path):

@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from tokenmill.testing.quickstart import grpo
+from tokenmill.recipes import grpo
 
 
 def _run(warm, out, **overrides):

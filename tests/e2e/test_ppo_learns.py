@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from tokenmill.testing.quickstart import grpo
+from tokenmill.recipes import grpo
 
 PPO = {
     "algorithm.advantage": "gae", "generation.group_size": 1, "prompts_per_step": 128,

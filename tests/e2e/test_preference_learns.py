@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from tokenmill.testing.tasks import addition_preferences
+from tokenmill.data.tasks import addition_preferences
 from tokenmill.training.preference import (
     implicit_margin,
     load_reward_model_for_training,
@@ -78,7 +78,7 @@ def test_reward_model_reaches_90_percent(warm, pairs, tmp_path):
 def test_rlhf_ppo_against_the_reward_model_raises_its_score_and_the_hidden_rule(warm, tmp_path):
     """SFT -> RM -> PPO inside tokenmill: PPO with a critic against the learned reward model alone (the task's
     verifier has weight 0) raises the reward model's held-out score and the hidden rule's greedy accuracy."""
-    from tokenmill.testing.quickstart import rlhf
+    from tokenmill.recipes import rlhf
 
     torch.set_num_threads(2)
     r = rlhf(warm, tmp_path)

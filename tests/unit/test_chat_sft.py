@@ -10,7 +10,7 @@ import torch
 
 from tokenmill.algorithms import token_weights
 from tokenmill.data.chat import ChatTemplateError, chat_tokens
-from tokenmill.testing.tasks import shout_chats
+from tokenmill.data.tasks import shout_chats
 from tokenmill.training import LocalBackend, collate
 from tokenmill.training.local import batch_logprobs
 from tokenmill.training.packing import micro_packs, sequence_segments

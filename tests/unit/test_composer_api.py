@@ -268,8 +268,8 @@ def test_sse_resumes_from_last_event_id_without_duplicates(server, runs_dir):
 
 
 def test_launched_tiny_run_finishes_and_streams_its_metrics(server, tmp_path_factory):
+    from tokenmill.recipes import MODEL
     from tokenmill.testing import build_tiny_model
-    from tokenmill.testing.quickstart import MODEL
 
     model = build_tiny_model(tmp_path_factory.mktemp("qs") / "model", seed=0, **MODEL)
     config = {"model": {"path": str(model), "device": "cpu"},

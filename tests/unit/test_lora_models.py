@@ -13,7 +13,7 @@ import torch
 
 from tokenmill.config.schema import AlgorithmConfig, CriticConfig, LoRAConfig, ModelConfig
 from tokenmill.controller.build import load_policy, parameter_counts
-from tokenmill.testing.tasks import addition_preferences
+from tokenmill.data.tasks import addition_preferences
 from tokenmill.training import preference as pref
 from tokenmill.training.critic import Critic, gae_advantages, load_critic
 from tokenmill.training.update import value_update

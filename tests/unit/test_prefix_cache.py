@@ -10,8 +10,8 @@ import torch
 
 from tokenmill.engines.hf import HFEngine
 from tokenmill.engines.prefix_cache import PrefixCache
-from tokenmill.testing.quickstart import MODEL
-from tokenmill.testing.tiny import build_tiny_model
+from tokenmill.recipes import MODEL
+from tokenmill.recipes.tiny import build_tiny_model
 from tokenmill.types import SamplingParams
 
 

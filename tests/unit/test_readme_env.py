@@ -9,9 +9,9 @@ from pathlib import Path
 
 from tokenmill.engines.hf import HFEngine
 from tokenmill.envs import resolve_env
+from tokenmill.recipes import MODEL
+from tokenmill.recipes.tiny import build_tiny_model
 from tokenmill.rollout.agent import AgentLimits, AgentLoop
-from tokenmill.testing.quickstart import MODEL
-from tokenmill.testing.tiny import build_tiny_model
 from tokenmill.types import SamplingParams
 
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -58,7 +58,7 @@ def test_dynamic_sampling_drops_flat_groups_and_skips_an_empty_update(tiny_model
 
     cfg = _config(tiny_model_path, tmp_path, dynamic_sampling=True, max_sampling_rounds=3)
     cfg["data"] = {"path": "x"}  # replaced by the in-memory dataset below
-    from tokenmill.testing import addition_dataset
+    from tokenmill.data.tasks import addition_dataset
 
     tokenmill.train(cfg, rewards=[same_for_every_completion], dataset=addition_dataset(50, seed=1))
     steps = _steps(tmp_path)
@@ -72,7 +72,7 @@ def test_dynamic_sampling_refills_the_step(tiny_model_path, tmp_path, dynamic):
     def by_length_parity(prompts, completions, **_):
         return [float(len(c) % 2) for c in completions]
 
-    from tokenmill.testing import addition_dataset
+    from tokenmill.data.tasks import addition_dataset
 
     cfg = _config(tiny_model_path, tmp_path, dynamic_sampling=dynamic)
     cfg["data"] = {"path": "x"}

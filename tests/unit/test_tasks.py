@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tokenmill.testing import (
+from tokenmill.data.tasks import (
     addition_dataset,
     addition_reward,
     countdown_dataset,
@@ -117,7 +117,7 @@ def test_countdown_number_order_does_not_matter():
 
 
 def test_forgot_carry_by_hand():
-    from tokenmill.testing.tasks import forgot_carry
+    from tokenmill.data.tasks import forgot_carry
 
     assert [forgot_carry(a, b) for a, b in [(47, 38), (67, 63), (12, 34), (99, 99), (5, 7), (9, 91)]] == [
         75, 120, 46, 188, 12, 90,
@@ -128,7 +128,7 @@ def test_slip_changes_demonstrations_only():
     clean, sloppy = addition_dataset(2000, seed=5), addition_dataset(2000, seed=5, slip=0.6)
     assert clean["prompt"] == sloppy["prompt"] and clean["answer"] == sloppy["answer"]
     wrong = [(p, c) for p, c, a in zip(sloppy["prompt"], sloppy["completion"], sloppy["answer"]) if c != a]
-    from tokenmill.testing.tasks import forgot_carry
+    from tokenmill.data.tasks import forgot_carry
 
     carries = sum(int(a) != forgot_carry(*map(int, p[:-1].split("+"))) for p, a in zip(clean["prompt"], clean["answer"]))
     assert 0.5 * carries < len(wrong) < 0.7 * carries  # ~60% of the problems with a carry

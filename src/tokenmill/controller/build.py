@@ -142,7 +142,7 @@ def build_rewards(cfg: RLConfig, extra: list[Callable[..., Any]] | None = None, 
 
 def build_datasets(cfg: RLConfig, dataset=None):
     """(train rows, eval rows or None, the task's reward function or None)."""
-    from tokenmill.testing.tasks import task_splits
+    from tokenmill.data.tasks import task_splits
 
     if dataset is not None:
         return dataset, None, None

@@ -1,20 +1,10 @@
-"""Tiny local models and tokenizers, synthetic verifiable tasks, for tests, examples and the quickstart."""
+"""Test helpers: the tiny local model and tokenizer (built by `tokenmill.recipes.tiny`, which the quickstart
+also uses) and a teacher-forced logprob reference (`tokenmill.testing.reference`).
 
-from tokenmill.testing.tasks import (
-    addition_dataset,
-    addition_reward,
-    countdown_dataset,
-    countdown_reward,
-    task_splits,
-)
-from tokenmill.testing.tiny import build_tiny_model, build_tokenizer
+Production code never imports this package: the built-in tasks live in `tokenmill.data.tasks` and the
+quickstart recipes in `tokenmill.recipes`.
+"""
 
-__all__ = [
-    "addition_dataset",
-    "addition_reward",
-    "build_tiny_model",
-    "build_tokenizer",
-    "countdown_dataset",
-    "countdown_reward",
-    "task_splits",
-]
+from tokenmill.recipes.tiny import build_tiny_model, build_tokenizer
+
+__all__ = ["build_tiny_model", "build_tokenizer"]

@@ -1,6 +1,7 @@
-"""The quickstart recipe as a function: tiny model -> supervised warm start -> GRPO on addition.
+"""Recipes as functions: the quickstart (tiny model -> supervised warm start -> GRPO on addition), RLHF
+(SFT -> reward model -> PPO) and the guess-the-number game runs (GRPO on env episodes, proxy mode).
 
-`tokenmill quickstart` calls it with its defaults; the e2e test calls it smaller. The warm start learns from a
+`tokenmill quickstart` calls `quickstart` with its defaults; the e2e tests and benchmarks call them smaller. The warm start learns from a
 sloppy teacher who forgets the carry in `slip` of the problems that have one, so the warm model can add but
 often prefers the slip; GRPO with the exact-match verifier (which always checks the true sum) must fix that.
 """
@@ -22,8 +23,8 @@ def warm_start(
     """Build the tiny model and give it the sloppy teacher's supervised warm start; return the warm folder."""
     from tokenmill.config.schema import ModelConfig
     from tokenmill.controller.build import load_policy, resolve_device
-    from tokenmill.testing.tasks import task_splits
-    from tokenmill.testing.tiny import build_tiny_model
+    from tokenmill.data.tasks import task_splits
+    from tokenmill.recipes.tiny import build_tiny_model
     from tokenmill.training.sft import run_sft
 
     out = Path(output_dir)
@@ -100,7 +101,7 @@ def rlhf(
     The rejected answers mix the slip with other wrong numbers: a reward model that only ever saw slips scores
     unseen wrong answers at random, and PPO finds those at once (reward hacking).
     """
-    from tokenmill.testing.tasks import addition_preferences
+    from tokenmill.data.tasks import addition_preferences
     from tokenmill.training import preference as pref
 
     out = Path(output_dir)
@@ -155,7 +156,7 @@ def game_warm_start(
     from tokenmill.config.schema import ModelConfig
     from tokenmill.controller.build import load_policy, resolve_device
     from tokenmill.envs.guess import guess_demonstration
-    from tokenmill.testing.tiny import build_tiny_model
+    from tokenmill.recipes.tiny import build_tiny_model
     from tokenmill.training.sft import run_sft
 
     out = Path(output_dir)
