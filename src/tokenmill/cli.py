@@ -52,7 +52,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     from tokenmill.config import SFTConfig, load_config, parse_overrides
     from tokenmill.controller.build import load_policy, resolve_device
     from tokenmill.data import load_rows
-    from tokenmill.data.tasks import task_splits
+    from tokenmill.data.registry import task_splits
     from tokenmill.training.sft import run_sft
 
     cfg = load_config(SFTConfig, args.config, parse_overrides(args.overrides))
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except TokenmillError as exc:  # a run that cannot go on (a dead engine server, a producer timeout): one line
         print(f"tokenmill: {exc}", file=sys.stderr)
-        return 1
+        return getattr(exc, "exit_code", 1)  # 2 for errors the user must fix first (e.g. CheckpointError)
     except KeyboardInterrupt:
         print("tokenmill: interrupted", file=sys.stderr)
         return 130

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 import random
@@ -10,12 +11,15 @@ import pytest
 import torch
 
 from tokenmill.checkpoint import (
+    CheckpointError,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    load_latest,
     rng_state,
     save_checkpoint,
     set_rng_state,
+    verify_checkpoint,
 )
 from tokenmill.training import LocalBackend
 
@@ -40,7 +44,11 @@ def test_save_layout_and_latest(tmp_path):
     path = save_checkpoint(tmp_path, 7, Small(0), {"step": 7})
     assert path == tmp_path / "step_00000007"
     assert _names(path) == ["meta.json", "model.safetensors", "trainer.pt"]
-    assert json.loads((path / "meta.json").read_text()) == {"step": 7}
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["step"] == 7 and meta["format"] == 2 and sorted(meta["files"]) == ["model.safetensors", "trainer.pt"]
+    for name, info in meta["files"].items():
+        assert info["bytes"] == (path / name).stat().st_size
+        assert info["sha256"] == hashlib.sha256((path / name).read_bytes()).hexdigest()
     save_checkpoint(tmp_path, 12, Small(0), {"step": 12})
     assert latest_checkpoint(tmp_path) == tmp_path / "step_00000012"
     assert _names(tmp_path) == ["step_00000007", "step_00000012"]  # nothing temporary left behind
@@ -176,3 +184,110 @@ def test_foreign_step_folder_does_not_break_resume(tmp_path):
     backup.mkdir()
     (backup / "meta.json").write_text(path.joinpath("meta.json").read_text())
     assert latest_checkpoint(tmp_path) == path
+
+
+# ---------------------------------------------------------------------------------- damaged checkpoints
+
+
+def _truncate(path, keep):
+    data = path.read_bytes()
+    path.write_bytes(data[: keep(len(data))])
+
+
+def _zero_tail(path):
+    data = bytearray(path.read_bytes())
+    data[-16:] = bytes(16)
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "truncated model": lambda p: _truncate(p / "model.safetensors", lambda n: n // 2),
+    "zero-byte model": lambda p: _truncate(p / "model.safetensors", lambda n: 0),
+    "truncated trainer state": lambda p: _truncate(p / "trainer.pt", lambda n: n - 100),
+    "garbage meta.json": lambda p: (p / "meta.json").write_bytes(b"\x00\xff{not json"),
+    "last 16 bytes of the model zeroed": lambda p: _zero_tail(p / "model.safetensors"),
+}
+WHY = {
+    "truncated model": "model.safetensors has",
+    "zero-byte model": "model.safetensors has 0 bytes",
+    "truncated trainer state": "trainer.pt has",
+    "garbage meta.json": "meta.json unreadable",
+    "last 16 bytes of the model zeroed": "model.safetensors does not match its SHA-256",
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_newest_falls_back_to_the_previous_one(tmp_path, damage):
+    save_checkpoint(tmp_path, 1, Small(1), {"v": torch.tensor(1)})
+    newest = save_checkpoint(tmp_path, 2, Small(2), {"v": torch.tensor(2)})
+    DAMAGE[damage](newest)
+    assert verify_checkpoint(newest).startswith(WHY[damage])
+    warnings: list[str] = []
+    target = Small(9)
+    path, step, state = load_latest(tmp_path, target, warn=warnings.append)
+    assert (path.name, step, state["v"].item()) == ("step_00000001", 1, 1)
+    assert torch.equal(target.a, Small(1).a) and torch.equal(target.b, Small(1).b)
+    assert len(warnings) == 1 and "step_00000002 is unusable" in warnings[0] and WHY[damage] in warnings[0]
+    # the bad one is kept for inspection but no longer listed
+    assert _names(tmp_path) == [".corrupt-step_00000002", "step_00000001"]
+    # the run goes on and saves step 2 again: a normal checkpoint, found next time without warnings
+    save_checkpoint(tmp_path, 2, Small(3), {"v": torch.tensor(3)})
+    warnings.clear()
+    assert load_latest(tmp_path, target, warn=warnings.append)[1] == 2 and warnings == []
+
+
+def test_every_checkpoint_damaged_is_one_clear_error(tmp_path):
+    first = save_checkpoint(tmp_path, 1, Small(1), {})
+    second = save_checkpoint(tmp_path, 2, Small(2), {})
+    DAMAGE["zero-byte model"](first)
+    DAMAGE["garbage meta.json"](second)
+    with pytest.raises(CheckpointError) as info:
+        load_latest(tmp_path, Small(0), warn=lambda _: None)
+    text = str(info.value)
+    assert text.startswith(f"no usable checkpoint in {tmp_path}; every one found is damaged:")
+    assert f"{second}: meta.json unreadable" in text and f"{first}: model.safetensors has 0 bytes" in text
+    assert info.value.exit_code == 2
+    assert _names(tmp_path) == ["step_00000001", "step_00000002"]  # nothing moved: a rerun says the same
+
+
+def test_no_checkpoint_is_none_and_old_format_still_loads(tmp_path):
+    assert load_latest(tmp_path / "absent", Small(0)) is None
+    path = save_checkpoint(tmp_path, 4, Small(4), {"v": torch.tensor(4)})
+    (path / "meta.json").write_text('{"step": 4}')  # written before checksums were recorded
+    assert verify_checkpoint(path) is None
+    target = Small(0)
+    assert load_latest(tmp_path, target)[1] == 4 and torch.equal(target.a, Small(4).a)
+    (path / "trainer.pt").write_bytes(b"garbage")  # no checksum to catch it: the failed load does
+    with pytest.raises(CheckpointError, match="trainer.pt|cannot be loaded"):
+        load_latest(tmp_path, target, warn=lambda _: None)
+
+
+def test_leftovers_of_a_killed_writer_are_cleaned(tmp_path):
+    save_checkpoint(tmp_path, 1, Small(1), {})
+    dead = 2**22 + 12345  # above pid_max's default: no such process
+    (tmp_path / f".tmp-step_00000002-{dead}").mkdir()
+    (tmp_path / f".tmp-step_00000002-{dead}" / "model.safetensors").write_bytes(b"half")
+    # killed between moving the old copy of step 1 aside and renaming the new one in: the old is the only copy
+    (tmp_path / "step_00000001").rename(tmp_path / f".old-step_00000001-{dead}")
+    warnings: list[str] = []
+    target = Small(0)
+    assert load_latest(tmp_path, target, warn=warnings.append)[1] == 1
+    assert torch.equal(target.a, Small(1).a)
+    assert _names(tmp_path) == ["step_00000001"]
+    assert sorted(warnings) == [
+        f"checkpoints: removed .tmp-step_00000002-{dead} (left by an interrupted save)",
+        f"checkpoints: restored step_00000001 from .old-step_00000001-{dead} (interrupted re-save)",
+    ]
+    # a fresh run (no resume) cleans them at its first save
+    (tmp_path / f".tmp-step_00000005-{dead}").mkdir()
+    save_checkpoint(tmp_path, 2, Small(2), {})
+    assert _names(tmp_path) == ["step_00000001", "step_00000002"]
+
+
+def test_pruning_keeps_the_new_checkpoint_beside_a_newer_bad_one(tmp_path):
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, Small(step), {}, keep_last=3)
+    # after a fallback from step 3 the run saves step 2 again with keep_last=1: step 3 (newer) must not
+    # count as "the last one kept" and get the fresh step 2 deleted
+    save_checkpoint(tmp_path, 2, Small(5), {}, keep_last=1)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]

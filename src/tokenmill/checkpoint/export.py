@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,3 +19,32 @@ def export_model(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
         model = copy.deepcopy(model).merge_and_unload()
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+
+
+def export_atomic(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
+    """`export_model` into a temporary sibling, fsynced, then renamed to `path`: a folder at `path` is
+    always a complete export, so a resumed run can tell whether the export still has to be done."""
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in path.parent.glob(f".tmp-{path.name}-*"):  # a killed export's leftovers
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        export_model(model, tokenizer, tmp)
+        for file in tmp.rglob("*"):
+            if file.is_file():
+                with open(file, "rb") as f:
+                    os.fsync(f.fileno())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = path.with_name(f".old-{path.name}-{os.getpid()}")
+    if path.exists():  # a re-export (the run went on with more steps): the old one goes only after the swap
+        path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

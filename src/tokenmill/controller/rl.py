@@ -8,14 +8,8 @@ from typing import Any
 
 from tokenmill.algorithms.advantages import assign_advantages
 from tokenmill.algorithms.shaping import has_spread, shape_overlong
-from tokenmill.checkpoint.atomic import (
-    latest_checkpoint,
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
-from tokenmill.checkpoint.export import export_model
+from tokenmill.checkpoint.atomic import load_latest, rng_state, save_checkpoint, set_rng_state
+from tokenmill.checkpoint.export import export_atomic
 from tokenmill.controller.build import Run, parameter_counts
 from tokenmill.controller.evaluate import evaluate, evaluate_agent, rollout_metrics, sample_records
 from tokenmill.controller.feeds import rollout_feed
@@ -37,8 +31,11 @@ def run_rl(run: Run) -> dict[str, Any]:
     trainable, total = parameter_counts(run.model)
     log.message(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / max(1, total):.2f}%)")
     start, buffered = resume(run) if cfg.checkpoint.resume else (0, {})
+    # killed after the last checkpoint but before the export: the export and final eval are still owed
+    owed = cfg.checkpoint.save_final and not (run.output_dir / "final").is_dir()
     if start >= cfg.controller.steps:
-        log.message(f"checkpoint is at step {start} of {cfg.controller.steps}: nothing left to train")
+        log.message(f"checkpoint is at step {start} of {cfg.controller.steps}: nothing left to train"
+                    + ("; writing the final export it still owes" if owed else ""))
     result: dict[str, Any] = {"resumed_from": start}
     if run.eval_rows is not None and start == 0:
         result["eval_before"] = held_out(run)
@@ -94,8 +91,9 @@ def run_rl(run: Run) -> dict[str, Any]:
         return result
     if cfg.checkpoint.save_final and start < cfg.controller.steps:
         save(run, cfg.controller.steps, feed)
-        export_model(run.model, run.tokenizer, run.output_dir / "final")
-    if run.eval_rows is not None:
+    if owed or (cfg.checkpoint.save_final and start < cfg.controller.steps):
+        export_atomic(run.model, run.tokenizer, run.output_dir / "final")
+    if run.eval_rows is not None and (start < cfg.controller.steps or owed):
         result["eval_after"] = held_out(run)
         log.log(cfg.controller.steps, result["eval_after"])
     result["last_metrics"] = metrics
@@ -180,11 +178,11 @@ def save(run: Run, step: int, feed) -> None:
 def resume(run: Run) -> tuple[int, dict]:
     """Restore weights, optimiser, schedule, RNGs and data position; return the step to continue after and
     the rollouts that were buffered (async) for the feed to serve first."""
-    path = latest_checkpoint(run.output_dir / "checkpoints")
-    if path is None:
+    found = load_latest(run.output_dir / "checkpoints", run.model, warn=run.logger.message)
+    if found is None:
         run.logger.message("resume: no complete checkpoint found, starting from scratch")
         return 0, {}
-    step, state = load_checkpoint(path, run.model)
+    path, step, state = found
     run.backend.load_state_dict(state["trainer"])
     run.engine.generator.set_state(state["engine_rng"])
     version, internal, gauss = state["update_rng"]
