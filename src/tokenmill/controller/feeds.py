@@ -1,4 +1,4 @@
-"""Asynchronous training is the synchronous loop started early (STYLE principle 2).
+"""Asynchronous training is the synchronous loop started early, not a second trainer.
 
 `run_rl` (controller/rl.py) asks a *feed* for each step's groups and hands it the new weights after each
 update. The colocated feed (`InlineFeed`) calls the loop's own `rollout` on the spot: that is the synchronous
