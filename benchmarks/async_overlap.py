@@ -34,6 +34,12 @@ from tokenmill.recipes.tiny import build_tiny_model
 RESULTS = Path(__file__).parent / "results" / "async_overlap.json"
 
 
+def _shown(path: Path) -> str:
+    repo = Path(__file__).resolve().parents[1]
+    resolved = path.resolve()
+    return str(resolved.relative_to(repo)) if resolved.is_relative_to(repo) else path.name
+
+
 def digit_share(prompts, completions, **_):
     """A dense reward (share of digits): every group has a spread, so every sample trains (as in a run that
     is learning), and training time does not collapse to the zero-advantage shortcut."""
@@ -151,7 +157,8 @@ def main() -> None:
     print(f"median round (by {key} overlap efficiency):")
     report(median, args.placements)
     result = {
-        "settings": {**vars(args), "output": str(args.output), "model": MODEL},
+        # the output path relative to the repository, so a results file names no machine's folders
+        "settings": {**vars(args), "output": _shown(args.output), "model": MODEL},
         "machine": {"cpus": os.cpu_count(), "torch_threads_per_side": 1, "platform": platform.platform(),
                     "torch": torch.__version__},
         "median": median,
