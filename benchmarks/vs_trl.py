@@ -18,7 +18,7 @@ Timed region = the training steps only:
 Tokens: generated = completion tokens sampled (EOS included, as both trainers train on it); trained =
 generated + prompt tokens of every sequence (the sequences each trainer's update is given).
 
-See /work/shared/BENCHMARKING.md for the rules this follows (peer configured at its best, ratios reported).
+The rules this follows (the peer configured at its best, ratios reported) are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def child_tokenmill(spec: dict[str, Any]) -> dict[str, Any]:
 
     import tokenmill
     from tokenmill.data.prompts import PromptSource
-    from tokenmill.data.tasks import task_splits
+    from tokenmill.data.registry import task_splits
 
     out_dir = Path(spec["workdir"]) / "tokenmill_run"
     if out_dir.exists():  # metrics.jsonl is opened in append mode: start clean
@@ -297,7 +297,7 @@ def trl_args(spec: dict[str, Any], output_dir: str):
         mask_truncated_completions=False,
         seed=spec["seed"],
         data_seed=spec["seed"],
-        # at its best on CPU (BENCHMARKING.md)
+        # at its best on CPU (docs/benchmarks.md, "How comparisons are run")
         bf16=False,
         fp16=False,
         gradient_checkpointing=False,
@@ -323,7 +323,8 @@ def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOTrainer
 
-    from tokenmill.data.tasks import addition_reward, task_splits
+    from tokenmill.data.registry import task_splits
+    from tokenmill.data.tasks import addition_reward
 
     train_rows, eval_rows, _ = task_splits("addition", spec["num_train"], spec["num_eval"], seed=spec["seed"])
     train_ds = train_rows.select_columns(["prompt", "answer"])  # plain-string prompts + the reward's column
@@ -484,7 +485,7 @@ def prepare_model(spec: dict[str, Any], sft_steps: int, rebuild: bool) -> dict[s
     torch.set_num_threads(spec["threads"])
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tokenmill.data.tasks import task_splits
+    from tokenmill.data.registry import task_splits
     from tokenmill.testing import build_tiny_model
     from tokenmill.training.sft import run_sft
 

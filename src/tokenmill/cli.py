@@ -82,13 +82,15 @@ def cmd_preference(args: argparse.Namespace) -> int:
     from tokenmill.config import PreferenceConfig, load_config, parse_overrides
     from tokenmill.controller.build import load_policy, resolve_device
     from tokenmill.data import load_rows
+    from tokenmill.data.registry import HELD_OUT_SEED_OFFSET
     from tokenmill.data.tasks import addition_preferences
     from tokenmill.training import preference as pref
 
     cfg = load_config(PreferenceConfig, args.config, parse_overrides(args.overrides))
     held = None
     if cfg.data.task:
-        held = addition_preferences(cfg.data.num_eval, seed=cfg.seed + 10_000) if cfg.data.num_eval else None
+        held_seed = cfg.seed + HELD_OUT_SEED_OFFSET
+        held = addition_preferences(cfg.data.num_eval, seed=held_seed) if cfg.data.num_eval else None
         rows = addition_preferences(cfg.data.num_train, seed=cfg.seed, exclude=set(held["prompt"]) if held else None)
     else:
         rows = load_rows(cfg.data.path, cfg.data.split)

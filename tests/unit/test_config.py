@@ -273,7 +273,8 @@ def test_cli_overrides_without_a_file(capsys):
 @pytest.mark.parametrize("reward, needle", [
     ({"function": "tokenmill.data.tasks:no_such_reward"}, "rewards.0.function: module 'tokenmill.data.tasks' has no attribute"),
     ({"function": "no_such_package.rewards:f"}, "rewards.0.function: cannot import module 'no_such_package.rewards'"),
-    ({"function": "tokenmill.data.tasks:TASKS"}, "rewards.0.function: 'tokenmill.data.tasks:TASKS' is not callable"),
+    ({"function": "tokenmill.data.registry:ROW_TASKS"},
+     "rewards.0.function: 'tokenmill.data.registry:ROW_TASKS' is not callable"),
     ({"path": "/nonexistent/reward-model"}, "rewards.0.path: no reward model folder"),
 ])
 def test_cli_validate_resolves_reward_references(tmp_path, reward, needle, capsys):

@@ -6,12 +6,12 @@ import os
 
 import pytest
 
+from tokenmill.data.registry import task_splits
 from tokenmill.data.tasks import (
     addition_dataset,
     addition_reward,
     countdown_dataset,
     countdown_reward,
-    task_splits,
 )
 
 

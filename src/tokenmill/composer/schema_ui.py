@@ -11,7 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tokenmill.config.schema import ENV_TASKS, PreferenceConfig, RLConfig, SFTConfig
+from tokenmill.config.schema import PreferenceConfig, RLConfig, SFTConfig
+from tokenmill.data.registry import task_names
 
 LEVELS = ("simple", "advanced", "expert")
 
@@ -56,7 +57,6 @@ _ADVANCED = {
 _HIDDEN = {"reward_model": {"objective", "beta"}}
 _FIXED = {"reward_model": {"objective": "reward_model"}}
 _PREFERENCE_OBJECTIVES = ["dpo", "ipo", "simpo"]
-_RL_TASKS = ("addition", "countdown", *ENV_TASKS)
 _GROUP_TITLES = {"model": "Model", "data": "Data", "env": "Environment", "generation": "Generation",
                  "rewards": "Rewards", "algorithm": "Algorithm", "critic": "Critic (PPO)",
                  "training": "Training", "controller": "Loop", "tracking": "Tracking",
@@ -143,7 +143,7 @@ def _walk(node: dict[str, Any], defs: dict[str, Any], prefix: str, optional: str
         if path == "rewards":  # a list of tagged unions: edited in the Rewards panel
             kind: dict[str, Any] = {"type": "list", "items": "reward"}
         elif path == "data.task" and "addition" not in str(section):  # free text in the schema, checked later
-            kind = {"type": "enum", "enum": [*_RL_TASKS, None]}
+            kind = {"type": "enum", "enum": [*task_names(), None]}
         else:
             kind = _describe_type(section, nullable)
         # default_factory fields have no "default" in the JSON schema: an empty list / mapping

@@ -37,12 +37,11 @@ class ModelConfig(_Section):
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters (peft); off when rank is 0.")
 
 
-ENV_TASKS = ("guess_number", "calculator", "coding", "gym")  # built-in environments' task generators
-
-
 class DataConfig(_Section):
     task: str | None = Field(
-        None, description="Built-in synthetic task: 'addition' or 'countdown' (rows and reward come with it)."
+        None, description="Built-in task, one of `tokenmill.data.registry.task_names()`: a row task such as "
+        "'addition' brings its rows and verifier; an environment's task such as 'guess_number' is scored by its "
+        "episodes."
     )
     path: str | None = Field(
         None, description="Dataset: a local json/jsonl/parquet/csv file or folder, or a `datasets` hub name."
@@ -62,7 +61,9 @@ class DataConfig(_Section):
     def _one_source(self) -> DataConfig:
         if (self.task is None) == (self.path is None):
             raise ValueError("set exactly one of data.task or data.path")
-        tasks = ("addition", "countdown", *ENV_TASKS)
+        from tokenmill.data.registry import task_names  # the one task registry (imported late: no cycle)
+
+        tasks = task_names()
         if self.task is not None and self.task not in tasks:
             raise ValueError(f"data.task must be one of {', '.join(tasks)}; got {self.task!r}")
         return self

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import yaml
 
-from tokenmill.config.schema import ENV_TASKS, LoRAConfig, ModelConfig, RewardFunctionConfig, RLConfig
+from tokenmill.config.schema import LoRAConfig, ModelConfig, RewardFunctionConfig, RLConfig
 from tokenmill.data.prompts import PromptSource, load_rows
 from tokenmill.engines.hf import HFEngine
 from tokenmill.rewards.base import FunctionReward
@@ -142,18 +142,11 @@ def build_rewards(cfg: RLConfig, extra: list[Callable[..., Any]] | None = None, 
 
 def build_datasets(cfg: RLConfig, dataset=None):
     """(train rows, eval rows or None, the task's reward function or None)."""
-    from tokenmill.data.tasks import task_splits
+    from tokenmill.data.registry import task_splits
 
     if dataset is not None:
         return dataset, None, None
-    if cfg.data.task in ENV_TASKS:  # a built-in environment's tasks: its episodes' returns are the reward
-        from tokenmill.envs import env_tasks
-
-        d = cfg.data
-        train = env_tasks(d.task, d.num_train, seed=cfg.training.seed, **d.task_kwargs)
-        held = env_tasks(d.task, d.num_eval, seed=cfg.training.seed + 10_000, **d.task_kwargs) if d.num_eval else None
-        return train, held, None
-    if cfg.data.task is not None:
+    if cfg.data.task is not None:  # a row task brings its verifier; an env task's episodes are the reward
         return task_splits(
             cfg.data.task, cfg.data.num_train, cfg.data.num_eval, seed=cfg.training.seed, **cfg.data.task_kwargs
         )

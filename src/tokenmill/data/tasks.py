@@ -1,4 +1,5 @@
-"""Synthetic verifiable tasks as `datasets.Dataset`s, each with TRL-style reward functions.
+"""Synthetic verifiable tasks as `datasets.Dataset`s, each with TRL-style reward functions (the row tasks of
+`tokenmill.data.registry`, plus preference pairs and chats for the other trainers).
 
 Rows carry `prompt` (plain text), `completion` (a reference answer, used by the SFT warm start) and the
 columns the reward needs. Rewards follow TRL's batched signature: `fn(prompts, completions, **columns)`.
@@ -244,16 +245,3 @@ def countdown_reward(
         scores.append(1.0 if ok else 0.1)
     return scores
 
-
-TASKS = {
-    "addition": (addition_dataset, addition_reward),
-    "countdown": (countdown_dataset, countdown_reward),
-}
-
-
-def task_splits(task: str, num_train: int, num_eval: int, seed: int = 0, **kwargs: Any):
-    """(train, eval, reward_fn) for a built-in task; eval prompts never appear in train."""
-    make, reward = TASKS[task]
-    eval_ds = make(num_eval, seed=seed + 10_000, **kwargs) if num_eval else None
-    exclude = set(eval_ds["prompt"]) if eval_ds is not None else None
-    return make(num_train, seed=seed, exclude=exclude, **kwargs), eval_ds, reward

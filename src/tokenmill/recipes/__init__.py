@@ -23,7 +23,7 @@ def warm_start(
     """Build the tiny model and give it the sloppy teacher's supervised warm start; return the warm folder."""
     from tokenmill.config.schema import ModelConfig
     from tokenmill.controller.build import load_policy, resolve_device
-    from tokenmill.data.tasks import task_splits
+    from tokenmill.data.registry import task_splits
     from tokenmill.recipes.tiny import build_tiny_model
     from tokenmill.training.sft import run_sft
 
@@ -101,11 +101,12 @@ def rlhf(
     The rejected answers mix the slip with other wrong numbers: a reward model that only ever saw slips scores
     unseen wrong answers at random, and PPO finds those at once (reward hacking).
     """
+    from tokenmill.data.registry import HELD_OUT_SEED_OFFSET
     from tokenmill.data.tasks import addition_preferences
     from tokenmill.training import preference as pref
 
     out = Path(output_dir)
-    held = addition_preferences(400, seed=10_000, other_wrong=0.5)
+    held = addition_preferences(400, seed=HELD_OUT_SEED_OFFSET, other_wrong=0.5)
     train = addition_preferences(5000, seed=seed, exclude=set(held["prompt"]), other_wrong=0.5)
     model, tok = pref.load_reward_model_for_training(warm, seed=seed)
     pref.run_reward_model(model, tok, train, steps=rm_steps, learning_rate=5e-4, seed=seed, output_dir=out / "rm")
