@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from tokenmill.rollout.generator import Generator
+from tokenmill.sandbox.lifetime import preexec_die_with_parent
 from tokenmill.types import ConfigError, Group, TokenmillError
 
 
@@ -191,6 +192,8 @@ def spawn_servers(model_dir: str, count: int, *, threads: int = 0, timeout_s: fl
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "tokenmill.cli", "serve", model_dir, "--port", str(port), "--seed",
                  str(seed + i), "--device", device], stdout=log, stderr=subprocess.STDOUT, env=env,
+                # a kill -9 of the trainer takes its servers along; the hook only calls prctl and getppid
+                preexec_fn=preexec_die_with_parent(),  # noqa: PLW1509
             ))
             urls.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + timeout_s

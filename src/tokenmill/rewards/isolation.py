@@ -3,8 +3,11 @@
 `ProcessCaller` keeps one forked worker per function. The function object is inherited through `fork`
 (never pickled, so closures and lambdas work); arguments and results cross a pipe. A call that runs past
 its timeout gets the worker killed (and a fresh one forked on the next call): a busy loop really stops,
-which a thread cannot promise. `ThreadCaller` is the fallback where fork is unavailable, or when the
-function itself needs torch/OpenMP (unsafe after fork); a hung call there is abandoned, not killed.
+which a thread cannot promise. A worker dies with the process that forked it, even one killed with
+SIGKILL: the kernel's parent-death signal (`tokenmill.sandbox.lifetime`), and the worker closes its
+copy of the parent's end of the pipe, so it also sees end-of-file when the parent goes.
+`ThreadCaller` is the fallback where fork is unavailable, or when the function itself needs
+torch/OpenMP (unsafe after fork); a hung call there is abandoned, not killed.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import os
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+from tokenmill.sandbox.lifetime import die_with_parent
 
 
 class CallTimeout(Exception):
@@ -32,7 +37,9 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{where}"
 
 
-def _serve(fn: Callable[..., Any], conn) -> None:
+def _serve(fn: Callable[..., Any], conn, parent_end, parent_pid: int) -> None:
+    die_with_parent(parent_pid)
+    parent_end.close()  # else this worker holds both ends and never sees EOF when the parent dies
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     while True:
         try:
@@ -57,7 +64,7 @@ class ProcessCaller:
     def _start(self) -> None:
         ctx = mp.get_context("fork")
         parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(self.fn, child), daemon=True)
+        self._proc = ctx.Process(target=_serve, args=(self.fn, child, parent, os.getpid()), daemon=True)
         self._proc.start()
         child.close()
         self._conn = parent

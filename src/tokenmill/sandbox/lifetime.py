@@ -1,0 +1,68 @@
+"""Child processes that die with the process that started them, even when it is SIGKILLed.
+
+A kill -9 runs no cleanup: `atexit`, `finally` and `Process(daemon=True)` do nothing, so a worker that
+only waits for a message (or spins in user code) would live on forever. The kernel can do it instead:
+`prctl(PR_SET_PDEATHSIG, SIGKILL)` in the child makes the kernel kill it when its parent goes. Two
+caveats, both handled here: the signal is tied to the *thread* that forked the child (a worker forked
+from a short-lived thread is killed early, and simply re-forked by its owner), and a parent that died
+before the prctl ran is caught by comparing `getppid()` with the pid the parent had. Where prctl does
+not exist (not Linux), a daemon thread in the child polls `getppid()` instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+PR_SET_PDEATHSIG = 1
+POLL_S = 0.5
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+# resolved once in the parent, so the child (possibly between fork and exec) only makes the call
+_PRCTL = _load_prctl() if os.name == "posix" else None
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Call in a freshly forked child: get SIGKILLed when `parent_pid` (our parent) exits.
+
+    Exits at once if the parent is already gone (it died between the fork and this call)."""
+    if _PRCTL is None or _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        threading.Thread(target=_watch, args=(parent_pid,), name="die-with-parent", daemon=True).start()
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _watch(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(POLL_S)
+    os._exit(1)
+
+
+def preexec_die_with_parent() -> Callable[[], None]:
+    """A `preexec_fn` for `subprocess.Popen`: the spawned program is killed when the caller exits (the
+    death signal survives exec). Build it in the parent: it captures the parent's pid."""
+    parent = os.getpid()
+
+    def preexec() -> None:
+        if _PRCTL is not None:
+            _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec

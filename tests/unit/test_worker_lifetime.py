@@ -1,0 +1,98 @@
+"""Forked reward workers and spawned servers die with the process that started them, even on kill -9."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+TRAINER = textwrap.dedent("""
+    import sys, time
+    from tokenmill.rewards.base import FunctionReward
+
+    def slow(prompts, completions, **_):
+        if completions[0] == "spin":
+            while True:  # a reward stuck in a busy loop when the trainer dies
+                pass
+        return [1.0] * len(completions)
+
+    rewards = [FunctionReward(slow, name=f"r{i}", isolation="process") for i in range(2)]
+    for r in rewards:
+        assert r(["p"], ["c"], {})[0].value == 1.0
+    pids = [r._call._proc.pid for r in rewards]
+    print(" ".join(map(str, pids)), flush=True)
+    if sys.argv[1] == "spin":
+        import threading
+        threading.Thread(target=rewards[0], args=(["p"], ["spin"], {}), daemon=True).start()
+    time.sleep(600)
+""")
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped (an orphan's zombie goes to init)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.mark.parametrize("state", ["idle", "spin"])
+def test_reward_workers_die_with_a_killed_trainer(tmp_path, state):
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    trainer = subprocess.Popen([sys.executable, str(script), state], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in trainer.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        time.sleep(0.3)  # the spinning call is under way
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait(timeout=10)
+        assert _wait_gone(pids, 5.0) == []
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        for pid in locals().get("pids", []):  # never leave them behind, even when the test fails
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+SPAWNER = textwrap.dedent("""
+    import subprocess, sys, time
+    from tokenmill.sandbox.lifetime import preexec_die_with_parent
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                             preexec_fn=preexec_die_with_parent())
+    print(child.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_spawned_program_dies_with_a_killed_parent(tmp_path):
+    """What `spawn_servers` does for `tokenmill serve`: the death signal set before exec survives it."""
+    script = tmp_path / "spawner.py"
+    script.write_text(SPAWNER)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert _alive(child)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=10)
+        assert _wait_gone([child], 5.0) == []
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if "child" in locals() and _alive(child):
+            os.kill(child, signal.SIGKILL)
