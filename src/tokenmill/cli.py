@@ -147,9 +147,9 @@ def _print_eval(result: dict[str, Any]) -> None:
 def cmd_estimate(args: argparse.Namespace) -> int:
     """Memory per model and per device for a config (RL, SFT, preference or reward model), without loading it."""
 
-    from tokenmill.composer.memory import estimate_for_config
-    from tokenmill.composer.memory_config import render
     from tokenmill.config.load import read_yaml_tree
+    from tokenmill.estimate import estimate_for_config
+    from tokenmill.estimate.report import render
 
     tree = read_yaml_tree(args.config)
     result = estimate_for_config(tree, device_memory_gib=args.device_memory_gib, num_devices=args.num_devices)

@@ -17,7 +17,8 @@ import yaml
 from fastapi.testclient import TestClient
 
 from tokenmill.composer.app import create_app
-from tokenmill.composer.schema_ui import LEVELS, MODES
+from tokenmill.composer.schema_ui import LEVELS
+from tokenmill.config.modes import MODES
 from tokenmill.envs.server import start_in_thread
 
 TOKEN = "t0ken"
@@ -157,7 +158,7 @@ def test_diagram_follows_the_algorithm(client):
 
 
 def test_estimate_route_returns_the_estimator_output(client):
-    from tokenmill.composer.memory import estimate_for_config
+    from tokenmill.estimate import estimate_for_config
 
     config = {"model": {"path": "Qwen/Qwen2.5-0.5B-Instruct"}, "data": {"task": "addition"}}
     r = client.post("/api/estimate", json={"mode": "rl", "config": config, "device_memory_gib": 24})

@@ -1,4 +1,4 @@
-"""The memory estimator against hand arithmetic (COMPOSER.md's worked numbers), transformers' own parameter
+"""The memory estimator against hand arithmetic (the worked numbers of docs/memory-estimate.md), transformers' own parameter
 counts, and the bytes a real forward pass saves for backward."""
 
 from __future__ import annotations
@@ -10,20 +10,20 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tokenmill.composer.memory import (
+from tokenmill.estimate import estimate_for_config
+from tokenmill.estimate.memory import (
     GB,
     GIB,
     MemoryPlan,
     activation_bytes,
     activation_bytes_per_token,
     estimate,
-    estimate_for_config,
     kv_bytes_per_token,
     logit_bytes_per_token,
     lora_params,
     solve_budget,
 )
-from tokenmill.composer.model_specs import BUILTIN_SHAPES, ModelShape, resolve_shape, shape_from_hf_config
+from tokenmill.estimate.model_specs import BUILTIN_SHAPES, ModelShape, resolve_shape, shape_from_hf_config
 from tokenmill.types import ConfigError
 
 Q05, Q7 = BUILTIN_SHAPES["qwen2.5-0.5b"], BUILTIN_SHAPES["qwen2.5-7b"]

@@ -1,5 +1,5 @@
-"""The Composer: a local web UI over the config schema, the memory estimate and the metrics stream.
+"""The Composer: a local web UI over the config schema, the memory estimate (`tokenmill.estimate`), the
+reward preview and the runs' metrics streams.
 
-Nothing heavy is imported here: `tokenmill.composer.memory` (the estimator, also behind `tokenmill estimate`)
-needs no torch, and the server modules are imported only by `tokenmill composer`.
+Nothing heavy is imported here; the server modules are imported only by `tokenmill composer`.
 """

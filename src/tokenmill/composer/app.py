@@ -1,7 +1,7 @@
 """The Composer's web server: a FastAPI app over the config schema, the reward preview, the memory estimate and
 the run folders. Routes and shapes: `API.md` beside this file.
 
-Security (see RELIABILITY.md): the server binds loopback unless told otherwise, and every request, the page
+Security (docs/reliability.md): the server binds loopback unless told otherwise, and every request, the page
 included, needs the token printed at start (an HttpOnly SameSite=Strict cookie set by `/?token=`, or a bearer
 header). Before the token, the `Host` header must name this server (a DNS-rebinding page would send its own
 name); state-changing requests from another origin are refused (CSRF). Reward code runs only in forked
@@ -31,7 +31,9 @@ from tokenmill.composer import configs
 from tokenmill.composer.presets import presets
 from tokenmill.composer.preview import Previewer, PreviewError
 from tokenmill.composer.runs import FINAL, Cursor, RunError, RunManager, read_events
-from tokenmill.composer.schema_ui import MODES, schema_response
+from tokenmill.composer.schema_ui import schema_response
+from tokenmill.config.modes import MODES
+from tokenmill.estimate import estimate_for_config
 
 STATIC_DIR = Path(__file__).parent / "static"
 COOKIE = "tm_token"
@@ -275,13 +277,9 @@ def _config_routes(app: FastAPI) -> None:
     def import_(body: ImportBody) -> dict[str, Any]:
         return configs.import_yaml(body.yaml, _mode(body.mode) if body.mode else None)
 
-    @app.post("/api/estimate", response_model=None)
-    def estimate(body: EstimateBody) -> Any:
+    @app.post("/api/estimate")
+    def estimate(body: EstimateBody) -> dict[str, Any]:
         cfg = _valid(body)
-        try:
-            from tokenmill.composer.memory import estimate_for_config
-        except ImportError as exc:
-            return _error(503, f"/api/estimate: the memory estimator is not available ({exc})")
         config = {**configs.normalized(cfg), "mode": body.mode}
         return estimate_for_config(config, device_memory_gib=body.device_memory_gib, num_devices=body.num_devices)
 

@@ -9,9 +9,11 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tokenmill.composer.schema_ui import MODES, fixed_values, schema_for
+from tokenmill.composer.schema_ui import fixed_values, schema_for
 from tokenmill.config.load import format_validation_error
+from tokenmill.config.modes import EXTRA_KEYS, MODES, infer_mode
 from tokenmill.config.schema import RewardFunctionConfig, RLConfig
+from tokenmill.types import ConfigError
 
 
 class RewardCode(BaseModel):
@@ -59,28 +61,23 @@ def config_filename(mode: str) -> str:
 
 
 def command_for(mode: str, filename: str) -> str:
-    return f"tokenmill {MODES[mode]['command']} {filename}"
+    return f"tokenmill {MODES[mode].command} {filename}"
 
 
 def export_yaml(mode: str, cfg: BaseModel) -> str:
-    """The YAML that `tokenmill train|sft|preference` reads unchanged: the values that differ from the
-    defaults (required ones always), in schema order, behind a comment naming the command."""
-    tree = cfg.model_dump(mode="json", exclude_defaults=True)
+    """The YAML that `tokenmill train|sft|preference` and `tokenmill estimate` read unchanged: its `mode:`, then
+    the values that differ from the defaults (required ones always), in schema order, behind a comment naming
+    the command."""
+    tree = {"mode": mode, **cfg.model_dump(mode="json", exclude_defaults=True)}
     tree.update(fixed_values(mode))
     header = f"# {command_for(mode, config_filename(mode))}   (written by tokenmill composer)\n"
     return header + yaml.safe_dump(tree, sort_keys=False, allow_unicode=True)
 
 
-def guess_mode(tree: dict[str, Any]) -> str:
-    if "objective" in tree:
-        return "reward_model" if tree["objective"] == "reward_model" else "preference"
-    if {"completion_column", "messages_column", "packing"} & tree.keys() or "steps" in tree:
-        return "sft"
-    return "rl"
-
-
 def import_yaml(text: str, mode: str | None = None) -> dict[str, Any]:
-    """{"mode", "config", "errors"}: the normalized config when valid, else the raw mapping and the errors."""
+    """{"mode", "config", "errors"}: the normalized config when valid, else the raw mapping and the errors.
+    The mode is `mode`, else the file's `mode:`, else inferred from its sections (`config.modes`); an
+    `estimate:` section is for `tokenmill estimate` and is dropped here."""
     try:
         tree = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -90,7 +87,12 @@ def import_yaml(text: str, mode: str | None = None) -> dict[str, Any]:
     if not isinstance(tree, dict):
         return {"mode": mode or "rl", "config": {},
                 "errors": [{"path": "yaml", "message": "the top level must be a mapping of sections"}]}
-    mode = mode or guess_mode(tree)
+    if mode is None:
+        try:
+            mode = infer_mode(tree)[0]
+        except ConfigError as exc:
+            return {"mode": "rl", "config": tree, "errors": error_list(str(exc))}
+    tree = {k: v for k, v in tree.items() if k not in EXTRA_KEYS}
     cfg, errors = validate(mode, tree)
     return {"mode": mode, "config": normalized(cfg) if cfg is not None else tree, "errors": errors}
 

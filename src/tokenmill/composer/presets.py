@@ -1,6 +1,6 @@
 """Starting configs per hardware target and mode. Each is a complete, valid config (a test checks them all).
 
-The sizes follow the memory model in `composer/memory.py` (bytes per parameter of full fine-tuning vs LoRA,
+The sizes follow the memory model in `tokenmill.estimate` (bytes per parameter of full fine-tuning vs LoRA,
 activations with the token budget `micro_batch_tokens`): a laptop trains a 0.5B model on CPU in fp32, one
 24 GB GPU a 1.5B model with LoRA, one 80 GB GPU a 3B model in full, and an 8xH100 node a 7B model with the
 policy on one GPU and generation in separate engine servers. The model ids are Hugging Face hub names; any
@@ -12,7 +12,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from tokenmill.composer.schema_ui import MODES, fixed_values
+from tokenmill.composer.schema_ui import fixed_values
+from tokenmill.config.modes import MODES
 
 # (id, title, description, device memory GiB, devices, model, lora rank, device, dtype, token budget, scale)
 _TARGETS: list[dict[str, Any]] = [

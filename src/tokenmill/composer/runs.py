@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from tokenmill.composer.configs import RewardCode, export_yaml, validate
-from tokenmill.composer.schema_ui import MODES
+from tokenmill.config.modes import MODES
 
 FINAL = ("finished", "failed", "stopped")
 STREAMS = ("metrics", "samples", "log", "events")  # the cursor's four offsets, in this order
@@ -264,7 +264,7 @@ class RunManager:
             raise
         config_path = run_dir / "run.yaml"
         config_path.write_text(export_yaml(mode, cfg))
-        argv = [sys.executable, "-m", "tokenmill.cli", MODES[mode]["command"], str(config_path)]
+        argv = [sys.executable, "-m", "tokenmill.cli", MODES[mode].command, str(config_path)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("TOKENMILL_COMPOSER_TOKEN", None)  # the run does not need the Composer's secret
         with open(run_dir / FILES["log"], "ab") as log:

@@ -11,19 +11,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tokenmill.config.schema import PreferenceConfig, RLConfig, SFTConfig
+from tokenmill.config.modes import MODES
 from tokenmill.data.registry import task_names
 
 LEVELS = ("simple", "advanced", "expert")
-
-MODES: dict[str, dict[str, Any]] = {
-    "rl": {"title": "Online RL (GRPO / PPO)", "command": "train", "schema": RLConfig},
-    "preference": {"title": "Offline preference (DPO / IPO / SimPO)", "command": "preference",
-                   "schema": PreferenceConfig},
-    "reward_model": {"title": "Reward modelling (Bradley-Terry)", "command": "preference",
-                     "schema": PreferenceConfig},
-    "sft": {"title": "Supervised fine-tuning (SFT)", "command": "sft", "schema": SFTConfig},
-}
 
 # Per mode: the fields a first run needs (simple) and the ones a tuned run touches (advanced).
 _SIMPLE = {
@@ -53,9 +44,8 @@ _ADVANCED = {
     "sft": ["model.device", "model.dtype", "model.lora.alpha", "model.lora.target_modules", "data.split",
             "data.num_train", "packing", "micro_batch_tokens", "warmup_steps", "seed"],
 }
-# Fields a mode fixes itself: not shown (reward_model mode is PreferenceConfig with this objective).
+# Fields a mode fixes itself (`Mode.fixed`) are not shown, nor beta, which only DPO / IPO / SimPO read.
 _HIDDEN = {"reward_model": {"objective", "beta"}}
-_FIXED = {"reward_model": {"objective": "reward_model"}}
 _PREFERENCE_OBJECTIVES = ["dpo", "ipo", "simpo"]
 _GROUP_TITLES = {"model": "Model", "data": "Data", "env": "Environment", "generation": "Generation",
                  "rewards": "Rewards", "algorithm": "Algorithm", "critic": "Critic (PPO)",
@@ -68,12 +58,12 @@ _CONSTRAINTS = {"minimum": "minimum", "maximum": "maximum", "exclusiveMinimum": 
 def schema_for(mode: str) -> type[BaseModel]:
     if mode not in MODES:
         raise ValueError(f"mode: unknown mode {mode!r}; expected one of {', '.join(MODES)}")
-    return MODES[mode]["schema"]
+    return MODES[mode].schema
 
 
 def fixed_values(mode: str) -> dict[str, Any]:
     """Top-level values the mode sets itself (merged into every config of that mode)."""
-    return dict(_FIXED.get(mode, {}))
+    return dict(MODES[mode].fixed)
 
 
 def level_of(mode: str, path: str) -> str:
@@ -190,7 +180,7 @@ def schema_response(mode: str) -> dict[str, Any]:
     fields = schema_fields(mode)
     return {
         "mode": mode,
-        "modes": [{"id": m, "title": v["title"], "command": v["command"]} for m, v in MODES.items()],
+        "modes": [{"id": m.id, "title": m.title, "command": m.command} for m in MODES.values()],
         "levels": list(LEVELS),
         "groups": _groups(schema_for(mode), fields),
         "fields": fields,

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from tokenmill.config.modes import MODES, strip_extras
 from tokenmill.types import ConfigError
 
 C = TypeVar("C", bound=BaseModel)
@@ -95,7 +96,9 @@ def read_yaml_tree(source: str | Path) -> dict[str, Any]:
 def load_config(
     schema: type[C], source: str | Path | dict[str, Any] | None = None, overrides: dict[str, Any] | None = None
 ) -> C:
-    """Build a `schema` instance from a YAML path or dict plus dotted overrides; raise `ConfigError`."""
+    """Build a `schema` instance from a YAML path or dict plus dotted overrides; raise `ConfigError`.
+
+    A run config may also hold `mode:` and `estimate:` (see `config.modes`): they are checked and dropped."""
     if source is None:
         tree: dict[str, Any] = {}
     elif isinstance(source, dict):
@@ -104,6 +107,8 @@ def load_config(
         tree = read_yaml_tree(source)
     for key, value in (overrides or {}).items():
         _set_dotted(tree, key, value)
+    if any(m.schema is schema for m in MODES.values()):  # one YAML serves its trainer and `tokenmill estimate`
+        tree = strip_extras(tree, schema)
     try:
         return schema.model_validate(tree)
     except ValidationError as exc:

@@ -1,33 +1,23 @@
-"""A tokenmill config dict -> `MemoryPlan`; the estimate -> its JSON answer and `tokenmill estimate`'s table.
+"""A tokenmill config dict -> `MemoryPlan` -> the estimate's JSON answer (`estimate_for_config`).
 
 The training schema has no fields for what only the estimate needs (numerics of other backends,
 checkpointing, prompt lengths, budgets): they come as optional keys under `estimate:`, validated here
-with the same one-line-per-field errors as the rest of the config.
+with the same one-line-per-field errors as the rest of the config. The trainers accept and drop that
+section and `mode:` (`config.modes`), so one YAML serves `tokenmill train` and `tokenmill estimate`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tokenmill.composer.memory import (
-    GB,
-    GIB,
-    BudgetSolution,
-    MemoryEstimate,
-    MemoryPlan,
-    ModelMemory,
-    by_phase,
-)
-from tokenmill.composer.model_specs import LINEARS, ModelShape, resolve_shape
+from tokenmill.config.modes import MODES, infer_mode
+from tokenmill.estimate.memory import GIB, MemoryPlan, estimate, recommend_backend, solve_budget
+from tokenmill.estimate.model_specs import LINEARS, ModelShape, resolve_shape
+from tokenmill.estimate.report import to_dict
 from tokenmill.types import ConfigError
-
-MODES = ("rl", "preference", "reward_model", "sft")
-RL_KEYS = {"generation", "algorithm", "rewards", "controller", "env", "critic", "training", "tracking", "checkpoint"}
-SFT_KEYS = {"completion_column", "messages_column", "packing", "micro_batch_tokens"}
 
 
 class EstimateOptions(BaseModel):
@@ -55,22 +45,6 @@ class EstimateOptions(BaseModel):
         0.5, gt=0, le=1, description="vLLM's gpu_memory_utilization: the share of the device it reserves.")
     engine_sleep: bool = Field(False, description="vLLM sleeps (weights offloaded, KV freed) while training.")
     margin: float = Field(0.1, ge=0, lt=0.5, description="Share of the device kept free for fragmentation.")
-
-
-def infer_mode(config: dict[str, Any]) -> tuple[str, list[str]]:
-    """`mode` if given; else from the sections present. A config of only model and data reads as RL."""
-    if "mode" in config:
-        if config["mode"] not in MODES:
-            raise ConfigError(f"mode: must be one of {', '.join(MODES)} (got {config['mode']!r})")
-        return config["mode"], []
-    keys = set(config)
-    if "objective" in keys or "beta" in keys:
-        return ("reward_model" if config.get("objective") == "reward_model" else "preference"), []
-    if keys & RL_KEYS:
-        return "rl", []
-    if keys & SFT_KEYS or keys - {"model", "data"}:
-        return "sft", ["mode inferred as sft; set mode: preference for a DPO config without objective/beta"]
-    return "rl", []
 
 
 def _options(config: dict[str, Any]) -> EstimateOptions:
@@ -126,17 +100,13 @@ def plan_from_config(
     config: dict[str, Any], *, device_memory_gib: float | None = None, num_devices: int = 1
 ) -> tuple[MemoryPlan, list[str]]:
     """Validate `config` against its mode's schema and translate it; returns the plan and notes."""
-    from tokenmill.config import PreferenceConfig, RLConfig, SFTConfig, load_config
+    from tokenmill.config import load_config
 
     if not isinstance(config, dict):
         raise ConfigError("config: expected a mapping of sections")
     mode, notes = infer_mode(config)
     opts = _options(config)
-    tree = {k: v for k, v in config.items() if k not in ("mode", "estimate")}
-    if mode == "reward_model":
-        tree.setdefault("objective", "reward_model")
-    schema = {"rl": RLConfig, "sft": SFTConfig, "preference": PreferenceConfig, "reward_model": PreferenceConfig}
-    cfg = load_config(schema[mode], tree)
+    cfg = load_config(MODES[mode].schema, {**config, "mode": mode})  # checks and drops mode / estimate
     policy = _shape(cfg.model.path, "model.path")
     devices = num_devices if num_devices != 1 else opts.num_devices
     memory_gib = device_memory_gib if device_memory_gib is not None else opts.device_memory_gib
@@ -165,77 +135,15 @@ def plan_from_config(
     return MemoryPlan(**fields), notes
 
 
-def model_peak(m: ModelMemory) -> int:
-    """The model's persistent bytes plus its largest phase (its items of different phases never coexist)."""
-    parts = by_phase(m)
-    return parts.pop("persistent", 0) + max(parts.values(), default=0)
 
-
-def to_dict(est: MemoryEstimate, budget: BudgetSolution | None, advice: dict[str, Any]) -> dict[str, Any]:
-    """The JSON answer of `estimate_for_config` (bytes as integers; GB = 10^9 bytes in the `*_gb` copies)."""
-    plan, dev = est.plan, est.device
-    settings = {k: v for k, v in asdict(plan).items() if k not in ("policy", "critic", "reward_models")}
-    settings |= {"lora_targets": list(plan.lora_targets), "seq_len": plan.seq_len,
-                 "micro_batch_tokens_effective": plan.tokens}
-    models = [{"role": m.role, "device": m.device, "trainable": m.trainable, "params": m.params,
-               "trainable_params": m.trainable_params, "bytes": m.bytes, "phases": m.phases,
-               "peak_bytes": model_peak(m)} for m in est.models]
-    device = {"name": dev.name, "count": plan.num_devices, "persistent_bytes": dev.persistent,
-              "phase_bytes": dev.phases, "peak_phase": dev.peak_phase, "overhead_bytes": dev.overhead,
-              "margin_bytes": dev.margin, "total_bytes": dev.total, "total_gb": round(dev.total / GB, 2),
-              "budget_bytes": dev.budget, "fits": dev.fits}
-    out: dict[str, Any] = {"mode": plan.mode, "algorithm": plan.algorithm, "model": plan.policy.to_dict(),
-                           "settings": settings, "models": models, "devices": [device],
-                           "warnings": list(est.warnings), "recommendation": advice, "budget": None}
-    if budget is not None:
-        out["budget"] = {**{k: v for k, v in asdict(budget).items() if k != "proposals"}, "fits": budget.fits,
-                         "suggested_micro_batch_tokens": budget.micro_batch * plan.seq_len,
-                         "proposals": [asdict(p) for p in budget.proposals]}
-    return out
-
-
-def _gb(value: int | None) -> str:
-    return "" if not value else f"{value / GB:.2f}"
-
-
-def render(result: dict[str, Any]) -> None:
-    """Print `estimate_for_config`'s answer as tables on the console (rich)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console, model, st, dev = Console(), result["model"], result["settings"], result["devices"][0]
-    console.print(f"[bold]{model['name']}[/]: {model['params']:,} parameters; {result['mode']} ({result['algorithm']}),"
-                  f" {st['precision']}, {st['micro_batch_tokens_effective']} tokens per micro-batch, "
-                  f"{st['num_devices']} device(s), sharding {st['sharding']}")
-    parts = list(dict.fromkeys(k for m in result["models"] for k in m["bytes"]))
-    table = Table(title="Memory on each device, GB (10^9 bytes)")
-    table.add_column("component")
-    table.add_column("phase")
-    for m in result["models"]:
-        table.add_column(m["role"] + ("" if m["trainable"] else " (frozen)"), justify="right")
-    for key in parts:
-        phase = next(m["phases"][key] for m in result["models"] if key in m["phases"])
-        table.add_row(key, phase, *(_gb(m["bytes"].get(key)) for m in result["models"]))
-    table.add_row("trainable params", "", *(f"{m['trainable_params']:,}" for m in result["models"]))
-    table.add_row("peak", "", *(_gb(m["peak_bytes"]) for m in result["models"]))
-    console.print(table)
-    phases = ", ".join(f"{k} {_gb(v) or '0'}" for k, v in dev["phase_bytes"].items())
-    budget = "" if dev["budget_bytes"] is None else (
-        f" of {dev['budget_bytes'] / GIB:.1f} GiB: " + ("fits" if dev["fits"] else "[red]does not fit[/]"))
-    console.print(f"device '{dev['name']}': persistent {_gb(dev['persistent_bytes'])} + peak phase "
-                  f"{dev['peak_phase']} (phases: {phases}) + overhead {_gb(dev['overhead_bytes'])} + margin "
-                  f"{_gb(dev['margin_bytes'])} = [bold]{dev['total_gb']:.2f} GB[/]{budget}")
-    for warning in result["warnings"]:
-        console.print(f"[yellow]warning:[/] {warning}")
-    rec = result["recommendation"]
-    console.print(f"recommendation: {rec['backend']} - {rec['reason']}")
-    b = result["budget"]
-    if b is not None and b["fits"]:
-        console.print(f"budget: up to {b['max_tokens']:,} tokens per micro-batch -> {b['micro_batch']} sequence(s) "
-                      f"of {st['seq_len']}, gradient accumulation {b['grad_accum']} "
-                      f"(micro_batch_tokens: {b['suggested_micro_batch_tokens']})")
-    elif b is not None:
-        console.print("budget: one sequence does not fit; in order:")
-        for p in b["proposals"]:
-            console.print(f"  - {p['action']} ({p['setting']}): saves {_gb(p['saving_bytes']) or '0'} GB"
-                          + (" -> fits" if p["fits_after"] else ""))
+def estimate_for_config(
+    config: dict[str, Any], *, device_memory_gib: float | None = None, num_devices: int = 1
+) -> dict[str, Any]:
+    """The estimate of a tokenmill config given as a plain dict (what `tokenmill train / sft / preference`
+    accept, optional `mode` and `estimate:` keys included; see `EstimateOptions`). The arguments override
+    `estimate.device_memory_gib` / `estimate.num_devices` (num_devices when not 1). Raises `ConfigError`
+    naming the field on bad input."""
+    plan, notes = plan_from_config(config, device_memory_gib=device_memory_gib, num_devices=num_devices)
+    est = estimate(plan)
+    est.warnings[:0] = notes
+    return to_dict(est, solve_budget(plan), recommend_backend(plan))

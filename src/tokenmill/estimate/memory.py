@@ -1,6 +1,6 @@
 """Memory estimate of a post-training run: per model, per device, with the breakdown, not only a total.
 
-The formulas are COMPOSER.md's "Memory model" (GB = 10^9 bytes; budgets are given in GiB):
+The formulas (derived in docs/memory-estimate.md; GB = 10^9 bytes, budgets are given in GiB):
 - model states per parameter: trainable = weights + gradients + optimizer (+ fp32 master), frozen = weights;
   LoRA adapters `L·r·Σ(d_in+d_out)` train at full bytes, the base is frozen; FSDP/ZeRO divide by N;
 - activations per token per layer `a_tok = b·(6h + 2·n_kv·d + 4I) + 4·n_h` (SDPA, SwiGLU; b = activation
@@ -9,8 +9,8 @@ The formulas are COMPOSER.md's "Memory model" (GB = 10^9 bytes; budgets are give
   tokenmill's `token_logprobs` keeps), chunked 2;
 - engine KV cache `2·L·n_kv·d·b` per token for every sequence in flight (a GRPO group multiplies them).
 A device's peak is its persistent bytes plus the largest phase (train, score, rollout): the phases do not
-overlap in time. `MemoryPlan` -> `estimate()` / `solve_budget()` is the Python API; `estimate_for_config()`
-reads a tokenmill config dict (what the Composer and `tokenmill estimate` call).
+overlap in time. `MemoryPlan` -> `estimate()` / `solve_budget()` is the Python API; `estimate.config` builds
+the plan from a tokenmill config dict.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from tokenmill.composer.model_specs import LINEARS, ModelShape
+from tokenmill.estimate.model_specs import LINEARS, ModelShape
 
 GB = 10**9
 GIB = 2**30
@@ -154,7 +154,8 @@ class ModelMemory:
 
 
 def active_roles(plan: MemoryPlan) -> list[Role]:
-    """Which models exist for the algorithm (see COMPOSER.md "Which models exist")."""
+    """Which models exist for the algorithm: the policy always; a frozen reference for a KL penalty or DPO / IPO
+    (free for a LoRA policy: its base with the adapters off is the reference); PPO's critic; reward models."""
     actor = Role("actor", plan.policy, True, lora_rank=plan.lora_rank)
     if plan.mode == "sft":
         return [actor]
@@ -377,7 +378,7 @@ def _shorter(plan: MemoryPlan, rl: bool) -> tuple[str, str, MemoryPlan] | None:
 
 
 def propose(plan: MemoryPlan) -> list[Proposal]:
-    """COMPOSER.md's order: checkpointing -> chunked log-probs -> LoRA -> engine sleep -> more GPUs -> shorter
+    """Cheapest first: checkpointing -> chunked log-probs -> LoRA -> engine sleep -> more GPUs -> shorter
     completions. Each is applied on top of the earlier ones and listed with what it saves on the busiest device
     at a one-sequence micro-batch; one that saves nothing is left out; the list ends at the first that fits."""
     steps = [
@@ -463,17 +464,3 @@ def recommend_backend(plan: MemoryPlan) -> dict[str, Any]:
     return {"backend": "megatron", "num_devices": None,
             "reason": f"64 x {gib} devices with FSDP2 do not fit: tensor / pipeline parallelism needed"}
 
-
-def estimate_for_config(
-    config: dict[str, Any], *, device_memory_gib: float | None = None, num_devices: int = 1
-) -> dict[str, Any]:
-    """The estimate of a tokenmill config given as a plain dict (what `tokenmill train / sft / preference`
-    accept, plus optional `mode` and `estimate:` keys; see `memory_config.EstimateOptions`). The arguments
-    override `estimate.device_memory_gib` / `estimate.num_devices` (num_devices when not 1). Raises
-    `ConfigError` naming the field on bad input."""
-    from tokenmill.composer.memory_config import plan_from_config, to_dict
-
-    plan, notes = plan_from_config(config, device_memory_gib=device_memory_gib, num_devices=num_devices)
-    est = estimate(plan)
-    est.warnings[:0] = notes
-    return to_dict(est, solve_budget(plan), recommend_backend(plan))
