@@ -15,6 +15,8 @@ from typing import Any
 from tokenmill.types import ConfigError, TokenmillError
 
 CONFIG_COMMANDS = {"train", "sft", "eval", "validate", "preference"}
+LIGHT_COMMANDS = {"validate"}  # load no model: transformers / datasets stay unimported (validate answers in < 1 s)
+MAX_LINE = 300  # characters of one error line shown (a message quoting a huge value is cut)
 
 
 def _rl_config(path: str | None, overrides: list[str]):
@@ -297,6 +299,12 @@ def _quiet_libraries() -> None:
     datasets_quiet()
 
 
+def _clipped(message: str, max_lines: int = 50) -> str:
+    lines = [line if len(line) <= MAX_LINE else line[:MAX_LINE] + "..." for line in message.splitlines()]
+    more = len(lines) - max_lines
+    return "\n".join(lines[:max_lines] + ([f"... and {more} more"] if more > 0 else []))
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -307,11 +315,12 @@ def main(argv: list[str] | None = None) -> int:
         argv, overrides = argv[:head], argv[head:]
     args = build_parser().parse_args(argv)
     args.overrides = overrides
-    _quiet_libraries()
+    if args.command not in LIGHT_COMMANDS:
+        _quiet_libraries()
     try:
         return args.fn(args)
     except ConfigError as exc:
-        print(f"tokenmill: invalid configuration\n{exc}", file=sys.stderr)
+        print(f"tokenmill: invalid configuration\n{_clipped(str(exc))}", file=sys.stderr)
         return 2
     except TokenmillError as exc:  # a run that cannot go on (a dead engine server, a producer timeout): one line
         print(f"tokenmill: {exc}", file=sys.stderr)

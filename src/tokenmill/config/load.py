@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any, TypeVar
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
 from tokenmill.config.modes import MODES, strip_extras
+from tokenmill.config.safe_yaml import MAX_FILE_BYTES, decode_config_bytes, load_yaml_text, shorten
 from tokenmill.types import ConfigError
 
 C = TypeVar("C", bound=BaseModel)
@@ -26,18 +27,18 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or len(arg) == 2:
-            raise ConfigError(f"expected an override like --section.field VALUE, got {arg!r}")
+            raise ConfigError(f"expected an override like --section.field VALUE, got {shorten(arg)}")
         key = arg[2:]
         if "=" in key:
             key, raw = key.split("=", 1)
         else:
             if i + 1 >= len(args):
-                raise ConfigError(f"override --{key} has no value")
+                raise ConfigError(f"override --{_short_key(key)} has no value")
             i += 1
             raw = args[i]
         try:
-            out[key] = yaml.safe_load(raw)
-        except yaml.YAMLError:
+            out[key] = load_yaml_text(raw)
+        except ConfigError:  # not YAML (or an alias bomb): the text itself, which the schema then judges
             out[key] = raw
         i += 1
     return out
@@ -49,13 +50,18 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     for part in parts[:-1]:
         child = node.get(part)
         if isinstance(child, list) and parts[-1] != part:
-            raise ConfigError(f"{dotted}: list fields are set whole, e.g. --{part} '[...]'")
+            raise ConfigError(f"{_short_key(dotted)}: list fields are set whole, e.g. --{_short_key(part)} '[...]'")
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise ConfigError(f"{dotted}: {part} is not a section")
+            raise ConfigError(f"{_short_key(dotted)}: {_short_key(part)} is not a section")
         node = child
     node[parts[-1]] = value
+
+
+def _short_key(key: str) -> str:
+    """A key as shown in a message: itself, or its first 40 characters when it is longer."""
+    return key if len(key) <= 40 else f"{key[:40]}..."
 
 
 FIELD_PREFIX = re.compile(r"^([a-z_]+(?:\.[a-z_0-9]+)+): ")
@@ -68,10 +74,10 @@ def format_validation_error(err: ValidationError) -> str:
         parts = list(e["loc"])
         # drop union tags that pydantic puts in the path (rewards.0.function.weight -> rewards.0.weight)
         parts = [p for i, p in enumerate(parts) if not (i and isinstance(parts[i - 1], int) and p in TAGS)]
-        loc = ".".join(str(p) for p in parts)
+        loc = ".".join(_short_key(str(p)) for p in parts)
         msg = e["msg"].removeprefix("Value error, ")
         got = e.get("input")
-        shown = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
+        shown = "" if isinstance(got, dict) or got is None else f" (got {shorten(got)})"
         named = FIELD_PREFIX.match(msg)
         if not loc and named:  # a cross-field check names the field it blames: `section.field: ...`
             loc, msg = named.group(1), msg[named.end() :]
@@ -84,10 +90,12 @@ def read_yaml_tree(source: str | Path) -> dict[str, Any]:
     path = Path(source)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
+    if path.stat().st_size > MAX_FILE_BYTES:  # refused before reading it
+        raise ConfigError(f"{path}: {path.stat().st_size:,} bytes; a config file is at most {MAX_FILE_BYTES:,}")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        tree = load_yaml_text(decode_config_bytes(path.read_bytes())) or {}
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     return tree
@@ -102,7 +110,7 @@ def load_config(
     if source is None:
         tree: dict[str, Any] = {}
     elif isinstance(source, dict):
-        tree = dict(source)
+        tree = copy.deepcopy(source)  # overrides edit nested sections: never the caller's dict
     else:
         tree = read_yaml_tree(source)
     for key, value in (overrides or {}).items():
