@@ -218,9 +218,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_composer(args: argparse.Namespace) -> int:
     from tokenmill.composer.app import ExposureError, serve
 
+    if args.max_runs < 1:
+        print(f"tokenmill composer: --max-runs must be at least 1 (got {args.max_runs})", file=sys.stderr)
+        return 2
     try:
         serve(args.host, args.port, token=args.token or os.environ.get("TOKENMILL_COMPOSER_TOKEN") or None,
-              allow_remote=args.allow_remote, runs_dir=args.runs_dir)
+              allow_remote=args.allow_remote, runs_dir=args.runs_dir, max_runs=args.max_runs)
     except ExposureError as exc:  # one line, exit 2, nothing bound
         print(f"tokenmill composer: {exc}", file=sys.stderr)
         return 2
@@ -286,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host")
     comp.add_argument("--token", default=None, help="access token (default: $TOKENMILL_COMPOSER_TOKEN or random)")
     comp.add_argument("--runs-dir", default="runs/composer", help="folder of the runs launched from the page")
+    comp.add_argument("--max-runs", type=int, default=1,
+                      help="runs the page may have running at once; a launch beyond it is refused (409)")
     comp.set_defaults(fn=cmd_composer)
     return parser
 

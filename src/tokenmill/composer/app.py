@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tokenmill.composer import configs
 from tokenmill.composer.presets import presets
 from tokenmill.composer.preview import Previewer, PreviewError
-from tokenmill.composer.runs import FINAL, Cursor, RunError, RunManager, read_events
+from tokenmill.composer.runs import DEFAULT_MAX_RUNS, FINAL, Cursor, RunError, RunManager, read_events
 from tokenmill.composer.schema_ui import schema_response
 from tokenmill.config.modes import MODES
 from tokenmill.estimate import estimate_for_config
@@ -189,12 +189,13 @@ class _Invalid(Exception):
 
 
 def create_app(token: str, runs_dir: str | Path = "runs/composer", *, bind_host: str = "127.0.0.1",
-               static_dir: str | Path | None = None) -> FastAPI:
-    """The Composer app, with its Guard installed; `bind_host` decides which Host headers it answers."""
+               static_dir: str | Path | None = None, max_runs: int = DEFAULT_MAX_RUNS) -> FastAPI:
+    """The Composer app, with its Guard installed; `bind_host` decides which Host headers it answers,
+    `max_runs` how many launched runs may run at once."""
     if not token:
         raise ValueError("token must be a non-empty string")
     app = FastAPI(title="tokenmill composer", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.runs = RunManager(runs_dir)
+    app.state.runs = RunManager(runs_dir, max_runs=max_runs)
     app.state.previewer = Previewer()
     static = Path(static_dir) if static_dir is not None else STATIC_DIR
     app.add_middleware(Guard, token=token, allowed_hosts=allowed_hosts_for(bind_host))
@@ -218,7 +219,7 @@ def _errors(app: FastAPI) -> None:
 
     @app.exception_handler(RunError)
     async def run_error(request: Request, exc: RunError) -> JSONResponse:
-        return _error(exc.status, str(exc))
+        return _error(exc.status, str(exc), **exc.details)
 
     @app.exception_handler(_Invalid)
     async def invalid(request: Request, exc: _Invalid) -> JSONResponse:
@@ -302,7 +303,7 @@ def _run_routes(app: FastAPI) -> None:
 
     @app.get("/api/runs")
     def run_list() -> dict[str, Any]:
-        return {"runs": runs.list()}
+        return {"runs": runs.list(), "max_runs": runs.max_runs}
 
     @app.get("/api/runs/{run_id}")
     def run_info(run_id: str) -> dict[str, Any]:
@@ -377,7 +378,7 @@ def check_exposure(host: str, allow_remote: bool) -> None:
 
 
 def serve(host: str = "127.0.0.1", port: int = 8600, *, token: str | None = None, allow_remote: bool = False,
-          runs_dir: str | Path = "runs/composer", say: Any = print) -> None:
+          runs_dir: str | Path = "runs/composer", max_runs: int = DEFAULT_MAX_RUNS, say: Any = print) -> None:
     """Bind, print the URL with the token, and serve until interrupted."""
     import secrets
     import socket
@@ -395,7 +396,7 @@ def serve(host: str = "127.0.0.1", port: int = 8600, *, token: str | None = None
         sock.close()
         raise ExposureError(f"--port {port}: cannot bind {host}:{port}: {exc.strerror or exc}") from None
     bound = sock.getsockname()[1]
-    app = create_app(token, runs_dir, bind_host=host)
+    app = create_app(token, runs_dir, bind_host=host, max_runs=max_runs)
     shown = "127.0.0.1" if bare in ("0.0.0.0", "::") else (f"[{bare}]" if ":" in bare else bare)
     say(f"tokenmill composer: open http://{shown}:{bound}/?token={token}")
     say(f"  runs in {app.state.runs.runs_dir}; "

@@ -35,16 +35,19 @@ FILES = {"metrics": "metrics.jsonl", "samples": "samples.jsonl", "log": "log.txt
 SSE_NAMES = {"metrics": "metrics", "samples": "samples", "log": "log", "events": "stage"}
 STAGE_ORDER = ("generate", "reward", "critic", "train", "sync")
 STOP_GRACE_S = 10.0
+DEFAULT_MAX_RUNS = 1  # one training run already takes every core of a workstation (torch threads)
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _MAX_LINES_PER_READ = 2000  # bounds one poll's work on a huge backlog; the next poll reads on
 
 
 class RunError(Exception):
-    """A request about runs that cannot be served; `status` is the HTTP status to answer with."""
+    """A request about runs that cannot be served; `status` is the HTTP status to answer with and `details`
+    extra keys of the JSON error body."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, **details: Any) -> None:
         super().__init__(message)
         self.status = status
+        self.details = details
 
 
 @dataclass(frozen=True)
@@ -200,14 +203,19 @@ def _write_json(path: Path, value: dict[str, Any]) -> None:
 
 
 class RunManager:
-    """Launch, stop, list and tail the runs under `runs_dir` (one folder each)."""
+    """Launch, stop, list and tail the runs under `runs_dir` (one folder each). At most `max_runs` run at
+    once, counting runs an earlier Composer launched into the same folder that are still alive."""
 
-    def __init__(self, runs_dir: str | Path) -> None:
+    def __init__(self, runs_dir: str | Path, max_runs: int = DEFAULT_MAX_RUNS) -> None:
+        if max_runs < 1:
+            raise ValueError(f"max_runs: must be at least 1 (got {max_runs})")
         self.runs_dir = Path(runs_dir).expanduser().resolve()
         self.runs_dir.mkdir(parents=True, exist_ok=True)
+        self.max_runs = max_runs
         self._procs: dict[str, subprocess.Popen] = {}
         self._stopping: set[str] = set()
         self._lock = threading.Lock()
+        self._launching = threading.Lock()  # the cap's count and the launch it allows are one step
 
     # ------------------------------------------------------------------------------ launch / stop
     def folder(self, run_id: str) -> Path:
@@ -250,15 +258,30 @@ class RunManager:
             raise RunError(422, "; ".join(f"{e['path']}: {e['message']}" for e in errors))
         return cfg
 
+    def running(self) -> list[str]:
+        """Ids of the runs under `runs_dir` that are running now."""
+        return [r["id"] for r in self.list() if r["status"] == "running"]
+
     def launch(self, mode: str, config: dict[str, Any], rewards: list[RewardCode] | None = None,
                name: str | None = None) -> dict[str, Any]:
+        """Start a run; RunError 409 (with the running ids) when `max_runs` are running already."""
         if mode not in MODES:
             raise RunError(400, f"mode: unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        with self._launching:
+            running = self.running()
+            if len(running) >= self.max_runs:
+                raise RunError(409, f"runs: {len(running)} run(s) already running, the most this Composer "
+                               f"starts at once (--max-runs {self.max_runs}); stop one or wait for it to end: "
+                               f"{', '.join(running)}", running=running, max_runs=self.max_runs)
+            return self._launch(mode, config, rewards or [], name)
+
+    def _launch(self, mode: str, config: dict[str, Any], rewards: list[RewardCode], name: str | None
+                ) -> dict[str, Any]:
         run_id = self._new_id(mode, name)
         run_dir = self.runs_dir / run_id
         run_dir.mkdir(parents=True)
         try:
-            cfg = self.prepare(mode, config, rewards or [], run_dir)
+            cfg = self.prepare(mode, config, rewards, run_dir)
         except RunError:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
