@@ -203,7 +203,7 @@ def test_preview_scores_equal_the_function_applied_by_hand(client, tiny_model_pa
 
 
 def test_file_import_strings(tmp_path):
-    from tokenmill.controller.build import import_string
+    from tokenmill.config.imports import resolve as import_string
     from tokenmill.types import ConfigError
 
     (tmp_path / "r.py").write_text("K = 3\ndef f(prompts, completions, **kw):\n    return [K] * len(completions)\n")

@@ -72,9 +72,9 @@ def import_reward_worker(spec: str, per_sample: bool, field: str) -> Callable[..
 
     def call(prompts: list[Any], completions: list[str], **columns: list[Any]) -> Any:
         if "fn" not in loaded:
-            from tokenmill.controller.build import import_string
+            from tokenmill.config.imports import resolve
 
-            loaded["fn"] = _filtered_call(import_string(spec, field), per_sample)
+            loaded["fn"] = _filtered_call(resolve(spec, field), per_sample)
         return loaded["fn"](prompts, completions, **columns)
 
     return call

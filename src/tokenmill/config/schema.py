@@ -121,8 +121,8 @@ class EnvConfig(_Section):
     """Multi-turn episodes against an environment instead of single completions scored by rewards."""
 
     name: str | None = Field(
-        None, description="Environment: a built-in name (guess_number, calculator, coding, gym) or 'module:Class' "
-        "of your own (reset(task) -> messages, step(message) -> StepResult, close())."
+        None, description="Environment: a built-in name (guess_number, calculator, coding, gym), or your own as "
+        "'module:Class' or 'path/to/file.py:Class' (reset(task) -> messages, step(message) -> StepResult, close())."
     )
     url: str | None = Field(None, description="A remote environment served by `tokenmill env serve` (http://host:port).")
     token: str | None = Field(None, description="Bearer token for `url` (default: $TOKENMILL_ENV_TOKEN).")

@@ -7,12 +7,8 @@ any model is loaded.
 from __future__ import annotations
 
 import copy
-import hashlib
-import importlib
-import importlib.util
 import os
 import random
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +17,7 @@ from typing import Any
 import torch
 import yaml
 
+from tokenmill.config.imports import resolve
 from tokenmill.config.schema import LoRAConfig, ModelConfig, RewardFunctionConfig, RLConfig
 from tokenmill.data.prompts import PromptSource, load_rows
 from tokenmill.engines.hf import HFEngine
@@ -33,47 +30,6 @@ from tokenmill.tracking.logger import MetricsLogger
 from tokenmill.training.critic import Critic, load_critic
 from tokenmill.training.local import LocalBackend, ReferenceModel
 from tokenmill.types import ConfigError, SamplingParams
-
-
-def _import_file(path: str, field: str) -> Any:
-    """Load a Python file as a module (for 'path/to/file.py:attr', e.g. reward code the Composer wrote).
-    The module is registered in sys.modules under a name derived from its absolute path, so loading the same
-    file twice gives the same module."""
-    file = Path(path).expanduser().resolve()
-    if not file.is_file():
-        raise ConfigError(f"{field}: no such file {path!r}")
-    name = "tokenmill_file_" + hashlib.sha1(str(file).encode()).hexdigest()[:16]
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 - user code that fails to load is a config problem to report
-        del sys.modules[name]
-        raise ConfigError(f"{field}: cannot load {path!r}: {type(exc).__name__}: {exc}") from None
-    return module
-
-
-def import_string(spec: str, field: str) -> Any:
-    """Resolve 'package.module:attr' or 'path/to/file.py:attr' (relative paths are from the current
-    directory); a ConfigError names `field` if it cannot be found."""
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{field}: expected 'module:attribute' or 'path/to/file.py:attribute', got {spec!r}")
-    if module_name.endswith(".py"):
-        obj: Any = _import_file(module_name, field)
-    else:
-        try:
-            obj = importlib.import_module(module_name)
-        except Exception as exc:  # noqa: BLE001 - any import failure is a config problem to report
-            raise ConfigError(f"{field}: cannot import module {module_name!r}: {exc}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"{field}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -93,7 +49,7 @@ def autocast_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype | None
 
 
 def _reward_function(rc: RewardFunctionConfig, i: int) -> Callable[..., Any]:
-    fn = import_string(rc.function, f"rewards.{i}.function")
+    fn = resolve(rc.function, f"rewards.{i}.function")
     if not callable(fn):
         raise ConfigError(f"rewards.{i}.function: {rc.function!r} is not callable")
     return fn

@@ -1,15 +1,15 @@
 """Environments: the protocol (`base`), built-in environments with task generators, remote environments.
 
-`resolve_env(name, kwargs)` turns a config's `env.name` (a built-in name or `module:Class`) into a factory;
-`env_tasks(name, n, seed)` gives a built-in environment's task rows.
+`resolve_env(name, kwargs)` turns a config's `env.name` (a built-in name, `module:Class` or `file.py:Class`)
+into a factory; `env_tasks(name, n, seed)` gives a built-in environment's task rows.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Any
 
+from tokenmill.config.imports import resolve
 from tokenmill.envs.base import EnvFactory, Environment, Message, StepResult
 from tokenmill.types import ConfigError
 
@@ -22,28 +22,11 @@ BUILTIN_ENVS: dict[str, tuple[str, str]] = {
 }
 
 
-def load_object(spec: str, field: str) -> Any:
-    """Import "package.module:Name" (Name may be dotted); errors name `field`."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{field}: {spec!r} must look like 'package.module:ClassName'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any failure of user code at import is a config problem
-        raise ConfigError(f"{field}: {spec!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ConfigError(f"{field}: {spec!r}: {module_name!r} has no attribute {attr!r}") from None
-    return obj
-
-
 def resolve_env(name: str, kwargs: dict[str, Any] | None = None, field: str = "env.name") -> EnvFactory:
-    """A factory making a fresh environment per episode from a built-in name or 'module:Class' (with
-    kwargs, `partial(Class, **kwargs)`)."""
+    """A factory making a fresh environment per episode from a built-in name, 'module:Class' or
+    'path/to/file.py:Class' (with kwargs, `partial(Class, **kwargs)`)."""
     spec = BUILTIN_ENVS[name][0] if name in BUILTIN_ENVS else name
-    cls = load_object(spec, field)
+    cls = resolve(spec, field)
     if not callable(cls):
         raise ConfigError(f"{field}: {spec!r} names a {type(cls).__name__}, not a class or factory")
     return functools.partial(cls, **kwargs) if kwargs else cls
@@ -53,8 +36,7 @@ def env_tasks(name: str, n: int, seed: int = 0, **kwargs: Any):
     """Task rows of a built-in environment."""
     if name not in BUILTIN_ENVS:
         raise ConfigError(f"data.task: {name!r} has no built-in tasks (built-in: {', '.join(BUILTIN_ENVS)})")
-    return load_object(BUILTIN_ENVS[name][1], "data.task")(n, seed=seed, **kwargs)
+    return resolve(BUILTIN_ENVS[name][1], "data.task")(n, seed=seed, **kwargs)
 
 
-__all__ = ["BUILTIN_ENVS", "EnvFactory", "Environment", "Message", "StepResult", "env_tasks", "load_object",
-           "resolve_env"]
+__all__ = ["BUILTIN_ENVS", "EnvFactory", "Environment", "Message", "StepResult", "env_tasks", "resolve_env"]
