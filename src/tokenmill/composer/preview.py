@@ -35,18 +35,11 @@ class PreviewError(Exception):
 
 
 def _filtered_call(fn: Callable[..., Any], per_sample: bool) -> Callable[..., Any]:
-    """fn with TRL's batched signature, passed only the columns it accepts (as FunctionReward does)."""
-    import inspect
+    """fn called as FunctionReward calls it: TRL's keyword arguments, the ones it accepts, awaited if async."""
+    from tokenmill.rewards.base import invoke
 
-    from tokenmill.rewards.base import _per_sample_batch
-
-    call = _per_sample_batch(fn) if per_sample else fn
-    params = inspect.signature(fn).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return call
-    accepted = {p.name for p in params}
-    return lambda prompts, completions, **cols: call(prompts, completions,
-                                                     **{k: v for k, v in cols.items() if k in accepted})
+    return lambda prompts, completions, **cols: invoke(
+        fn, {"prompts": prompts, "completions": completions, **cols}, per_sample=per_sample)
 
 
 def code_reward_worker(code: str, function: str, per_sample: bool, filename: str) -> Callable[..., Any]:

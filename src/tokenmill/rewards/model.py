@@ -35,7 +35,13 @@ class ModelReward:
         return prompt + completion
 
     def __call__(
-        self, prompts: list[Any], completions: list[str], columns: dict[str, list[Any]]
+        self,
+        prompts: list[Any],
+        completions: list[str],
+        columns: dict[str, list[Any]],
+        *,
+        completion_ids: list[list[int]] | None = None,
+        state: Any = None,
     ) -> list[RewardResult]:
         import torch
 
