@@ -84,7 +84,7 @@ def test_extract_code_takes_the_last_python_block():
 
 
 def test_fails_closed_without_isolation_unless_none_is_asked_for(monkeypatch):
-    from tokenmill.envs import coding
+    from tokenmill.envs.coding import env as coding
 
     monkeypatch.setattr(runner, "_probed", {"bwrap": "bwrap not found", "unshare": "user namespaces off"})
     monkeypatch.setattr(coding, "_default_sandbox", None)
