@@ -1,5 +1,5 @@
-"""The README's "write your own environment" example works as printed: under 30 lines, importable by its
-'module:Class' name, and it runs episodes through the agent loop with a real (tiny) model."""
+"""The "write your own environment" example of docs/environments.md works as printed: under 30 lines,
+importable by its 'module:Class' name, and it runs episodes through the agent loop with a real (tiny) model."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from tokenmill.recipes.tiny import build_tiny_model
 from tokenmill.rollout.agent import AgentLimits, AgentLoop
 from tokenmill.types import SamplingParams
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "environments.md"
 
 
-def test_readme_environment_example(tmp_path, monkeypatch):
-    code = re.search(r"```python\n(# mygame\.py.*?)```", README.read_text(), re.DOTALL).group(1)
+def test_environment_example(tmp_path, monkeypatch):
+    code = re.search(r"```python\n(# mygame\.py.*?)```", PAGE.read_text(), re.DOTALL).group(1)
     assert len(code.strip().splitlines()) < 30
     (tmp_path / "mygame.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -39,7 +39,8 @@ def test_readme_environment_example(tmp_path, monkeypatch):
     engine = HFEngine.from_pretrained(build_tiny_model(tmp_path / "m", seed=0, **MODEL), seed=0)
     loop = AgentLoop(engine, engine.tokenizer, factory, SamplingParams(max_tokens=3, n=2),
                      AgentLimits(max_turns=10, max_episode_tokens=512))
-    samples = [s for g in loop.rollout(tasks) for s in g.samples]
+    groups, _ = loop.rollout(tasks)
+    samples = [s for g in groups for s in g.samples]
     assert len(samples) == 8
     for s in samples:
         assert 1 <= s.row["turns"] <= 6
