@@ -1,0 +1,126 @@
+"""A reward that fails on every sample stops the run after `controller.reward_failure_steps` steps, naming
+the function and its first error; one that fails on some samples does not."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+
+import tokenmill
+from tokenmill.rewards.watch import RewardFailureError, RewardFailureWatch
+from tokenmill.types import Group, Sample, StopReason
+
+# ------------------------------------------------------------------------------------- the watch alone
+
+
+def _step(values: list[float | None], errors: list[str | None], name: str = "r") -> list[Group]:
+    samples = [
+        Sample(tokens=(1, 2), loss_mask=(0, 1), logprobs=(0.0, -1.0), prompt_len=1, prompt="p", completion="c",
+               stop_reason=StopReason.STOP, version=0, group_id=0, reward=math.nan if v is None else v,
+               rewards={name: v}, reward_errors={name: e} if e else {})
+        for v, e in zip(values, errors, strict=True)
+    ]
+    return [Group(0, tuple(samples))]
+
+
+FAILED = _step([None, None], ["ValueError: bad at r.py:3", "ValueError: worse at r.py:3"])
+SCORED_ONE = _step([None, 0.5], ["ValueError: bad at r.py:3", None])
+ABSTAINED = _step([None, None], [None, None])
+
+
+def test_stops_at_the_kth_consecutive_failed_step_with_the_first_error():
+    watch = RewardFailureWatch(3)
+    watch.check(1, SCORED_ONE)
+    watch.check(2, FAILED)
+    watch.check(3, FAILED)
+    with pytest.raises(RewardFailureError) as err:
+        watch.check(4, _step([None], ["TimeoutError:\nno result\nwithin 1s"]))
+    assert str(err.value) == (
+        "reward 'r' failed on every sample in 3 consecutive steps (2-4); first error: ValueError: bad at r.py:3. "
+        "Fix or remove the function (controller.reward_failure_steps: 0 turns this check off)")
+
+
+def test_a_scored_sample_or_a_step_of_abstentions_ends_the_streak():
+    watch = RewardFailureWatch(2)
+    for step, groups in enumerate([FAILED, SCORED_ONE, FAILED, ABSTAINED, FAILED, SCORED_ONE], start=1):
+        watch.check(step, groups)  # never two failed steps in a row
+    with pytest.raises(RewardFailureError, match=r"in 2 consecutive steps \(7-8\)"):
+        watch.check(7, FAILED)
+        watch.check(8, FAILED)
+
+
+def test_zero_never_stops():
+    watch = RewardFailureWatch(0)
+    for step in range(1, 20):
+        watch.check(step, FAILED)
+
+
+# ------------------------------------------------------------------------------------------- real runs
+
+REWARDS = '''
+def digit_share(prompts, completions, **kwargs):
+    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+
+
+def always_raises(prompts, completions, **kwargs):
+    raise KeyError("no column named solution")
+
+
+def fails_on_half(prompts, completions, **kwargs):
+    return [float("nan") if i % 2 else 1.0 for i in range(len(completions))]
+'''
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from tokenmill.testing import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("m"), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+
+
+def _config(tmp_path, model: str, reward: str, steps: int) -> dict:
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    return {
+        "model": {"path": model},
+        "data": {"task": "addition", "num_train": 100, "num_eval": 0},
+        "rewards": [{"function": f"{tmp_path / 'rewards.py'}:digit_share"},
+                    {"function": f"{tmp_path / 'rewards.py'}:{reward}"}],
+        "generation": {"group_size": 2, "max_tokens": 3},
+        "controller": {"steps": steps, "prompts_per_step": 2, "reward_failure_steps": 3},
+        "engine": {"threads": 1},
+        "tracking": {"output_dir": str(tmp_path / "run"), "console": "none"},
+        "checkpoint": {"every": 0, "save_final": False},
+    }
+
+
+def _logged_steps(tmp_path) -> list[dict]:
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "reward/mean" in r]
+
+
+def test_cli_run_with_an_always_failing_reward_stops_at_step_k(model, tmp_path, capsys):
+    from tokenmill.cli import main
+
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(_config(tmp_path, model, "always_raises", steps=10)))
+    code = main(["train", str(tmp_path / "config.yaml")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err[-1] == (
+        "tokenmill: reward 'always_raises' failed on every sample in 3 consecutive steps (1-3); first error: "
+        f"KeyError: 'no column named solution' at {tmp_path / 'rewards.py'}:7. "
+        "Fix or remove the function (controller.reward_failure_steps: 0 turns this check off)")
+    assert not any("Traceback" in line for line in err)
+    steps = _logged_steps(tmp_path)
+    assert [r["step"] for r in steps] == [1, 2, 3]  # steps 1-3 were logged, step 4 never ran
+    assert all(r["reward/always_raises/failed"] == 4 for r in steps)
+
+
+def test_a_reward_failing_on_some_samples_does_not_stop_the_run(model, tmp_path):
+    result = tokenmill.train(_config(tmp_path, model, "fails_on_half", steps=4))
+    steps = _logged_steps(tmp_path)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["reward/fails_on_half/failed"] == 2 and r["reward/fails_on_half/mean"] == 1.0 for r in steps)
+    assert result["last_metrics"]["reward/fails_on_half/failed"] == 2
