@@ -26,10 +26,11 @@ def _rl_config(path: str | None, overrides: list[str]):
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from tokenmill.controller.build import check_references
+    from tokenmill.config.preflight import check_run
 
     cfg = _rl_config(args.config, args.overrides)
-    check_references(cfg)
+    for note in check_run(cfg):
+        print(f"note: {note}")
     seqs = cfg.controller.prompts_per_step * cfg.generation.group_size
     print(f"{args.config or 'config'}: valid. {cfg.controller.steps} steps of {cfg.controller.prompts_per_step} prompts x "
           f"{cfg.generation.group_size} samples = {seqs} sequences each.")
@@ -37,10 +38,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from tokenmill.config.preflight import check_run
     from tokenmill.controller import build_run, run_rl
     from tokenmill.controller.proxy_rl import run_proxy
 
     cfg = _rl_config(args.config, args.overrides)
+    check_run(cfg)  # files, columns, device: one line each, before any model loads
     run = build_run(cfg)
     try:
         result = run_proxy(run) if cfg.proxy is not None else run_rl(run)
@@ -117,6 +120,7 @@ def cmd_preference(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from tokenmill.config.preflight import check_run
     from tokenmill.controller.build import build_datasets, build_rewards, load_policy, resolve_device
     from tokenmill.controller.evaluate import evaluate
     from tokenmill.engines.hf import HFEngine
@@ -124,6 +128,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from tokenmill.types import SamplingParams
 
     cfg = _rl_config(args.config, args.overrides)
+    check_run(cfg)
     train_rows, eval_rows, task_reward = build_datasets(cfg)
     rewards = build_rewards(cfg, task_reward=task_reward)
     model, tok = load_policy(cfg.model, resolve_device(cfg.model.device))

@@ -153,9 +153,17 @@ def test_mini_batches_cannot_exceed_sequences():
     assert str(err.value).startswith("algorithm.mini_batches: algorithm.mini_batches (9) exceeds the sequences per step (8")
 
 
-def test_rloo_needs_a_group():
-    with pytest.raises(ConfigError, match="^algorithm.advantage: 'rloo' needs generation.group_size >= 2"):
-        load_config(RLConfig, base(), {"algorithm.advantage": "rloo", "generation.group_size": 1})
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp"])
+def test_group_baselines_need_a_group(advantage):
+    with pytest.raises(ConfigError) as err:
+        load_config(RLConfig, base(), {"algorithm.advantage": advantage, "generation.group_size": 1})
+    assert str(err.value).startswith(f"generation.group_size: algorithm.advantage {advantage!r} compares each "
+                                      "completion with the others of its prompt, so a group of 1 makes every "
+                                      "advantage 0")
+    assert "set generation.group_size >= 2" in str(err.value)
+    # PPO's critic is its baseline: one completion per prompt is its usual setting
+    ok = load_config(RLConfig, base(), {"algorithm.advantage": "gae", "generation.group_size": 1})
+    assert ok.generation.group_size == 1
 
 
 def test_yaml_file_problems(tmp_path):

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tokenmill.composer.schema_ui import fixed_values, schema_for
 from tokenmill.config.load import format_validation_error
 from tokenmill.config.modes import EXTRA_KEYS, MODES, infer_mode
+from tokenmill.config.safe_yaml import load_yaml_text
 from tokenmill.config.schema import RewardFunctionConfig, RLConfig
 from tokenmill.types import ConfigError
 
@@ -79,9 +80,9 @@ def import_yaml(text: str, mode: str | None = None) -> dict[str, Any]:
     The mode is `mode`, else the file's `mode:`, else inferred from its sections (`config.modes`); an
     `estimate:` section is for `tokenmill estimate` and is dropped here."""
     try:
-        tree = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        return {"mode": mode or "rl", "config": {}, "errors": [{"path": "yaml", "message": f"not valid YAML: {exc}"}]}
+        tree = load_yaml_text(text)  # the CLI's bounded reader: no alias bomb, no duplicate keys
+    except ConfigError as exc:
+        return {"mode": mode or "rl", "config": {}, "errors": [{"path": "yaml", "message": str(exc)}]}
     if tree is None:
         tree = {}
     if not isinstance(tree, dict):

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+
+from tokenmill.config.section import DEVICE, MAX_GROUP, MAX_SEQUENCES, MAX_TOKENS, Section
 
 UnitFloat = Annotated[float, Field(ge=0.0, lt=1.0)]
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-
-class LoRAConfig(_Section):
+class LoRAConfig(Section):
     rank: int = Field(0, ge=0, description="LoRA rank; 0 trains every weight (full fine-tuning).")
     alpha: float = Field(16.0, gt=0.0, description="LoRA scaling numerator (the update is scaled by alpha / rank).")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
@@ -26,18 +24,25 @@ class LoRAConfig(_Section):
     )
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     path: str = Field(..., min_length=1, description="Hugging Face model folder (or hub id) of the policy.")
     tokenizer_path: str | None = Field(None, description="Tokenizer folder; defaults to the model path.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Training precision: auto = bf16 on GPU, fp32 on CPU."
     )
-    device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'.")
+    device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N' (also 'mps', 'xpu').")
     attn_implementation: str | None = Field(None, description="Passed to from_pretrained (sdpa, eager, ...).")
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters (peft); off when rank is 0.")
 
+    @field_validator("device")
+    @classmethod
+    def _device_form(cls, value: str) -> str:
+        if not DEVICE.match(value):
+            raise ValueError("not a device tokenmill can use: auto, cpu, cuda, cuda:N, mps or xpu")
+        return value
 
-class DataConfig(_Section):
+
+class DataConfig(Section):
     task: str | None = Field(
         None, description="Built-in task, one of `tokenmill.data.registry.task_names()`: a row task such as "
         "'addition' brings its rows and verifier; an environment's task such as 'guess_number' is scored by its "
@@ -69,21 +74,21 @@ class DataConfig(_Section):
         return self
 
 
-class GenerationConfig(_Section):
-    group_size: int = Field(8, ge=1, description="Completions sampled per prompt (G).")
-    max_tokens: int = Field(16, ge=1, description="Maximum new tokens per completion.")
+class GenerationConfig(Section):
+    group_size: int = Field(8, ge=1, le=MAX_GROUP, description="Completions sampled per prompt (G).")
+    max_tokens: int = Field(16, ge=1, le=MAX_TOKENS, description="Maximum new tokens per completion.")
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature (> 0).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens (0 = off).")
+    top_k: int = Field(0, ge=0, le=MAX_TOKENS, description="Keep only the k most likely tokens (0 = off).")
     stop: list[str] = Field(default_factory=list, description="Stop strings; text is cut before them.")
 
 
-class RewardFunctionConfig(_Section):
+class RewardFunctionConfig(Section):
     type: Literal["function"] = "function"
     name: str | None = Field(None, description="Name used in metrics; defaults to the function's name.")
     function: str = Field(
-        ..., description="Import string 'module:attr' or 'path/to/file.py:attr' of a TRL-style "
-        "fn(prompts, completions, **columns)."
+        ..., description="Import string 'module:attr' or 'path/to/file.py:attr' of a reward function, called "
+        "as TRL's GRPOTrainer calls it: fn(prompts=, completions=, completion_ids=, <columns>=, trainer_state=)."
     )
     weight: float = Field(1.0, description="Weight in the total reward.")
     timeout_s: float = Field(10.0, gt=0, description="Seconds one batched call may take before it fails.")
@@ -97,7 +102,7 @@ class RewardFunctionConfig(_Section):
     )
 
 
-class RewardModelConfig(_Section):
+class RewardModelConfig(Section):
     type: Literal["model"] = "model"
     name: str | None = Field(None, description="Name used in metrics; defaults to the folder's name.")
     path: str = Field(..., description="Folder of an AutoModelForSequenceClassification with one label.")
@@ -117,7 +122,7 @@ RewardConfig = Annotated[
 ]
 
 
-class EnvConfig(_Section):
+class EnvConfig(Section):
     """Multi-turn episodes against an environment instead of single completions scored by rewards."""
 
     name: str | None = Field(
@@ -145,7 +150,10 @@ class EnvConfig(_Section):
         return self
 
 
-class AlgorithmConfig(_Section):
+GROUP_BASELINES = ("grpo", "rloo", "reinforce_pp")  # advantages measured against the prompt's other completions
+
+
+class AlgorithmConfig(Section):
     advantage: Literal["grpo", "rloo", "reinforce_pp", "gae"] = Field(
         "grpo", description="Advantage estimator: grpo (group mean/std), rloo (leave-one-out mean), "
         "reinforce_pp (group mean, then batch-wide mean/std normalisation), gae (PPO: a critic's values and "
@@ -208,7 +216,7 @@ class AlgorithmConfig(_Section):
     )
 
 
-class CriticConfig(_Section):
+class CriticConfig(Section):
     """The value model of PPO (`algorithm.advantage: gae`): a one-label token classifier (a transformer with a
     scalar head), trained on the GAE returns by its own optimiser."""
 
@@ -229,7 +237,7 @@ class CriticConfig(_Section):
     )
 
 
-class TrainingConfig(_Section):
+class TrainingConfig(Section):
     learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     betas: tuple[UnitFloat, UnitFloat] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
@@ -246,11 +254,18 @@ class TrainingConfig(_Section):
         "are packed after one copy of it with a block attention mask (same gradients, fewer tokens)."
     )
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
+    deterministic: bool = Field(
+        False, description="Bit-exact runs: deterministic torch algorithms and a fixed thread count, so a run "
+        "killed and resumed ends with exactly the weights of an uninterrupted one (slower; see "
+        "docs/reliability.md)."
+    )
 
 
-class ControllerConfig(_Section):
+class ControllerConfig(Section):
     steps: int = Field(100, ge=1, description="RL steps (one rollout batch each).")
-    prompts_per_step: int = Field(8, ge=1, description="Prompts per step; sequences = prompts x group_size.")
+    prompts_per_step: int = Field(
+        8, ge=1, le=MAX_SEQUENCES, description="Prompts per step; sequences = prompts x group_size."
+    )
     eval_every: int = Field(0, ge=0, description="Greedy held-out evaluation every N steps (0 = start/end only).")
     eval_max_rows: int = Field(1000, ge=1, description="Held-out rows used per evaluation.")
     max_steps_per_run: int = Field(
@@ -274,9 +289,13 @@ class ControllerConfig(_Section):
         600.0, gt=0, description="Async: seconds the trainer waits for the next rollout batch before it fails "
         "naming the producer."
     )
+    reward_failure_steps: int = Field(
+        3, ge=0, description="Stop the run when a reward function has failed (raised, timed out, returned NaN) "
+        "on every sample for this many steps in a row, naming it and its first error (0 = never stop)."
+    )
 
 
-class EngineConfig(_Section):
+class EngineConfig(Section):
     """Where generation runs and how new weights reach it. The loop is the same for every placement."""
 
     placement: Literal["colocated", "thread", "process", "remote"] = Field(
@@ -306,7 +325,7 @@ class EngineConfig(_Section):
         return "inprocess" if self.placement in ("colocated", "thread") else "files"
 
 
-class ProxyConfig(_Section):
+class ProxyConfig(Section):
     """Proxy mode: an agent program you already have talks to tokenmill's OpenAI endpoint
     (`http://HOST:PORT/proxy/<episode id>/v1`) and posts each episode's reward; finished episodes train the policy."""
 
@@ -323,7 +342,7 @@ class ProxyConfig(_Section):
     episode_ttl_s: float = Field(600.0, gt=0, description="An open episode with no call for this long is dropped.")
 
 
-class TrackingConfig(_Section):
+class TrackingConfig(Section):
     output_dir: str = Field("runs/tokenmill", description="Run folder: metrics.jsonl, config, checkpoints.")
     console: Literal["rich", "plain", "none"] = Field("rich", description="Progress display on the console.")
     log_every: int = Field(1, ge=1, description="Print a compact line every N steps.")
@@ -333,14 +352,14 @@ class TrackingConfig(_Section):
     log_samples: int = Field(2, ge=0, description="Samples per step written to samples.jsonl.")
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     every: int = Field(0, ge=0, description="Save a checkpoint every N steps (0 = only at the end).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are removed after a save.")
     resume: bool = Field(False, description="Continue from the newest complete checkpoint in output_dir.")
     save_final: bool = Field(True, description="Save a checkpoint and an HF export at the end.")
 
 
-class RLConfig(_Section):
+class RLConfig(Section):
     """A whole GRPO-family run."""
 
     model: ModelConfig
@@ -369,8 +388,15 @@ class RLConfig(_Section):
                 f"algorithm.mini_batches: algorithm.mini_batches ({self.algorithm.mini_batches}) exceeds the "
                 f"sequences per step ({seqs} = controller.prompts_per_step x generation.group_size)"
             )
-        if self.algorithm.advantage == "rloo" and self.generation.group_size < 2:
-            raise ValueError("algorithm.advantage: 'rloo' needs generation.group_size >= 2")
+        if seqs > MAX_SEQUENCES:
+            raise ValueError(f"controller.prompts_per_step: {seqs:,} sequences per step (controller.prompts_per_step "
+                             f"x generation.group_size); at most {MAX_SEQUENCES:,}")
+        if self.algorithm.advantage in GROUP_BASELINES and self.generation.group_size < 2:
+            raise ValueError(
+                f"generation.group_size: algorithm.advantage {self.algorithm.advantage!r} compares each completion "
+                "with the others of its prompt, so a group of 1 makes every advantage 0 and nothing is learned; "
+                "set generation.group_size >= 2 (or algorithm.advantage gae, PPO with a critic)"
+            )
         if self.algorithm.advantage == "gae" and self.algorithm.loss == "gspo":
             raise ValueError("algorithm.loss: 'gspo' clips a sequence ratio and needs one advantage per sequence; "
                              "with algorithm.advantage 'gae' use ppo_clip or cispo")
@@ -417,7 +443,7 @@ def _check_async(cfg: RLConfig) -> None:
                          "(use ppo_clip or cispo)")
 
 
-class SFTConfig(_Section):
+class SFTConfig(Section):
     """Supervised fine-tuning (used for warm starts): prompt -> completion pairs."""
 
     model: ModelConfig
@@ -440,7 +466,7 @@ class SFTConfig(_Section):
     seed: int = Field(0, description="Seed.")
 
 
-class PreferenceDataConfig(_Section):
+class PreferenceDataConfig(Section):
     task: Literal["addition"] | None = Field(
         None, description="Built-in synthetic preference task: 'addition' (the true sum chosen over a slip)."
     )
@@ -458,7 +484,7 @@ class PreferenceDataConfig(_Section):
         return self
 
 
-class PreferenceConfig(_Section):
+class PreferenceConfig(Section):
     """Offline preference training (DPO / IPO / SimPO) or a Bradley-Terry reward model, on pairs."""
 
     model: ModelConfig

@@ -18,7 +18,11 @@ def load_rows(path: str, split: str = "train"):
         kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(p.suffix)
         if kind is None:
             raise ConfigError(f"data.path: unsupported file type {p.suffix!r} (json, jsonl, csv, parquet)")
-        return datasets.load_dataset(kind, data_files=str(p), split="train")
+        try:
+            return datasets.load_dataset(kind, data_files=str(p), split="train")
+        except Exception as exc:  # noqa: BLE001 - a broken row deep in the file: one line, not a traceback
+            cause = exc.__cause__ or exc
+            raise ConfigError(f"data.path: cannot read {path!r}: {type(cause).__name__}: {str(cause)[:200]}") from None
     if p.is_dir() and (p / "dataset_info.json").exists():
         return datasets.load_from_disk(str(p))
     if p.is_dir() and (p / split / "dataset_info.json").exists():

@@ -1,0 +1,268 @@
+"""What can be checked about a run without loading a model: files, dataset columns, devices, references.
+
+`tokenmill validate` runs these checks, and so do `tokenmill train` / `eval` and `tokenmill.train` before
+anything heavy starts, so that a missing file, a dataset without the column a reward needs or a device the
+machine lacks is one line naming the field, not a traceback minutes later. Nothing here imports torch,
+transformers or datasets, except torch when the config names an accelerator (to ask whether it exists).
+"""
+
+from __future__ import annotations
+
+import csv
+import inspect
+import json
+import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from tokenmill.config.imports import resolve
+from tokenmill.config.schema import RewardFunctionConfig, RewardModelConfig, RLConfig
+from tokenmill.types import ConfigError
+
+DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+HEAD_ROWS = 20  # rows read to learn a file's columns (and to find a broken line early)
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # `name` or `org/name`
+# what tokenmill hands every reward function besides the dataset's columns (TRL's keyword arguments)
+REWARD_ARGS = frozenset({"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"})
+
+
+def _looks_local(path: str) -> bool:
+    """A path the user means as a local file or folder, as opposed to a hub id such as `org/name`."""
+    return Path(path).expanduser().exists() or not HUB_ID.match(path) or path.endswith(DATA_SUFFIXES)
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+def model_folder_problem(path: str, field: str, what: str = "model") -> str | None:
+    """Why `path` cannot be a Hugging Face model folder, or None (hub ids are not looked up)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        return f"{field}: no {what} folder at {path!r}" if _looks_local(path) else None
+    if not p.is_dir():
+        return f"{field}: {path!r} is a file; give the {what}'s folder (with config.json and the weights)"
+    if not (p / "config.json").is_file():
+        return f"{field}: {path!r} has no config.json, so it is not a Hugging Face {what} folder"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- devices
+
+
+def device_problem(spec: str, field: str = "model.device") -> str | None:
+    """Whether the device exists on this machine. The form is checked by the schema; torch is imported only
+    for an accelerator (cpu and auto need nothing)."""
+    kind, _, index = spec.partition(":")
+    if kind in ("auto", "cpu"):
+        return None
+    import torch  # the only way to know whether an accelerator is there
+
+    if kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            return f"{field}: {spec!r} but this machine has no CUDA device; use cpu or auto"
+        if index and int(index) >= count:
+            return f"{field}: {spec!r} but this machine has {count} CUDA device(s) (cuda:0 to cuda:{count - 1})"
+        return None
+    if kind == "mps" and not torch.backends.mps.is_available():
+        return f"{field}: 'mps' but Apple's Metal backend is not available here; use cpu or auto"
+    if kind == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        return f"{field}: 'xpu' but no Intel GPU is available here; use cpu or auto"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- datasets
+
+
+def _jsonl_head(p: Path, field: str) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    with p.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"{field}: {str(p)!r} line {number} is not JSON ({exc})") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{field}: {str(p)!r} line {number} is a {type(row).__name__}, not an object "
+                                  "of column values")
+            rows.append(row)
+            if len(rows) >= HEAD_ROWS:
+                break
+    return rows
+
+
+def _json_head(p: Path, field: str) -> list[dict[str, Any]]:
+    """A .json file is either JSON lines or one array of row objects."""
+    with p.open("rb") as f:
+        first = f.read(4096).lstrip()[:1]
+    if first != b"[":
+        return _jsonl_head(p, field)
+    if p.stat().st_size > 64 << 20:  # a huge array is left to the dataset reader
+        return []
+    try:
+        rows = json.loads(p.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{field}: {str(p)!r} is not JSON ({exc})") from None
+    if rows and not all(isinstance(r, dict) for r in rows[:HEAD_ROWS]):
+        raise ConfigError(f"{field}: {str(p)!r} must be an array of objects (one per row)")
+    return rows[:HEAD_ROWS]
+
+
+def dataset_columns(path: str, split: str = "train", field: str = "data.path") -> list[str] | None:
+    """The columns of a local dataset, read from its first rows (None when they cannot be known without
+    loading it, e.g. a hub name). Missing files, empty files and broken first rows are `ConfigError`s."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        if _looks_local(path):
+            raise ConfigError(f"{field}: no such file or folder {path!r} (a local json/jsonl/csv/parquet file "
+                              "or folder, or a hub dataset name such as org/name)")
+        return None
+    if p.is_dir():
+        for info in (p / "dataset_info.json", p / split / "dataset_info.json"):
+            if info.is_file():
+                features = json.loads(info.read_text()).get("features") or {}
+                return list(features) or None
+        return None
+    if p.suffix not in DATA_SUFFIXES:
+        raise ConfigError(f"{field}: unsupported file type {p.suffix!r} ({', '.join(DATA_SUFFIXES)})")
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq  # light next to datasets; only for parquet files
+
+        try:
+            return list(pq.read_schema(p).names)
+        except Exception as exc:  # noqa: BLE001 - a damaged file is a config problem to report
+            raise ConfigError(f"{field}: {path!r} is not a readable parquet file ({exc})") from None
+    if p.suffix == ".csv":
+        with p.open(newline="", encoding="utf-8", errors="replace") as f:
+            header = next(csv.reader(f), None)
+        if not header:
+            raise ConfigError(f"{field}: {path!r} is empty (no header row)")
+        return header
+    rows = _jsonl_head(p, field) if p.suffix == ".jsonl" else _json_head(p, field)
+    if not rows:
+        raise ConfigError(f"{field}: {path!r} has no rows")
+    return list(dict.fromkeys(k for row in rows for k in row))
+
+
+def needed_columns(fn: Callable[..., Any], per_sample: bool = False) -> list[str]:
+    """Arguments a reward function requires that only a dataset column can fill: parameters without a
+    default that are not TRL's own (prompts, completions, ...). per_sample functions get the prompt and the
+    completion as their first two arguments."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: nothing is known to be needed
+        return []
+    if per_sample:
+        params = params[2:]
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params
+            if p.kind in kinds and p.default is inspect.Parameter.empty and p.name not in REWARD_ARGS]
+
+
+def _fn_name(fn: Any) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _column_problems(cfg: RLConfig, columns: list[str], functions: Iterable[tuple[str, Any, bool]]) -> list[str]:
+    shown = ", ".join(columns[:20]) + (", ..." if len(columns) > 20 else "")
+    problems = []
+    if cfg.env is None and cfg.data.prompt_column not in columns:
+        problems.append(f"data.prompt_column: column {cfg.data.prompt_column!r} not in the dataset (columns: {shown})")
+    for field, fn, per_sample in functions:
+        missing = [c for c in needed_columns(fn, per_sample) if c not in columns]
+        if missing:
+            problems.append(f"{field}: {_fn_name(fn)}() needs the dataset column(s) {', '.join(map(repr, missing))}, "
+                            f"which the dataset lacks (columns: {shown}); add them or give the parameter a default")
+    return problems
+
+
+def _in_memory_columns(dataset: Any) -> list[str] | None:
+    """Columns of a `datasets.Dataset`, or of a list of row dicts (its first rows)."""
+    names = getattr(dataset, "column_names", None)
+    if isinstance(names, list):
+        return names
+    if isinstance(dataset, list) and dataset and all(isinstance(r, dict) for r in dataset[:HEAD_ROWS]):
+        return list(dict.fromkeys(k for row in dataset[:HEAD_ROWS] for k in row))
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- the run
+
+
+def _reward_functions(cfg: RLConfig, extra: list[Any], problems: list[str]) -> list[tuple[str, Any, bool]]:
+    found = []
+    for i, rc in enumerate(cfg.rewards):
+        if isinstance(rc, RewardFunctionConfig):
+            try:
+                fn = resolve(rc.function, f"rewards.{i}.function")
+            except ConfigError as exc:
+                problems.append(str(exc))
+                continue
+            if not callable(fn):
+                problems.append(f"rewards.{i}.function: {rc.function!r} is not callable")
+            else:
+                found.append((f"rewards.{i}.function", fn, rc.per_sample))
+        elif isinstance(rc, RewardModelConfig):
+            problem = model_folder_problem(rc.path, f"rewards.{i}.path", "reward model")
+            if problem is None and not Path(rc.path).expanduser().exists():
+                problem = f"rewards.{i}.path: no reward model folder at {rc.path!r}"
+            if problem:
+                problems.append(problem)
+    for j, fn in enumerate(extra):
+        if not hasattr(fn, "weight"):  # a plain function (a Reward object takes its columns as one dict)
+            found.append((f"rewards[{j}] (passed to train)", fn, False))
+    return found
+
+
+def _env_problem(cfg: RLConfig) -> str | None:
+    if cfg.env is None or cfg.env.name is None:
+        return None
+    from tokenmill.envs import BUILTIN_ENVS  # names and import strings only (the classes load when used)
+
+    name = cfg.env.name
+    if name in BUILTIN_ENVS:
+        return None
+    if ":" not in name:
+        return (f"env.name: unknown environment {name!r}; built-in: {', '.join(BUILTIN_ENVS)}, or "
+                "'module:Class' / 'path/to/file.py:Class' of your own")
+    try:
+        obj = resolve(name, "env.name")
+    except ConfigError as exc:
+        return str(exc)
+    return None if callable(obj) else f"env.name: {name!r} names a {type(obj).__name__}, not a class or factory"
+
+
+def check_run(cfg: RLConfig, rewards: list[Any] | None = None, dataset: Any = None) -> list[str]:
+    """Check what a run needs besides a valid config, loading no model: raise one `ConfigError` with a line per
+    problem. Returns notes on what could not be checked here (a hub model or dataset is not looked up)."""
+    problems: list[str] = []
+    notes: list[str] = []
+    for field, path in (("model.path", cfg.model.path), ("model.tokenizer_path", cfg.model.tokenizer_path),
+                        ("critic.path", cfg.critic.path if cfg.algorithm.advantage == "gae" else None)):
+        if path is not None and (problem := model_folder_problem(path, field)):
+            problems.append(problem)
+        elif path is not None and not Path(path).expanduser().exists():
+            notes.append(f"{field} {path!r} is taken as a hub id (not looked up)")
+    if problem := device_problem(cfg.model.device):
+        problems.append(problem)
+    if problem := _env_problem(cfg):
+        problems.append(problem)
+    functions = _reward_functions(cfg, list(rewards or []), problems)
+    columns: list[str] | None = None
+    try:
+        if dataset is not None:
+            columns = _in_memory_columns(dataset)
+        elif cfg.data.path is not None:
+            columns = dataset_columns(cfg.data.path, cfg.data.split)
+            if columns is None:
+                notes.append(f"data.path {cfg.data.path!r}: columns not checked (not a local file)")
+    except ConfigError as exc:
+        problems.append(str(exc))
+    if columns is not None:
+        problems.extend(_column_problems(cfg, columns, functions))
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return notes
