@@ -1,7 +1,8 @@
 """Write docs/reference/config.md from the pydantic schema, so the reference cannot drift from the code.
 
 Run as a script (`python docs/hooks/config_reference.py`, or `--check` to fail when the committed page is
-stale); `mkdocs build` runs it too, through `docs/hooks/site.py`. Every field of every run mode's config is
+stale); `mkdocs build` serves the generated text (`docs/hooks/site.py`), and a test keeps the committed page
+equal to it. Every field of every run mode's config is
 listed with its YAML key, type, default, allowed range and description, section by section.
 """
 
@@ -158,7 +159,7 @@ def generate() -> str:
 
 
 def write(page: Path = PAGE) -> bool:
-    """Write the page if its text changed; return whether it did (mkdocs serve would loop on every write)."""
+    """Write the page if its text changed; return whether it did."""
     text = generate()
     if page.is_file() and page.read_text() == text:
         return False
