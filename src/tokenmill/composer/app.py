@@ -11,129 +11,37 @@ workers with a timeout (`preview.py`), runs only as argv-list subprocesses (`run
 from __future__ import annotations
 
 import asyncio
-import hmac
-import ipaddress
 import json
 import time
-from http.cookies import SimpleCookie
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tokenmill import serving
 from tokenmill.composer import configs
 from tokenmill.composer.presets import presets
-from tokenmill.composer.preview import Previewer, PreviewError
+from tokenmill.composer.preview import REWARD_MODEL_TIMEOUT_S, Previewer, PreviewError
 from tokenmill.composer.runs import DEFAULT_MAX_RUNS, FINAL, Cursor, RunError, RunManager, read_events
 from tokenmill.composer.schema_ui import schema_response
 from tokenmill.config.modes import MODES
 from tokenmill.estimate import estimate_for_config
+from tokenmill.serving import ExposureError, host_name, is_loopback
+
+__all__ = ["ExposureError", "create_app", "host_name", "is_loopback", "serve"]
 
 STATIC_DIR = Path(__file__).parent / "static"
 COOKIE = "tm_token"
-LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
-SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 POLL_S = 0.25
 KEEPALIVE_S = 15.0
 
 
 def _error(status: int, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": message, **extra}, status_code=status)
-
-
-def host_name(value: str) -> str:
-    """The host part of a Host header ("[::1]:8600" -> "::1", "LocalHost" -> "localhost"); "" if malformed."""
-    try:
-        parts = urlsplit(f"//{value.strip()}")
-        _ = parts.port  # raises on a bad port
-    except ValueError:
-        return ""
-    return (parts.hostname or "").lower()
-
-
-def allowed_hosts_for(bind_host: str) -> frozenset[str]:
-    """Host names the server answers to: the loopback names, the bound address, or any ("*") on a
-    wildcard bind (only reachable with --allow-remote; the token still guards it)."""
-    name = bind_host.strip().lower().removeprefix("[").removesuffix("]")
-    if name in ("", "0.0.0.0", "::"):
-        return frozenset({"*"})
-    return LOOPBACK_NAMES | {name}
-
-
-def is_loopback(host: str) -> bool:
-    name = host.strip().lower().removeprefix("[").removesuffix("]")
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
-
-
-class Guard:
-    """Host check, then token (cookie or bearer), then the Origin check on state-changing requests. Plain
-    ASGI, in front of routing and body parsing: a refused request costs nothing and learns nothing."""
-
-    def __init__(self, app: ASGIApp, *, token: str, allowed_hosts: frozenset[str]) -> None:
-        self.app = app
-        self.token = token.encode()
-        self.allowed_hosts = allowed_hosts
-
-    def _token_ok(self, headers: dict[bytes, bytes]) -> bool:
-        auth = headers.get(b"authorization", b"")
-        if auth.startswith(b"Bearer ") and hmac.compare_digest(auth[7:].strip(), self.token):
-            return True
-        cookie = SimpleCookie()
-        try:
-            cookie.load(headers.get(b"cookie", b"").decode("latin-1"))
-        except Exception:  # noqa: BLE001 - a malformed cookie header is just no token
-            return False
-        given = cookie.get(COOKIE)
-        return given is not None and hmac.compare_digest(given.value.encode(), self.token)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers: dict[bytes, bytes] = {}
-        hosts = []
-        for k, v in scope["headers"]:
-            headers.setdefault(k, v)
-            if k == b"host":
-                hosts.append(v)
-        host = hosts[0].decode("latin-1") if len(hosts) == 1 else ""
-        if "*" not in self.allowed_hosts and host_name(host) not in self.allowed_hosts:
-            await _error(403, f"Host header not allowed: {host!r:.80} (open the Composer through the URL it "
-                              "printed)")(scope, receive, send)
-            return
-        method, path = scope["method"], scope["path"]
-        if method == "GET" and path == "/":
-            given = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token", [""])[0]
-            if given and hmac.compare_digest(given.encode(), self.token):
-                response = RedirectResponse("/", status_code=303)
-                response.set_cookie(COOKIE, given, httponly=True, samesite="strict", path="/")
-                await response(scope, receive, send)
-                return
-        if not self._token_ok(headers):
-            await _error(401, "missing or wrong token: open the URL printed by `tokenmill composer` "
-                              "(it ends in ?token=...)")(scope, receive, send)
-            return
-        if method not in SAFE_METHODS:
-            origin = headers.get(b"origin", b"").decode("latin-1")
-            if origin and origin not in (f"http://{host}", f"https://{host}"):
-                await _error(403, f"cross-origin request refused: Origin {origin!r:.80} is not this "
-                                  "server")(scope, receive, send)
-                return
-            if headers.get(b"sec-fetch-site", b"") == b"cross-site":
-                await _error(403, "cross-origin request refused (Sec-Fetch-Site: cross-site)")(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 # ------------------------------------------------------------------------------------------ request bodies
@@ -161,6 +69,8 @@ class PreviewBody(ConfigBody):
     prompts: int = Field(4, ge=1, le=16)
     samples: int = Field(4, ge=1, le=16)
     seed: int = 0
+    reward_model_timeout_s: float = Field(REWARD_MODEL_TIMEOUT_S, gt=0, le=3600,
+                                          description="Seconds a reward model may take to load, then to score.")
 
 
 class RunBody(ConfigBody):
@@ -198,7 +108,9 @@ def create_app(token: str, runs_dir: str | Path = "runs/composer", *, bind_host:
     app.state.runs = RunManager(runs_dir, max_runs=max_runs)
     app.state.previewer = Previewer()
     static = Path(static_dir) if static_dir is not None else STATIC_DIR
-    app.add_middleware(Guard, token=token, allowed_hosts=allowed_hosts_for(bind_host))
+    # every route needs the token (the page too: it is set as a cookie by `/?token=`); refusals in our shape
+    app.add_middleware(serving.Guard, token=token, allowed_hosts=serving.host_set(serving.bind_names(bind_host)),
+                       open_paths=(), cookie=COOKIE, error=lambda status, message, _param: _error(status, message))
     _errors(app)
     _page_routes(app, static)
     _config_routes(app)
@@ -290,7 +202,7 @@ def _config_routes(app: FastAPI) -> None:
             raise RunError(400, f"mode: the reward preview is for mode rl, not {body.mode!r}")
         cfg = _valid(body)
         return app.state.previewer.preview(cfg, body.rewards, prompts=body.prompts, samples=body.samples,
-                                           seed=body.seed)
+                                           seed=body.seed, reward_model_timeout_s=body.reward_model_timeout_s)
 
 
 def _run_routes(app: FastAPI) -> None:
@@ -366,40 +278,20 @@ async def _sse(runs: RunManager, run_id: str, run_dir: Path, cursor: Cursor, fol
         await asyncio.sleep(POLL_S)
 
 
-class ExposureError(ValueError):
-    """A bind address that would expose the Composer without the user saying so."""
-
-
-def check_exposure(host: str, allow_remote: bool) -> None:
-    if not is_loopback(host) and not allow_remote:
-        raise ExposureError(f"--host {host} is not a loopback address: the Composer runs code and launches "
-                            "training on this machine; pass --allow-remote to expose it (the token still "
-                            "applies), or use 127.0.0.1 and an SSH tunnel")
-
-
 def serve(host: str = "127.0.0.1", port: int = 8600, *, token: str | None = None, allow_remote: bool = False,
           runs_dir: str | Path = "runs/composer", max_runs: int = DEFAULT_MAX_RUNS, say: Any = print) -> None:
     """Bind, print the URL with the token, and serve until interrupted."""
     import secrets
-    import socket
 
-    import uvicorn
-
-    check_exposure(host, allow_remote)
     token = token or secrets.token_urlsafe(24)
-    bare = host.strip("[]")
-    sock = socket.socket(socket.AF_INET6 if ":" in bare else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    serving.check_exposure(host, token, allow_remote)
     try:
-        sock.bind((bare, port))
-    except OSError as exc:
-        sock.close()
-        raise ExposureError(f"--port {port}: cannot bind {host}:{port}: {exc.strerror or exc}") from None
-    bound = sock.getsockname()[1]
+        sock = serving.bind(host, port)
+    except ExposureError as exc:
+        raise ExposureError(f"--port {port}: {exc}") from None
     app = create_app(token, runs_dir, bind_host=host, max_runs=max_runs)
-    shown = "127.0.0.1" if bare in ("0.0.0.0", "::") else (f"[{bare}]" if ":" in bare else bare)
-    say(f"tokenmill composer: open http://{shown}:{bound}/?token={token}")
+    url = serving.url_of(host, sock.getsockname()[1])
+    say(f"tokenmill composer: open {url}/?token={token}")
     say(f"  runs in {app.state.runs.runs_dir}; "
         f"{'loopback only' if is_loopback(host) else 'REACHABLE FROM THE NETWORK (token required)'}; Ctrl-C stops")
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
-    uvicorn.Server(config).run(sockets=[sock])
+    serving.serve_forever(app, sock, graceful_timeout_s=2)

@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Self
@@ -70,6 +70,7 @@ class _Request:
     future: RequestFuture
     generator: torch.Generator | None  # its own (seeded) generator, or None: the engine's
     max_tokens: int
+    on_token: Callable[[int, int, float], None] | None = None  # (row index, token, logprob), from the loop
     results: list[Completion | None] = field(default_factory=list)
     # sampling randomness, drawn _UNIFORM_BLOCK steps at a time for all n rows (they advance in step)
     uniforms_N_K: list[list[float]] = field(default_factory=list)
@@ -144,20 +145,17 @@ class ContinuousEngine(HFEngine):
                    **kwargs)
 
     # ------------------------------------------------------------------------------------------ callers
-    def submit(self, prompt_ids: list[int], params: SamplingParams, *, seed: int | None = None) -> RequestFuture:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, *, seed: int | None = None,
+               on_token: Callable[[int, int, float], None] | None = None) -> RequestFuture:
         """Queue one prompt for `params.n` samples; the future resolves to n completions. Thread-safe.
         With `seed`, the request samples from its own generator: the same seed gives the same tokens whatever
-        else runs beside it (up to float ties)."""
+        else runs beside it (up to float ties). `on_token(row, token, logprob)` is called from the engine's
+        thread for each sampled token (streaming); it must be quick and must not raise."""
         prompt = [int(t) for t in prompt_ids]
         self._check_request(prompt, params)
-        max_tokens = params.max_tokens
-        if self.max_positions:
-            max_tokens = min(max_tokens, self.max_positions - len(prompt))
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(int(seed))
-        request = _Request(prompt, params, RequestFuture(), generator, max_tokens, [None] * params.n)
+        max_tokens = min(params.max_tokens, (self.max_positions or 1 << 62) - len(prompt))
+        generator = None if seed is None else torch.Generator(device=self.device).manual_seed(int(seed))
+        request = _Request(prompt, params, RequestFuture(), generator, max_tokens, on_token, [None] * params.n)
         with self._cond:
             self._check_alive()
             if len(self._waiting) >= self.max_waiting:
@@ -241,9 +239,8 @@ class ContinuousEngine(HFEngine):
                     self._pauses -= 1
                     self._cond.notify_all()
 
-    def stats(self) -> dict[str, int]:
-        waiting = len(self._waiting)  # a len() needs no lock
-        return {"running_rows": len(self._rows), "waiting_requests": waiting, "steps": self.steps,
+    def stats(self) -> dict[str, int]:  # len() needs no lock
+        return {"running_rows": len(self._rows), "waiting_requests": len(self._waiting), "steps": self.steps,
                 "prefills": self.prefills, "generated_tokens": self.generated_tokens, "policy_version": self.version}
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -410,6 +407,8 @@ class ContinuousEngine(HFEngine):
         for r, (row, t, lp) in enumerate(zip(rows, tok_B.tolist(), logp_B.tolist(), strict=True)):
             row.tokens.append(t)
             row.logprobs.append(lp)
+            if row.request.on_token is not None:
+                row.request.on_token(row.index, t, lp)
             reason = self._stop_reason(row, t)
             if reason is None:
                 keep.append(r)

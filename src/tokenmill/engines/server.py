@@ -13,161 +13,218 @@ of the sampled token under softmax(logits / temperature), the quantity a trainer
 alternatives are not computed (`top_logprobs` is null / empty). `finish_reason` is "stop", "length",
 "tool_calls" (chat with `tools`, Hermes `<tool_call>` blocks parsed) or "abort" (interrupted by a weight
 update or cancelled). `temperature: 0` is greedy decoding (logprobs then of the temperature-1 distribution).
+`stream: true` answers with server-sent events, one chunk per token (`tokenmill.engines.streaming`). A
+client that disconnects cancels its request: the engine stops decoding it at its next step.
 
 Errors are OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`: 400 a bad body (`param` names the
 field), 401 a missing or wrong bearer token, 403 a foreign `Origin`, 400 a `Host` we do not serve (DNS
-rebinding), 429 the engine's queue is full, 503 the engine is closed or crashed, 504 no answer in time.
+rebinding), 413 a body over `max_body_bytes`, 429 the engine's queue is full, 503 the engine is closed or
+crashed, 504 no answer in time. The guard, binding and error shape are `tokenmill.serving`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import time
-import uuid
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable
 from typing import Any
-from urllib.parse import urlsplit
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.encoders import jsonable_encoder
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from fastapi.responses import JSONResponse, StreamingResponse
 
+from tokenmill import serving
+from tokenmill.engines import openai_wire as wire
 from tokenmill.engines.continuous import ContinuousEngine, EngineBusy, EngineUnavailable, RequestFuture
+from tokenmill.engines.openai_wire import ChatBody, CompletionBody, render_chat
 from tokenmill.engines.proxy_routes import check_episode_id, episode_routes
-from tokenmill.envs.server import LOOPBACK_HOSTS, _host_name, _normalise_host
+from tokenmill.engines.streaming import Streamer, StreamSpec, TokenFeed, stream
 from tokenmill.rollout.proxy import EpisodeError, EpisodeRecorder
-from tokenmill.types import Completion, SamplingParams
+from tokenmill.serving import ApiError
+from tokenmill.types import SamplingParams
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 429: "rate_limit_error",
-                503: "service_unavailable", 504: "timeout"}
-_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+__all__ = ["Completer", "create_app", "render_chat", "serve"]
 
 
-class ApiError(Exception):
-    """An error answered in OpenAI's shape; `param` names the offending field."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (its body is read by then, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                        status_code=status)
+class Completer:
+    """The two sampling routes over one engine, shared by `/v1/...` and proxy mode's `/proxy/<episode>/v1/...`.
 
+    Tokenising runs in a worker thread (a megabyte prompt must not stall the event loop, /health included),
+    after a check that the text cannot fit the model's context, which needs no tokenising at all."""
 
-# ------------------------------------------------------------------------------------------ request bodies
-class _Sampling(BaseModel):
-    # OpenAI SDKs send fields we do not use (user, metadata, ...): ignored, but the ones that would change the
-    # answer and that we cannot honour are refused by name in `_refuse_unsupported`
-    model_config = ConfigDict(extra="ignore")
+    def __init__(self, engine, *, model_name: str, request_timeout_s: float, default_max_tokens: int,
+                 max_tokens_cap: int | None, recorder: EpisodeRecorder | None) -> None:
+        self.engine, self.tokenizer, self.model_name = engine, engine.tokenizer, model_name
+        self.request_timeout_s, self.default_max_tokens = request_timeout_s, default_max_tokens
+        self.max_tokens_cap, self.recorder = max_tokens_cap, recorder
+        self.limit: int | None = getattr(engine, "max_positions", None)
+        self._token_chars: int | None = None
 
-    model: str | None = Field(None, description="Any name is accepted; answers carry the served name.")
-    max_tokens: int | None = Field(None, ge=1, description="Tokens to generate at most.")
-    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 is greedy decoding.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="0 or -1: off (vLLM's extra).")
-    n: int = Field(1, ge=1, le=1024, description="Samples per prompt; they share one prefill.")
-    stop: str | list[str] | None = Field(None, description="Stop strings (up to 16); the text is cut before.")
-    seed: int | None = Field(None, description="Per-request seed: the same seed gives the same tokens.")
-    stream: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    return_token_ids: bool | None = Field(None, description="vLLM's flag; token ids are always returned.")
-
-
-class CompletionBody(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=20, description="Return the sampled tokens' logprobs.")
-    echo: bool = False
-    best_of: int | None = Field(None, ge=1)
-
-
-class ChatBody(_Sampling):
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    chat_template_kwargs: dict[str, Any] | None = None
-
-
-def _refuse_unsupported(body: _Sampling) -> None:
-    if body.stream:
-        raise ApiError(400, "streaming is not supported: send stream=false", "stream")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise ApiError(400, f"{name} is not supported (only 0)", name)
-    if body.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", "logit_bias")
-    if isinstance(body, CompletionBody):
-        if body.echo:
-            raise ApiError(400, "echo is not supported", "echo")
-        if body.best_of not in (None, body.n):
-            raise ApiError(400, "best_of is not supported (leave it unset or equal to n)", "best_of")
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stops) > 16 or any(not s for s in stops):
-        raise ApiError(400, "stop: up to 16 non-empty strings", "stop")
-
-
-def _sampling(body: _Sampling, max_tokens: int) -> SamplingParams:
-    stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    greedy = body.temperature == 0.0
-    return SamplingParams(max_tokens=max_tokens, temperature=1.0 if greedy else body.temperature,
-                          top_p=body.top_p, top_k=max(0, body.top_k), n=body.n, stop=stops, greedy=greedy)
-
-
-# ------------------------------------------------------------------------------------------ middleware
-class _Guard:
-    """Host check (all routes), Origin check (state-changing requests), then the bearer token (all but
-    /health). Plain ASGI: a rejected request is answered before routing or body parsing."""
-
-    def __init__(self, app: ASGIApp, *, token: str | None, allowed_hosts: frozenset[str]) -> None:
-        self.app = app
-        self.expected = f"Bearer {token}".encode() if token is not None else None
-        self.allowed_hosts = allowed_hosts
-
-    def _allowed(self, name: str | None) -> bool:
-        return "*" in self.allowed_hosts or (name or "") in self.allowed_hosts
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
+    # ------------------------------------------------------------------------------------ checks
+    def check_fits(self, text: str, field: str) -> None:
+        """400 for text too long for the context whatever its tokens (no entry spells more characters
+        than the longest vocabulary entry; 2x margin for normalisers that shorten text)."""
+        if not self.limit:
             return
-        headers = scope["headers"]
-        hosts = [v for k, v in headers if k == b"host"]
-        if not self._allowed(_host_name(hosts[0].decode("latin-1")) if len(hosts) == 1 else ""):
-            await error_response(400, "Host header not allowed (DNS rebinding guard)", "Host")(scope, receive, send)
+        if self._token_chars is None:
+            self._token_chars = wire.longest_token_chars(self.tokenizer)
+        least = math.ceil(len(text) / (2 * self._token_chars))
+        if least >= self.limit:
+            raise ApiError(400, f"{field}: {len(text)} characters are at least {least} tokens, over the model's "
+                                f"context of {self.limit} positions", field)
+
+    def room(self, prompts: list[list[int]]) -> int:
+        """Tokens left in the model's context after the longest prompt (the engine refuses a full one)."""
+        left = max(1, self.limit - max(len(p) for p in prompts)) if self.limit else 1 << 30
+        return min(left, self.max_tokens_cap) if self.max_tokens_cap else left
+
+    def check_episode(self, episode_id: str | None, n: int) -> None:
+        if episode_id is None:
             return
-        origin = next((v.decode("latin-1") for k, v in headers if k == b"origin"), None)
-        if (origin is not None and scope["method"] not in _SAFE_METHODS
-                and not self._allowed(_normalise_host(urlsplit(origin).hostname or ""))):
-            await error_response(403, f"Origin {origin!r} not allowed", "Origin")(scope, receive, send)
+        check_episode_id(episode_id)
+        if n != 1:
+            raise ApiError(400, "n: one reply per call in proxy mode (an episode is one trajectory)", "n")
+
+    def record(self, episode_id: str | None, prompt: list[int], future: RequestFuture, shown: Any) -> None:
+        """Proxy mode: the call's exact tokens go into its episode (an episode is one trajectory: n = 1)."""
+        if episode_id is None:
             return
-        if self.expected is not None and scope["path"] != "/health":
-            given = next((v for k, v in headers if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = error_response(401, "missing or wrong bearer token (Authorization: Bearer ...)")
-                response.headers["WWW-Authenticate"] = "Bearer"
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        [c] = future.result()
+        try:
+            self.recorder.record(episode_id, prompt, c, int(future.policy_version or 0), prompt=shown)
+        except EpisodeError as exc:
+            raise ApiError(409, str(exc)) from None
+
+    # ------------------------------------------------------------------------------------ the engine
+    def submit(self, prompts: list[list[int]], params: SamplingParams, seed: int | None,
+               feed: TokenFeed | None = None) -> list[RequestFuture]:
+        futures: list[RequestFuture] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                on_token = None if feed is None else feed.for_prompt(i, params.n)
+                futures.append(self.engine.submit(prompt, params, seed=seed, on_token=on_token))
+                if feed is not None:
+                    feed.watch(i, futures[-1])
+        except ValueError as exc:  # the engine names the field ("prompt: ...", "n: ...")
+            self._cancel(futures)
+            raise ApiError(400, str(exc), serving.field_of(str(exc))) from None
+        except EngineBusy as exc:
+            self._cancel(futures)
+            raise ApiError(429, str(exc)) from None
+        except EngineUnavailable as exc:
+            raise ApiError(503, str(exc)) from None
+        return futures
+
+    def _cancel(self, futures: list[RequestFuture]) -> None:
+        for f in futures:
+            if not f.done():
+                self.engine.cancel(f)
+
+    async def wait(self, futures: list[RequestFuture], request: Request) -> None:
+        """All answers, or an error; the requests are cancelled when the client goes away or time runs out."""
+        answers = asyncio.ensure_future(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({answers, gone}, timeout=self.request_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if answers in done:
+                answers.result()
+            elif gone in done:
+                raise ApiError(499, "the client closed the connection; the request was cancelled")
+            else:
+                raise ApiError(504, f"no answer within {self.request_timeout_s:g}s; the request was cancelled")
+        except EngineUnavailable as exc:
+            raise ApiError(503, str(exc)) from None
+        finally:
+            gone.cancel()
+            answers.cancel()
+            self._cancel(futures)
+
+    def streamed(self, spec: StreamSpec, params: SamplingParams, seed: int | None, episode_id: str | None,
+                 shown: Any) -> StreamingResponse:
+        feed = TokenFeed(asyncio.get_running_loop())
+        futures = self.submit(spec.prompts, params, seed, feed)
+
+        def on_done(done: list[RequestFuture]) -> None:
+            self.record(episode_id, spec.prompts[0], done[0], shown)
+
+        chunks = stream(Streamer(self.tokenizer, spec), feed, futures, timeout_s=self.request_timeout_s,
+                        cancel=self.engine.cancel, on_done=on_done)
+        return StreamingResponse(chunks, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+    def _spec(self, body: CompletionBody | ChatBody, prompts: list[list[int]], chat: bool) -> StreamSpec:
+        stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        logprobs = bool(body.logprobs) if chat else body.logprobs is not None
+        return StreamSpec(chat=chat, model_name=self.model_name, prompts=prompts, n=body.n, logprobs=logprobs,
+                          tools=chat and bool(body.tools), stops=stops,
+                          include_usage=bool((body.stream_options or {}).get("include_usage")))
+
+    # ------------------------------------------------------------------------------------ the routes
+    async def text(self, body: CompletionBody, request: Request, episode_id: str | None = None) -> Any:
+        self.check_episode(episode_id, body.n)
+        wire.refuse_unsupported(body)
+        for p in [body.prompt] if isinstance(body.prompt, str) else body.prompt:
+            if isinstance(p, str):
+                self.check_fits(p, "prompt")
+        prompts = await asyncio.to_thread(wire.completion_prompts, self.tokenizer, body.prompt)
+        if episode_id is not None and len(prompts) != 1:
+            raise ApiError(400, "prompt: one prompt per call in proxy mode", "prompt")
+        params = wire.sampling(body, min(body.max_tokens or 16, self.room(prompts)))
+        if body.stream:
+            return self.streamed(self._spec(body, prompts, chat=False), params, body.seed, episode_id, body.prompt)
+        futures = self.submit(prompts, params, body.seed)
+        await self.wait(futures, request)
+        choices = []
+        for i, (prompt, future) in enumerate(zip(prompts, futures, strict=True)):
+            for j, c in enumerate(future.result()):
+                logprobs = None if body.logprobs is None else wire.text_logprobs(self.tokenizer, c.token_ids,
+                                                                                 c.logprobs)
+                choice = {"index": i * body.n + j, "text": c.text, "finish_reason": c.stop_reason.value,
+                          "logprobs": logprobs}
+                choices.append(choice | wire.extras(prompt, c, future.policy_version))
+        self.record(episode_id, prompts[0], futures[0], body.prompt)
+        head = wire.envelope("cmpl", "text_completion", self.model_name)
+        return wire.answer(head, prompts, [f.policy_version for f in futures], choices)
+
+    async def chat(self, body: ChatBody, request: Request, episode_id: str | None = None) -> Any:
+        self.check_episode(episode_id, body.n)
+        wire.refuse_unsupported(body)
+
+        def render() -> list[int]:
+            text = wire.chat_text(self.tokenizer, body.messages, body.tools, body.chat_template_kwargs)
+            self.check_fits(text, "messages")
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+        prompt = await asyncio.to_thread(render)
+        wanted = body.max_completion_tokens or body.max_tokens or self.default_max_tokens
+        params = wire.sampling(body, min(wanted, self.room([prompt])))
+        if body.stream:
+            return self.streamed(self._spec(body, [prompt], chat=True), params, body.seed, episode_id, body.messages)
+        [future] = futures = self.submit([prompt], params, body.seed)
+        await self.wait(futures, request)
+        choices = []
+        for j, c in enumerate(future.result()):
+            message, reason = wire.chat_message(c, bool(body.tools))
+            logprobs = wire.chat_logprobs(self.tokenizer, c.token_ids, c.logprobs) if body.logprobs else None
+            choice = {"index": j, "message": message, "finish_reason": reason, "logprobs": logprobs}
+            choices.append(choice | wire.extras(prompt, c, future.policy_version))
+        self.record(episode_id, prompt, future, body.messages)
+        head = wire.envelope("chatcmpl", "chat.completion", self.model_name)
+        return wire.answer(head, [prompt], [future.policy_version], choices)
 
 
 # ------------------------------------------------------------------------------------------ the app
 def create_app(engine, *, model_name: str, token: str | None = None, extra_routers: Iterable[APIRouter] = (),
                allowed_hosts: Iterable[str] = (), request_timeout_s: float = 600.0,
                default_max_tokens: int = 1024, max_tokens_cap: int | None = None,
-               recorder: EpisodeRecorder | None = None) -> FastAPI:
+               recorder: EpisodeRecorder | None = None,
+               max_body_bytes: int = serving.DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """An OpenAI-compatible app over `engine` (a ContinuousEngine, or anything with `submit`, `cancel`,
     `tokenizer`, `version`).
 
@@ -180,35 +237,26 @@ def create_app(engine, *, model_name: str, token: str | None = None, extra_route
     recorder:           proxy mode (`tokenmill.rollout.proxy`): the same two routes are also served under
                         `/proxy/<episode id>/v1/...`, one reply per call, each recorded into the episode;
                         `/v1/episodes/<id>/reward` ends an episode (see `engines/proxy_routes.py`)
+    max_body_bytes:     larger request bodies are refused (413) before they are read
     """
-    if token is not None and not token:
-        raise ValueError("token must be a non-empty string (or None for no auth)")
     app = FastAPI(title="tokenmill engine server", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
-    hosts = LOOPBACK_HOSTS | {_normalise_host(h) for h in allowed_hosts}
-    app.add_middleware(_Guard, token=token, allowed_hosts=frozenset(hosts))
-    tokenizer = engine.tokenizer
+    app.add_middleware(serving.Guard, token=token, allowed_hosts=serving.host_set(allowed_hosts),
+                       max_body_bytes=max_body_bytes)
+    serving.install_openai_errors(app)
+    completer = Completer(engine, model_name=model_name, request_timeout_s=request_timeout_s,
+                          default_max_tokens=default_max_tokens, max_tokens_cap=max_tokens_cap, recorder=recorder)
+    app.state.completer = completer
+    _routes(app, engine, completer, model_name)
+    weight_routes = _weight_routes(engine)
+    if weight_routes is not None:
+        app.include_router(weight_routes)
+    for router in extra_routers:
+        app.include_router(router)
+    return app
 
-    @app.exception_handler(ApiError)
-    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = str(exc.detail)
-        head = message.split(":", 1)[0]
-        return error_response(exc.status_code, message, head if head.isidentifier() else None)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = jsonable_encoder(exc.errors())
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        summary = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: "
-                            f"{e.get('msg', '')}" for e in errors[:5])
-        return error_response(400, f"invalid request: {summary}", param)
-
+def _routes(app: FastAPI, engine, completer: Completer, model_name: str) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
         stats = engine.stats() if hasattr(engine, "stats") else {}
@@ -225,108 +273,28 @@ def create_app(engine, *, model_name: str, token: str | None = None, extra_route
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
                                             "owned_by": "tokenmill"}]}
 
-    async def run(prompts: list[list[int]], params: SamplingParams, seed: int | None) -> list[RequestFuture]:
-        futures: list[RequestFuture] = []
-        try:
-            for prompt in prompts:
-                futures.append(engine.submit(prompt, params, seed=seed))
-            await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)), request_timeout_s)
-        except ValueError as exc:  # the engine names the field ("prompt: ...", "n: ...")
-            head = str(exc).split(":", 1)[0]
-            raise ApiError(400, str(exc), head if head.isidentifier() else None) from None
-        except EngineBusy as exc:
-            raise ApiError(429, str(exc)) from None
-        except EngineUnavailable as exc:
-            raise ApiError(503, str(exc)) from None
-        except TimeoutError:
-            raise ApiError(504, f"no answer within {request_timeout_s:g}s; the request was cancelled") from None
-        finally:
-            for f in futures:
-                if not f.done():
-                    engine.cancel(f)
-        return futures
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionBody, request: Request) -> Any:
+        return await completer.text(body, request)
 
-    def room(prompts: list[list[int]]) -> int:
-        """Tokens left in the model's context after the longest prompt (the engine refuses a full one)."""
-        limit = getattr(engine, "max_positions", None)
-        left = max(1, limit - max(len(p) for p in prompts)) if limit else 1 << 30
-        return min(left, max_tokens_cap) if max_tokens_cap else left
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatBody, request: Request) -> Any:
+        return await completer.chat(body, request)
 
-    def record(episode_id: str | None, prompt: list[int], future: RequestFuture, shown: Any) -> None:
-        """Proxy mode: the call's exact tokens go into its episode (an episode is one trajectory: n = 1)."""
-        if episode_id is None:
-            return
-        [c] = future.result()
-        try:
-            recorder.record(episode_id, prompt, c, int(future.policy_version or 0), prompt=shown)
-        except EpisodeError as exc:
-            raise ApiError(409, str(exc)) from None
+    if completer.recorder is None:
+        return
 
-    def check_episode(episode_id: str | None, n: int) -> None:
-        if episode_id is None:
-            return
-        check_episode_id(episode_id)
-        if n != 1:
-            raise ApiError(400, "n: one reply per call in proxy mode (an episode is one trajectory)", "n")
+    # proxy mode: the same answers, each call recorded into its episode
+    @app.post("/proxy/{episode_id}/v1/completions", response_model=None)
+    async def proxy_completions(episode_id: str, body: CompletionBody, request: Request) -> Any:
+        return await completer.text(body, request, episode_id)
 
-    async def complete_text(body: CompletionBody, episode_id: str | None) -> dict[str, Any]:
-        check_episode(episode_id, body.n)
-        _refuse_unsupported(body)
-        prompts = _completion_prompts(tokenizer, body.prompt)
-        if episode_id is not None and len(prompts) != 1:
-            raise ApiError(400, "prompt: one prompt per call in proxy mode", "prompt")
-        params = _sampling(body, min(body.max_tokens or 16, room(prompts)))
-        futures = await run(prompts, params, body.seed)
-        choices = []
-        for i, (prompt, future) in enumerate(zip(prompts, futures, strict=True)):
-            for j, c in enumerate(future.result()):
-                choice = {"index": i * body.n + j, "text": c.text, "finish_reason": c.stop_reason.value,
-                          "logprobs": None if body.logprobs is None else _text_logprobs(tokenizer, c)}
-                choices.append(choice | _extras(prompt, c, future))
-        record(episode_id, prompts[0], futures[0], body.prompt)
-        return _answer("cmpl", "text_completion", model_name, prompts, futures, choices)
+    @app.post("/proxy/{episode_id}/v1/chat/completions", response_model=None)
+    async def proxy_chat_completions(episode_id: str, body: ChatBody, request: Request) -> Any:
+        return await completer.chat(body, request, episode_id)
 
-    async def complete_chat(body: ChatBody, episode_id: str | None) -> dict[str, Any]:
-        check_episode(episode_id, body.n)
-        _refuse_unsupported(body)
-        prompt = render_chat(tokenizer, body.messages, body.tools, body.chat_template_kwargs)
-        wanted = body.max_completion_tokens or body.max_tokens or default_max_tokens
-        params = _sampling(body, min(wanted, room([prompt])))
-        [future] = await run([prompt], params, body.seed)
-        choices = []
-        for j, c in enumerate(future.result()):
-            message, reason = _chat_message(c, bool(body.tools))
-            choice = {"index": j, "message": message, "finish_reason": reason,
-                      "logprobs": _chat_logprobs(tokenizer, c) if body.logprobs else None}
-            choices.append(choice | _extras(prompt, c, future))
-        record(episode_id, prompt, future, body.messages)
-        return _answer("chatcmpl", "chat.completion", model_name, [prompt], [future], choices)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody) -> dict[str, Any]:
-        return await complete_text(body, None)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody) -> dict[str, Any]:
-        return await complete_chat(body, None)
-
-    if recorder is not None:  # proxy mode: the same answers, each call recorded into its episode
-        @app.post("/proxy/{episode_id}/v1/completions")
-        async def proxy_completions(episode_id: str, body: CompletionBody) -> dict[str, Any]:
-            return await complete_text(body, episode_id)
-
-        @app.post("/proxy/{episode_id}/v1/chat/completions")
-        async def proxy_chat_completions(episode_id: str, body: ChatBody) -> dict[str, Any]:
-            return await complete_chat(body, episode_id)
-
-        app.get("/proxy/{episode_id}/v1/models")(models)
-        app.include_router(episode_routes(recorder))
-    weight_routes = _weight_routes(engine)
-    if weight_routes is not None:
-        app.include_router(weight_routes)
-    for router in extra_routers:
-        app.include_router(router)
-    return app
+    app.get("/proxy/{episode_id}/v1/models")(models)
+    app.include_router(episode_routes(completer.recorder))
 
 
 def _weight_routes(engine) -> APIRouter | None:
@@ -340,150 +308,41 @@ def _weight_routes(engine) -> APIRouter | None:
     return weight_routes(engine)
 
 
-# ------------------------------------------------------------------------------------------ wire helpers
-def _completion_prompts(tokenizer, prompt: str | list) -> list[list[int]]:
-    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
-        prompt = [prompt]
-    if not prompt:
-        raise ApiError(400, "prompt: must not be empty", "prompt")
-    out = []
-    for p in prompt:
-        ids = list(tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p)
-        if not ids:
-            raise ApiError(400, "prompt: a prompt encodes to no tokens", "prompt")
-        out.append(ids)
-    return out
-
-
-def render_chat(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Prompt token ids of OpenAI chat messages under the tokenizer's chat template (generation prompt on).
-    Content given as a list of parts keeps its text parts."""
-    plain = []
-    for i, m in enumerate(messages):
-        if not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages.{i}.role: a string is required", f"messages.{i}.role")
-        content = m.get("content")
-        if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-        elif content is not None and not isinstance(content, str):
-            raise ApiError(400, f"messages.{i}.content: a string or a list of parts", f"messages.{i}.content")
-        plain.append({**m, "content": content or ""})
-    try:
-        text = tokenizer.apply_chat_template(plain, tools=tools, add_generation_prompt=True, tokenize=False,
-                                             **(template_kwargs or {}))
-    except Exception as exc:  # noqa: BLE001 - a template that cannot render these messages: the caller's input
-        raise ApiError(400, f"messages: the chat template could not render them: {exc}", "messages") from None
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _chat_message(c: Completion, tools: bool) -> tuple[dict[str, Any], str]:
-    message: dict[str, Any] = {"role": "assistant", "content": c.text}
-    reason = c.stop_reason.value
-    if tools:
-        from tokenmill.envs.tools import HermesToolCallParser
-
-        turn = HermesToolCallParser().parse(c.text)
-        if turn.tool_calls:
-            message = {"role": "assistant", "content": turn.content or None,
-                       "tool_calls": [call.openai() for call in turn.tool_calls]}
-            reason = "tool_calls" if reason == "stop" else reason
-    return message, reason
-
-
-def _pieces(tokenizer, token_ids: Sequence[int]) -> list[str]:
-    return [tokenizer.decode([t]) for t in token_ids]
-
-
-def _text_logprobs(tokenizer, c: Completion) -> dict[str, Any]:
-    pieces = _pieces(tokenizer, c.token_ids)
-    offsets, at = [], 0
-    for piece in pieces:
-        offsets.append(at)
-        at += len(piece)
-    return {"tokens": pieces, "token_logprobs": list(c.logprobs), "top_logprobs": None, "text_offset": offsets}
-
-
-def _chat_logprobs(tokenizer, c: Completion) -> dict[str, Any]:
-    return {"content": [{"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []}
-                        for piece, lp in zip(_pieces(tokenizer, c.token_ids), c.logprobs, strict=True)]}
-
-
-def _extras(prompt: list[int], c: Completion, future: RequestFuture) -> dict[str, Any]:
-    return {"token_ids": list(c.token_ids), "prompt_token_ids": list(prompt),
-            "policy_version": int(future.policy_version or 0)}
-
-
-def _answer(prefix: str, kind: str, model_name: str, prompts: list[list[int]], futures: list[RequestFuture],
-            choices: list[dict[str, Any]]) -> dict[str, Any]:
-    completion_tokens = sum(len(c["token_ids"]) for c in choices)
-    prompt_tokens = sum(len(p) for p in prompts)
-    return {
-        "id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model_name,
-        "choices": choices,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
-        "policy_version": min(int(f.policy_version or 0) for f in futures),
-    }
-
-
 # ------------------------------------------------------------------------------------------ running it
 def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
           allow_remote: bool = False, served_model_name: str | None = None, dtype: str = "float32",
-          max_batch: int = 256, seed: int = 0, device: str = "cpu") -> None:
-    """Load `model_dir` into a ContinuousEngine and serve it until interrupted; print the URL once it accepts
-    connections. Loopback only unless `allow_remote` and a token are both given (ValueError otherwise)."""
-    import socket
-    import threading
+          max_batch: int = 256, seed: int = 0, device: str = "cpu",
+          max_body_bytes: int = serving.DEFAULT_MAX_BODY_BYTES) -> None:
+    """Load `model_dir` into a ContinuousEngine and serve it until interrupted; once it accepts connections,
+    print its `serving.ready_line` (port 0 binds a free port, named there). Loopback only unless `allow_remote`
+    and a token are both given (ValueError otherwise)."""
     from pathlib import Path
 
     import torch
-    import uvicorn
 
-    from tokenmill.envs.server import _bound_hosts, is_loopback
-
-    if token is not None and not token:
-        raise ValueError("--token: must not be empty")
-    if not is_loopback(host) and not (allow_remote and token):
-        raise ValueError(f"refusing to serve on non-loopback host {host!r}: bind 127.0.0.1 (and tunnel, e.g. "
-                         "`ssh -L`), or pass --allow-remote together with --token")
+    serving.check_exposure(host, token, allow_remote)
     if not Path(model_dir, "config.json").is_file():
         raise ValueError(f"MODEL_DIR {model_dir!r}: not a model folder (no config.json)")
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
         raise ValueError(f"--dtype: one of {', '.join(dtypes)}, got {dtype!r}")
+    sock = serving.bind(host, port)
     try:
         engine = ContinuousEngine.from_pretrained(model_dir, dtype=dtypes[dtype], device=device, seed=seed,
                                                   max_batch=max_batch)
     except (OSError, ValueError) as exc:
+        sock.close()
         raise ValueError(f"MODEL_DIR {model_dir!r}: could not load it: {exc}".splitlines()[0]) from None
     name = served_model_name or Path(model_dir).resolve().name
-    app = create_app(engine, model_name=name, token=token, allowed_hosts=_bound_hosts(host))
-    # proto IPPROTO_TCP, not the default 0: asyncio turns Nagle off only on sockets whose proto says TCP, and with
-    # Nagle on, every answer on a kept-alive connection waits ~40 ms for the client's delayed ACK [measured]
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((_normalise_host(host), port))
-    except OSError as exc:
-        sock.close()
-        engine.close()
-        raise ValueError(f"cannot bind {host}:{port}: {exc.strerror or exc}") from None
-    bound = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30,
-                                           timeout_graceful_shutdown=5))
+    app = create_app(engine, model_name=name, token=token, allowed_hosts=serving.bind_names(host),
+                     max_body_bytes=max_body_bytes)
+    url = serving.url_of(host, sock.getsockname()[1])
 
-    def announce() -> None:
-        deadline = time.monotonic() + 60
-        while not server.started and not server.should_exit and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if server.started:
-            shown = f"[{host}]" if ":" in host else host
-            print(f"tokenmill serve: {name} ready on http://{shown}:{bound}/v1 (auth {'on' if token else 'off'}, "
-                  f"max_batch {max_batch}, {dtype})", flush=True)
+    def ready() -> None:
+        print(serving.ready_line(f"tokenmill serve: {name}", f"{url}/v1",
+                                 f"auth {'on' if token else 'off'}, max_batch {max_batch}, {dtype}"), flush=True)
 
-    threading.Thread(target=announce, name="tokenmill-serve-announce", daemon=True).start()
     try:
-        server.run(sockets=[sock])
+        serving.serve_forever(app, sock, on_ready=ready)
     finally:
         engine.close()

@@ -183,6 +183,8 @@ class RemoteEnvironment:
             data = None
         if response.is_error:
             reason = data.get("error") if isinstance(data, dict) else None
+            if isinstance(reason, dict):  # OpenAI's shape, {"error": {"message": ...}}
+                reason = reason.get("message")
             reason = reason if isinstance(reason, str) else _preview(response.text)
             raise self._error(what, f"HTTP {response.status_code}: {reason}", status=response.status_code)
         if not isinstance(data, dict):
