@@ -226,6 +226,56 @@ def test_memory_hog_fails(isolation):
 
 
 @ISOLATION
+def test_processes_together_stay_within_the_total(isolation, no_strays):
+    """Each process fills its address space; all of them at once stay under total_memory_mb (per-process
+    caps alone allowed max_processes x memory_mb)."""
+    code = """
+        import os
+        def fill():
+            chunks = []
+            try:
+                while True:
+                    chunks.append(bytearray(4 * 1024 ** 2))  # zero-filled: really resident
+            except MemoryError:
+                return chunks
+        read, write = os.pipe()
+        children = 0
+        for _ in range(30):
+            try:
+                pid = os.fork()
+            except OSError:
+                break
+            if pid == 0:
+                held = fill()
+                os.write(write, b"%d\\n" % (4 * len(held)))
+                os.read(read, 1)  # hold it until the parent is done (it never writes: killed at the end)
+                os._exit(0)
+            children += 1
+        held = fill()
+        reports = b""
+        while reports.count(b"\\n") < children:
+            reports += os.read(read, 4096)
+        print(children + 1, 4 * len(held) + sum(int(x) for x in reports.split()))
+    """
+    limits = Limits(memory_mb=64, disk_mb=8, total_memory_mb=160, max_processes=32, wall_seconds=15,
+                    cpu_seconds=10)
+    assert limits.program_processes() == 2 and limits.worst_case_mb() == 152  # (160 - 3 x 8) // 64 = 2
+    result = run(isolation, code, limits)
+    assert result.ok, result.stderr
+    processes, allocated_mb = map(int, result.stdout.split())
+    assert processes == 2
+    # each filled what Python's own ~30 MB left of its 64 MB; together never more than the total
+    assert 2 * 16 < allocated_mb <= 2 * 64 < limits.total_memory_mb
+
+
+def test_limits_keep_the_total():
+    assert Limits().process_cap() == 5 and Limits().worst_case_mb() == 1728  # 3 x 512 + 3 x 64 <= 2048
+    assert Limits(memory_mb=16).process_cap() == 64  # small processes: max_processes is the tighter cap
+    with pytest.raises(ValueError, match=r"Limits.total_memory_mb \(100\) leaves no room .* at least 256"):
+        Limits(memory_mb=64, total_memory_mb=100)
+
+
+@ISOLATION
 def test_huge_file_write_stops_at_limit(isolation):
     code = """
         import os

@@ -6,6 +6,9 @@ from dataclasses import dataclass, fields
 
 from tokenmill.types import TokenmillError
 
+OWN_PROCESSES = 2  # the sandbox's pid 1 and bwrap/unshare, counted by RLIMIT_NPROC beside the program
+TMPFS_COUNT = 3  # /sandbox, /tmp, /dev/shm, each up to disk_mb
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -14,9 +17,15 @@ class Limits:
     `cpu_seconds` is per process (RLIMIT_CPU, rounded up to whole seconds): a program that spreads work over
     many processes is stopped by `wall_seconds` instead, which always kills the whole sandbox.
     `memory_mb` is address space per process (RLIMIT_AS), so allocations fail with MemoryError rather than
-    the machine swapping; a program may hold up to `max_processes` times that in all. `max_processes` counts
-    the threads and processes of this sandbox only, its own pid 1 (and `unshare`) included. `disk_mb` is the size of each writable tmpfs
-    in the sandbox (/sandbox, /tmp, /dev/shm); tmpfs lives in RAM, so this bounds memory as well as disk.
+    the machine swapping. `max_processes` counts the threads and processes of this sandbox only, its own
+    pid 1 (and `unshare`) included. `disk_mb` is the size of each writable tmpfs in the sandbox (/sandbox,
+    /tmp, /dev/shm); tmpfs lives in RAM, so this bounds memory as well as disk.
+
+    `total_memory_mb` caps the sandbox as a whole: its tmpfs (3 x `disk_mb`) plus every process's address
+    space. The kernel enforces it as a product of the limits above: the process cap actually applied is
+    lowered to `process_cap()`, so that (processes the program may run) x `memory_mb` + 3 x `disk_mb` stays
+    within the total. Threads count as processes for RLIMIT_NPROC, so a program with many threads needs a
+    lower `memory_mb` (or a higher total). Without this, 64 processes x 512 MB would allow 32 GB.
     """
 
     cpu_seconds: float = 5.0
@@ -27,6 +36,7 @@ class Limits:
     max_open_files: int = 256
     max_output_bytes: int = 65536  # stdout/stderr each truncated to this
     disk_mb: int = 64
+    total_memory_mb: int = 2048
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -36,6 +46,26 @@ class Limits:
             raise ValueError("Limits.max_processes below 4 leaves no room beside the sandbox's own processes")
         if self.max_open_files < 16:
             raise ValueError("Limits.max_open_files below 16 leaves Python unable to start")
+        if self.program_processes() < 1:
+            raise ValueError(
+                f"Limits.total_memory_mb ({self.total_memory_mb}) leaves no room for one process of "
+                f"memory_mb ({self.memory_mb}) beside 3 tmpfs of disk_mb ({self.disk_mb}): raise "
+                f"total_memory_mb to at least {self.memory_mb + TMPFS_COUNT * self.disk_mb} or lower the others"
+            )
+
+    def program_processes(self) -> int:
+        """How many processes (threads included) the program itself may run: bounded by the process cap
+        and by what the total memory leaves after the tmpfs, at `memory_mb` each."""
+        room = (self.total_memory_mb - TMPFS_COUNT * self.disk_mb) // self.memory_mb
+        return min(self.max_processes - OWN_PROCESSES, room)
+
+    def process_cap(self) -> int:
+        """RLIMIT_NPROC as set inside the sandbox (its own processes included)."""
+        return OWN_PROCESSES + self.program_processes()
+
+    def worst_case_mb(self) -> int:
+        """The most memory the sandbox can pin, all limits reached at once: never above total_memory_mb."""
+        return self.program_processes() * self.memory_mb + TMPFS_COUNT * self.disk_mb
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,7 @@ def _rlimits(limits: Limits) -> dict[str, list[int]]:
         "RLIMIT_CPU": [cpu, cpu + 1],  # SIGXCPU at the soft limit, SIGKILL a second later
         "RLIMIT_AS": [limits.memory_mb * MIB] * 2,
         "RLIMIT_FSIZE": [limits.file_size_mb * MIB] * 2,
-        "RLIMIT_NPROC": [limits.max_processes] * 2,
+        "RLIMIT_NPROC": [limits.process_cap()] * 2,  # max_processes, lowered to keep the memory total
         "RLIMIT_NOFILE": [limits.max_open_files] * 2,
     }
 
