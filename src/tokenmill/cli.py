@@ -39,14 +39,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from tokenmill.config.preflight import check_run
-    from tokenmill.controller import build_run, run_rl
-    from tokenmill.controller.proxy_rl import run_proxy
 
     cfg = _rl_config(args.config, args.overrides)
-    check_run(cfg)  # files, columns, device: one line each, before any model loads
+    check_run(cfg)  # files, columns, device: one line each, before the ML stack is even imported
+    from tokenmill.controller import build_run, run_rl
+
     run = build_run(cfg)
     try:
-        result = run_proxy(run) if cfg.proxy is not None else run_rl(run)
+        result = run_rl(run)  # proxy mode too: its feed serves the policy and takes the agent's episodes
     finally:
         run.close()
     _print_eval(result)
