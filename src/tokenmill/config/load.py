@@ -14,6 +14,7 @@ from tokenmill.config.safe_yaml import MAX_FILE_BYTES, decode_config_bytes, load
 from tokenmill.types import ConfigError
 
 C = TypeVar("C", bound=BaseModel)
+MAX_PROBLEMS = 20  # lines of one error message (a list of 1,000 bad items is not 1,000 lines)
 TAGS = {"function", "model"}
 
 
@@ -70,7 +71,8 @@ FIELD_PREFIX = re.compile(r"^([a-z_]+(?:\.[a-z_0-9]+)+): ")
 def format_validation_error(err: ValidationError) -> str:
     """One line per problem: `algorithm.clip_low: Input should be less than or equal to 1 (got 3)`."""
     lines = []
-    for e in err.errors():
+    errors = err.errors()
+    for e in errors[:MAX_PROBLEMS]:
         parts = list(e["loc"])
         # drop union tags that pydantic puts in the path (rewards.0.function.weight -> rewards.0.weight)
         parts = [p for i, p in enumerate(parts) if not (i and isinstance(parts[i - 1], int) and p in TAGS)]
@@ -82,6 +84,8 @@ def format_validation_error(err: ValidationError) -> str:
         if not loc and named:  # a cross-field check names the field it blames: `section.field: ...`
             loc, msg = named.group(1), msg[named.end() :]
         lines.append(f"{loc or 'config'}: {msg}{shown}")
+    if len(errors) > MAX_PROBLEMS:
+        lines.append(f"... and {len(errors) - MAX_PROBLEMS} more problems")
     return "\n".join(lines)
 
 

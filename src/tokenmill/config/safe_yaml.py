@@ -22,13 +22,13 @@ MAX_VALUES = 100_000  # scalars, lists and mappings after aliases are expanded
 MAX_DEPTH = 64  # nesting levels
 
 _SHORT = reprlib.Repr()
-_SHORT.maxstring = _SHORT.maxother = 60
-_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 6
+_SHORT.maxstring = _SHORT.maxother = 40
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 4
 _SHORT.maxlevel = 3
 
 
 def shorten(value: Any) -> str:
-    """repr() of `value` cut to about 60 characters (and a few items per level), at a cost bounded by the cut,
+    """repr() of `value` cut to about 40 characters (and four items per level), at a cost bounded by the cut,
     so that no error message echoes a 10 MB value or walks an alias bomb."""
     return _SHORT.repr(value)
 
