@@ -31,11 +31,11 @@ def _checked_rewards(rewards: Any) -> list[Callable[..., Any]] | None:
     if rewards is None:
         return None
     if isinstance(rewards, (str, bytes)) or not isinstance(rewards, (list, tuple)):
-        raise ConfigError(f"rewards: expected a list of reward functions, got a {type(rewards).__name__}")
+        raise ConfigError(f"rewards: expected a list of reward functions, not {type(rewards).__name__}")
     for i, fn in enumerate(rewards):
         if not callable(fn):
             raise ConfigError(f"rewards[{i}]: expected a reward function fn(prompts, completions, **kwargs), "
-                              f"got a {type(fn).__name__}")
+                              f"not {type(fn).__name__}")
     return list(rewards)
 
 
@@ -44,11 +44,11 @@ def _config_tree(config: Any, dataset: Any) -> RLConfig | dict[str, Any] | str |
     if isinstance(config, RLConfig):
         config = config.model_dump()
     if not isinstance(config, (dict, str, Path)):
-        raise ConfigError(f"config: expected an RLConfig, a dict of sections or a YAML path, got a "
+        raise ConfigError(f"config: expected an RLConfig, a dict of sections or a YAML path, not "
                           f"{type(config).__name__}")
     if dataset is not None:
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-            raise ConfigError(f"dataset: expected a datasets.Dataset (rows with columns), got a "
+            raise ConfigError(f"dataset: expected a datasets.Dataset (rows with columns), not "
                               f"{type(dataset).__name__}")
         if isinstance(config, dict):
             config = copy.deepcopy(config)
