@@ -65,7 +65,7 @@ class ExposureError(TokenmillError, ValueError):
 
 
 # ------------------------------------------------------------------------------------------ errors
-class ApiError(Exception):
+class ApiError(TokenmillError):
     """An error answered in OpenAI's shape; `param` names the offending field."""
 
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
@@ -196,7 +196,7 @@ def same_origin(origin: str, host_header: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ the guard
-class BodyTooLarge(Exception):
+class BodyTooLarge(TokenmillError):
     pass
 
 

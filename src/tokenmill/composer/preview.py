@@ -20,13 +20,13 @@ from typing import Any
 
 from tokenmill.composer.configs import RewardCode
 from tokenmill.config.schema import RewardFunctionConfig, RLConfig
-from tokenmill.types import ConfigError
+from tokenmill.types import ConfigError, TokenmillError
 
 MAX_PROMPTS = 16
 MAX_SAMPLES = 16
 
 
-class PreviewError(Exception):
+class PreviewError(TokenmillError):
     """The preview cannot run; `errors` are [{"path", "message"}] naming the field to fix."""
 
     def __init__(self, errors: list[dict[str, str]]) -> None:

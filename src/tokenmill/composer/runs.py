@@ -28,6 +28,7 @@ from pydantic import BaseModel
 
 from tokenmill.composer.configs import RewardCode, export_yaml, validate
 from tokenmill.config.modes import MODES
+from tokenmill.types import TokenmillError
 
 FINAL = ("finished", "failed", "stopped")
 STREAMS = ("metrics", "samples", "log", "events")  # the cursor's four offsets, in this order
@@ -40,7 +41,7 @@ _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _MAX_LINES_PER_READ = 2000  # bounds one poll's work on a huge backlog; the next poll reads on
 
 
-class RunError(Exception):
+class RunError(TokenmillError):
     """A request about runs that cannot be served; `status` is the HTTP status to answer with and `details`
     extra keys of the JSON error body."""
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tokenmill.types import TokenmillError
+
 Message = dict[str, Any]
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(TokenmillError, ValueError):
     """The chat template cannot be used for masked training (e.g. it rewrites earlier turns)."""
 
 

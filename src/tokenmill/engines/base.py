@@ -13,7 +13,13 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from tokenmill.types import Completion, SamplingParams
+from tokenmill.types import Completion, SamplingParams, TokenmillError
+
+
+class EngineUnavailable(TokenmillError):
+    """The engine cannot answer the request. In process: it is closed, its loop crashed (the cause is
+    chained) or its queue is full (`EngineBusy`). Remote: no server answered within the retries (the message
+    names each server and its last error)."""
 
 
 @runtime_checkable

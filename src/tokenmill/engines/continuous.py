@@ -35,16 +35,13 @@ from typing import Self
 import torch
 import torch.nn.functional as F
 
+from tokenmill.engines.base import EngineUnavailable
 from tokenmill.engines.hf import HFEngine, _has_sliding_layers
-from tokenmill.types import Completion, SamplingParams, StopReason, TokenmillError
+from tokenmill.types import Completion, SamplingParams, StopReason
 
 log = logging.getLogger("tokenmill.engines.continuous")
 _IDLE_WAIT_S = 0.05  # how often an idle loop looks at its shutdown flag
 _UNIFORM_BLOCK = 64  # sampling steps of uniform numbers drawn at once per request
-
-
-class EngineUnavailable(TokenmillError):
-    """The engine cannot take the request: closed, its loop crashed (the cause is chained), or its queue is full."""
 
 
 class EngineBusy(EngineUnavailable):

@@ -24,16 +24,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tokenmill.engines.pool import EndpointPool
 from tokenmill.types import Completion, SamplingParams, StopReason
 
-
-class _Sync(Protocol):
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None: ...
+if TYPE_CHECKING:  # annotation only: an engine import need not load the sync package and its transports
+    from tokenmill.sync.base import WeightSync
 
 
 class RemoteEngine:
@@ -48,7 +47,7 @@ class RemoteEngine:
 
     def __init__(self, urls: list[str], *, pad_id: int, token: str | None = None, model: str = "tokenmill",
                  timeout_s: float = 300.0, retries: int = 3, backoff_s: float = 0.5, cooldown_s: float = 5.0,
-                 sync: _Sync | None = None, max_parallel: int = 256) -> None:
+                 sync: WeightSync | None = None, max_parallel: int = 256) -> None:
         self.pool = EndpointPool(urls, token=token, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
                                  cooldown_s=cooldown_s)
         self.pad_id = pad_id

@@ -25,16 +25,15 @@ from typing import Any
 
 import httpx
 
+from tokenmill.engines.base import EngineUnavailable
+from tokenmill.types import TokenmillError
+
 log = logging.getLogger("tokenmill.engines.pool")
 
 _WIRE_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 
 
-class EngineUnavailable(RuntimeError):
-    """No server could answer a request within the retries; the message names each server and its error."""
-
-
-class EngineRequestError(RuntimeError):
+class EngineRequestError(TokenmillError):
     """A server refused a request (4xx): the request itself is wrong, so it is not retried elsewhere."""
 
     def __init__(self, message: str, status: int) -> None:
@@ -184,7 +183,7 @@ class EndpointPool:
             ep.client.close()
 
 
-class EngineServerError(RuntimeError):
+class EngineServerError(TokenmillError):
     """A server answered 5xx: its fault, so the request may go to another server."""
 
 

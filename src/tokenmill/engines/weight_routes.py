@@ -31,9 +31,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.sync.group import VLLM_GROUP, WeightGroup, open_group, parse_dtype
+from tokenmill.types import TokenmillError
 
 
-class UpdateRefused(ValueError):
+class UpdateRefused(TokenmillError, ValueError):
     """Bad input: the message names the tensor or field; the engine was not touched."""
 
 

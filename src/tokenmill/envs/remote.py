@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 
 from tokenmill.envs.base import EnvFactory, Message, StepResult
+from tokenmill.types import TokenmillError
 
 log = logging.getLogger("tokenmill.envs.remote")
 
@@ -39,7 +40,7 @@ _KEEPALIVE_EXPIRY_S = 4.0
 _RETRYABLE = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 
 
-class RemoteEnvError(EnvironmentError):
+class RemoteEnvError(TokenmillError, OSError):
     """A remote environment failed this episode: the server's error, a timeout or a lost connection.
 
     url, episode_id: which server and episode (episode_id is None before a reset succeeded)

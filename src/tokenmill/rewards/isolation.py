@@ -21,13 +21,14 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenmill.sandbox.lifetime import die_with_parent
+from tokenmill.types import TokenmillError
 
 
-class CallTimeout(Exception):
-    pass
+class CallTimeout(TokenmillError):
+    """The function did not return within its time limit (a worker process is killed, a thread abandoned)."""
 
 
-class CallFailed(Exception):
+class CallFailed(TokenmillError):
     """The function raised; the message carries its exception type, text and last frame."""
 
 

@@ -25,7 +25,7 @@ from typing import Any
 from tokenmill.types import Completion, Group, Sample, StopReason
 
 
-class EpisodeError(ValueError):
+class EpisodeError(TokenmillError, ValueError):
     """An episode request that cannot be taken (unknown id, finished twice, bad reward); names the episode."""
 
 

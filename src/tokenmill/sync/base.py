@@ -29,10 +29,12 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from tokenmill.types import TokenmillError
+
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(TokenmillError, RuntimeError):
     """A push that did not land; the message names the server (URL) and its reason."""
 
 
