@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.types import Completion, Group, Sample, StopReason
+from tokenmill.types import Completion, Group, Sample, StopReason, TokenmillError
 
 
 class EpisodeError(TokenmillError, ValueError):
