@@ -11,6 +11,7 @@ is what a launched run imports (`path/to/file.py:function`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import threading
@@ -19,11 +20,12 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenmill.composer.configs import RewardCode
-from tokenmill.config.schema import RewardFunctionConfig, RLConfig
-from tokenmill.types import ConfigError, TokenmillError
+from tokenmill.config.schema import RewardFunctionConfig, RewardModelConfig, RLConfig
+from tokenmill.types import ConfigError, RewardResult, TokenmillError
 
 MAX_PROMPTS = 16
 MAX_SAMPLES = 16
+REWARD_MODEL_TIMEOUT_S = 120.0  # loading one, then scoring with it, each (a 7B model loads in about a minute)
 
 
 class PreviewError(TokenmillError):
@@ -99,30 +101,28 @@ class Previewer:
         return model, tok, time.perf_counter() - start
 
     def preview(self, cfg: RLConfig, codes: list[RewardCode], prompts: int = 4, samples: int = 4,
-                seed: int = 0) -> dict[str, Any]:
+                seed: int = 0, reward_model_timeout_s: float = REWARD_MODEL_TIMEOUT_S) -> dict[str, Any]:
         if cfg.env is not None:
             raise PreviewError([{"path": "env", "message": "the preview scores single completions; an "
                                  "environment's episodes are not previewed"}])
         with self._lock:
             return self._preview(cfg, codes, max(1, min(prompts, MAX_PROMPTS)), max(1, min(samples, MAX_SAMPLES)),
-                                 seed)
+                                 seed, reward_model_timeout_s)
 
-    def _preview(self, cfg: RLConfig, codes: list[RewardCode], n: int, k: int, seed: int) -> dict[str, Any]:
+    def _preview(self, cfg: RLConfig, codes: list[RewardCode], n: int, k: int, seed: int,
+                 reward_model_timeout_s: float) -> dict[str, Any]:
         from tokenmill.engines.hf import HFEngine
         from tokenmill.rollout.generator import Generator
         from tokenmill.types import SamplingParams
 
         rows, task_reward = _rows(cfg, n)
-        rewards, infos, errors = _rewards(cfg, codes, task_reward)
-        model, tok, load_s = self._policy(cfg)
-        if not rewards:
-            errors.append("no reward to score with: add a reward, or choose a data.task")
-        from tokenmill.rewards.set import RewardSet
-
-        reward_set = RewardSet(rewards)
-        gen = cfg.generation
-        params = SamplingParams(max_tokens=gen.max_tokens, temperature=gen.temperature, top_p=gen.top_p,
-                                top_k=gen.top_k, n=k, stop=tuple(gen.stop))
+        reward_set, infos = _rewards(cfg, codes, task_reward, reward_model_timeout_s)
+        try:
+            model, tok, load_s = self._policy(cfg)
+        except PreviewError:
+            reward_set.close()
+            raise
+        params = dataclasses.replace(SamplingParams.from_config(cfg.generation), n=k)
         generator = Generator(HFEngine(model, tok, seed=seed), tok, reward_set, params, cfg.data.prompt_column)
         try:
             t0 = time.perf_counter()
@@ -134,7 +134,7 @@ class Previewer:
             reward_set.close()  # kills the forked workers
         for info in infos:
             info["seconds"] = reward_set.last_seconds.get(info["name"])
-        return _report(groups, infos, errors, {"load": load_s, "generate": t1 - t0, "score": t2 - t1})
+        return _report(groups, infos, [], {"load": load_s, "generate": t1 - t0, "score": t2 - t1})
 
 
 def _rows(cfg: RLConfig, n: int) -> tuple[list[dict[str, Any]], Any]:
@@ -152,50 +152,122 @@ def _rows(cfg: RLConfig, n: int) -> tuple[list[dict[str, Any]], Any]:
     return rows, task_reward
 
 
-def _rewards(cfg: RLConfig, codes: list[RewardCode], task_reward: Any) -> tuple[list[Any], list[dict], list[str]]:
-    """The rewards to score with (task, config, code), their descriptions, and problems found up front."""
-    from tokenmill.rewards.base import FunctionReward
+class TimedModelReward:
+    """A reward model for the preview whose loading and scoring each get `timeout_s`, in daemon threads: a model
+    that hangs (a stalled file system, a checkpoint far too large for the machine) costs the preview
+    `timeout_s` and an inline error, never the Composer's request thread. Loading starts at the first call,
+    after the policy is loaded: transformers' loading is not safe in two threads at once. A thread past its
+    time cannot be killed: it is abandoned (and may still be loading when the next preview loads a model)."""
+
+    def __init__(self, rc: RewardModelConfig, index: int, timeout_s: float) -> None:
+        self.name = rc.name or rc.path.rstrip("/").split("/")[-1]  # ModelReward's default name
+        self.weight = rc.weight
+        self.timeout_s = timeout_s
+        self._field = f"rewards.{index}.path"
+        self._config = rc
+        self._load: _Background | None = None
+
+    def __call__(self, prompts: list[Any], completions: list[str], columns: dict[str, list[Any]],
+                 **context: Any) -> list[RewardResult]:
+        if self._load is None:
+            self._load = _Background(lambda: _model_reward(self._config))
+        try:
+            reward = self._load.result(self.timeout_s, "the reward model did not load")
+            return _Background(lambda: reward(prompts, completions, columns, **context)).result(
+                self.timeout_s, "the reward model did not score")
+        except (TimeoutError, _Failed) as exc:
+            return [RewardResult(None, f"{self._field}: {exc}")] * len(completions)
+
+    def close(self) -> None:
+        pass  # a reward model holds no process; an abandoned thread ends with its call
+
+
+class _Failed(Exception):
+    pass
+
+
+class _Background:
+    """`fn()` started in a daemon thread; `result` waits for it until `timeout_s` after the start."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: str | None = None
+        self._start = time.monotonic()
+
+        def run() -> None:
+            try:
+                self._value = fn()
+            except Exception as exc:  # noqa: BLE001 - reported inline, like a reward function's error
+                self._error = f"{type(exc).__name__}: {exc}"
+            self._done.set()
+
+        threading.Thread(target=run, name="composer-reward-model", daemon=True).start()
+
+    def result(self, timeout_s: float, what: str) -> Any:
+        if not self._done.wait(max(0.0, self._start + timeout_s - time.monotonic())):
+            raise TimeoutError(f"{what} within {timeout_s:g}s (abandoned)")
+        if self._error is not None:
+            raise _Failed(self._error)
+        return self._value
+
+
+def _model_reward(rc: RewardModelConfig) -> Any:
     from tokenmill.rewards.model import ModelReward
 
-    rewards: list[Any] = []
+    return ModelReward(rc.path, name=rc.name, weight=rc.weight, batch_size=rc.batch_size)
+
+
+def _rewards(cfg: RLConfig, codes: list[RewardCode], task_reward: Any,
+             model_timeout_s: float) -> tuple[Any, list[dict[str, Any]]]:
+    """The reward set to score with (task, config, code: built as a run builds its own, except that the
+    config's functions are resolved in their workers and reward models are timed) and a description of each.
+    A code reward with a syntax error is described, with its error, but not run."""
+    from tokenmill.controller.build import build_rewards
+    from tokenmill.rewards.base import FunctionReward
+
     infos: list[dict[str, Any]] = []
-    errors: list[str] = []
-
-    def add(reward: Any, source: str, error: str | None = None) -> None:
-        rewards.append(reward)
-        infos.append({"name": reward.name, "weight": reward.weight, "source": source, "seconds": None,
-                      "error": error})
-
     if task_reward is not None:
-        add(FunctionReward(task_reward, name=cfg.data.task, weight=cfg.data.task_reward_weight), "task")
+        infos.append(_info(cfg.data.task, cfg.data.task_reward_weight, "task"))
+    built: list[Any] = []
     for i, rc in enumerate(cfg.rewards):
         if isinstance(rc, RewardFunctionConfig):
             fn = import_reward_worker(rc.function, rc.per_sample, f"rewards.{i}.function")
             name = rc.name or rc.function.rpartition(":")[2]
-            add(FunctionReward(fn, name=name, weight=rc.weight, timeout_s=rc.timeout_s, isolation=rc.isolation),
-                "config")
+            built.append(FunctionReward(fn, name=name, weight=rc.weight, timeout_s=rc.timeout_s,
+                                        isolation=rc.isolation))
         else:
-            try:
-                add(ModelReward(rc.path, name=rc.name, weight=rc.weight, batch_size=rc.batch_size), "config")
-            except (OSError, ValueError) as exc:
-                errors.append(f"rewards.{i}.path: cannot load the reward model: {exc}")
+            built.append(TimedModelReward(rc, i, model_timeout_s))
+        infos.append(_info(built[-1].name, rc.weight, "config"))
     for code in codes:
         filename = f"<reward {code.name}>"
         try:
             compile(code.code, filename, "exec")  # syntax errors without running anything
         except SyntaxError as exc:
-            infos.append({"name": code.name, "weight": code.weight, "source": "code", "seconds": 0.0,
-                          "error": f"SyntaxError: {exc.msg} (line {exc.lineno})"})
+            infos.append(_info(code.name, code.weight, "code", f"SyntaxError: {exc.msg} (line {exc.lineno})", 0.0))
             continue
         fn = code_reward_worker(code.code, code.function, code.per_sample, filename)
-        add(FunctionReward(fn, name=code.name, weight=code.weight, timeout_s=code.timeout_s), "code")
+        built.append(FunctionReward(fn, name=code.name, weight=code.weight, timeout_s=code.timeout_s))
+        infos.append(_info(code.name, code.weight, "code"))
     names = [i["name"] for i in infos]
     duplicated = sorted({x for x in names if names.count(x) > 1})
-    if duplicated:
-        for r in rewards:
-            r.close()
-        raise PreviewError([{"path": "rewards", "message": f"reward names must be unique: {duplicated} repeat"}])
-    return rewards, infos, errors
+    broken = [{"path": f"rewards.{i['name']}", "message": i["error"]} for i in infos if i["error"]]
+    if broken and not built and task_reward is None:  # nothing left to score with: say why
+        raise PreviewError(broken)
+    try:
+        if duplicated:
+            raise ConfigError(f"rewards: reward names must be unique: {duplicated} repeat")
+        return build_rewards(cfg.model_copy(update={"rewards": []}), extra=built, task_reward=task_reward), infos
+    except ConfigError as exc:
+        for reward in built:
+            reward.close()
+        path, _, message = str(exc).partition(": ")
+        raise PreviewError([{"path": path, "message": message}]) from None
+
+
+def _info(name: str, weight: float, source: str, error: str | None = None,
+          seconds: float | None = None) -> dict[str, Any]:
+    return {"name": name, "weight": weight, "source": source, "seconds": seconds, "error": error}
 
 
 def _report(groups: list[Any], infos: list[dict[str, Any]], errors: list[str],
