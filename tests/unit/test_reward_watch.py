@@ -74,13 +74,6 @@ def fails_on_half(prompts, completions, **kwargs):
 '''
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from tokenmill.testing import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("m"), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
-
-
 def _config(tmp_path, model: str, reward: str, steps: int) -> dict:
     (tmp_path / "rewards.py").write_text(REWARDS)
     return {
@@ -101,10 +94,10 @@ def _logged_steps(tmp_path) -> list[dict]:
     return [r for r in rows if "reward/mean" in r]
 
 
-def test_cli_run_with_an_always_failing_reward_stops_at_step_k(model, tmp_path, capsys):
+def test_cli_run_with_an_always_failing_reward_stops_at_step_k(tiny_model_path, tmp_path, capsys):
     from tokenmill.cli import main
 
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(_config(tmp_path, model, "always_raises", steps=10)))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(_config(tmp_path, tiny_model_path, "always_raises", steps=10)))
     code = main(["train", str(tmp_path / "config.yaml")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1
@@ -118,8 +111,8 @@ def test_cli_run_with_an_always_failing_reward_stops_at_step_k(model, tmp_path, 
     assert all(r["reward/always_raises/failed"] == 4 for r in steps)
 
 
-def test_a_reward_failing_on_some_samples_does_not_stop_the_run(model, tmp_path):
-    result = tokenmill.train(_config(tmp_path, model, "fails_on_half", steps=4))
+def test_a_reward_failing_on_some_samples_does_not_stop_the_run(tiny_model_path, tmp_path):
+    result = tokenmill.train(_config(tmp_path, tiny_model_path, "fails_on_half", steps=4))
     steps = _logged_steps(tmp_path)
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert all(r["reward/fails_on_half/failed"] == 2 and r["reward/fails_on_half/mean"] == 1.0 for r in steps)
