@@ -31,7 +31,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     cfg = _rl_config(args.config, args.overrides)
     for note in check_run(cfg):
         print(f"note: {note}")
-    seqs = cfg.controller.prompts_per_step * cfg.generation.group_size
+    seqs = cfg.sequences_per_step
     print(f"{args.config or 'config'}: valid. {cfg.controller.steps} steps of {cfg.controller.prompts_per_step} prompts x "
           f"{cfg.generation.group_size} samples = {seqs} sequences each.")
     return 0

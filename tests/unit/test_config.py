@@ -216,7 +216,7 @@ def _check(overrides):
     assert isinstance(cfg, RLConfig)
     # a valid result round-trips through its own dump
     assert RLConfig.model_validate(cfg.model_dump()) == cfg
-    seqs = cfg.controller.prompts_per_step * cfg.generation.group_size
+    seqs = cfg.sequences_per_step
     assert cfg.algorithm.mini_batches <= seqs
     assert 0 <= cfg.algorithm.clip_low <= 1 and cfg.generation.temperature > 0
 

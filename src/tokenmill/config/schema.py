@@ -380,9 +380,14 @@ class RLConfig(Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
+    @property
+    def sequences_per_step(self) -> int:
+        """Sequences sampled and trained each step: controller.prompts_per_step x generation.group_size."""
+        return self.controller.prompts_per_step * self.generation.group_size
+
     @model_validator(mode="after")
     def _cross_checks(self) -> RLConfig:
-        seqs = self.controller.prompts_per_step * self.generation.group_size
+        seqs = self.sequences_per_step
         if self.algorithm.mini_batches > seqs:
             raise ValueError(
                 f"algorithm.mini_batches: algorithm.mini_batches ({self.algorithm.mini_batches}) exceeds the "

@@ -22,7 +22,7 @@ from tokenmill.types import Group, Sample
 def run_rl(run: Run) -> dict[str, Any]:
     """Train until `controller.steps`; return the first and last evaluation and the last step's metrics."""
     cfg, log = run.cfg, run.logger
-    seqs = cfg.controller.prompts_per_step * cfg.generation.group_size
+    seqs = cfg.sequences_per_step
     log.message(
         f"{cfg.controller.prompts_per_step} prompts x {cfg.generation.group_size} samples = {seqs} sequences "
         f"per step; {cfg.algorithm.ppo_epochs} epoch(s) x {cfg.algorithm.mini_batches} mini-batch(es) = "

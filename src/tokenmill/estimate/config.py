@@ -77,8 +77,8 @@ def _lora_targets(targets: Any, shape: ModelShape, notes: list[str]) -> tuple[st
 
 
 def _rl_fields(cfg: Any, opts: EstimateOptions, policy: ModelShape) -> dict[str, Any]:
-    algo, gen, ctl = cfg.algorithm, cfg.generation, cfg.controller
-    sequences = ctl.prompts_per_step * gen.group_size
+    algo, gen = cfg.algorithm, cfg.generation
+    sequences = cfg.sequences_per_step
     critic = critic_rank = None
     if algo.advantage == "gae":
         critic = _shape(cfg.critic.path, "critic.path") if cfg.critic.path else policy
