@@ -42,6 +42,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     greedy: bool = False
 
+    @classmethod
+    def from_config(cls, generation: Any) -> SamplingParams:
+        """From a `generation:` config section (`GenerationConfig`): `n` is its `group_size`."""
+        g = generation
+        return cls(max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                   n=g.group_size, stop=tuple(g.stop))
+
 
 @dataclass(frozen=True)
 class Completion:

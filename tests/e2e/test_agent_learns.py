@@ -42,7 +42,7 @@ def test_trajectories_are_the_sampled_tokens_with_policy_tokens_masked(game_warm
     engine = HFEngine.from_pretrained(str(game_warm), seed=3)
     tok = engine.tokenizer
     loop = AgentLoop(engine, tok, GuessNumberEnv, SamplingParams(max_tokens=4, n=4), AgentLimits(max_turns=3))
-    groups = loop.rollout([dict(r) for r in guess_number_tasks(16, seed=5)])
+    groups, _ = loop.rollout([dict(r) for r in guess_number_tasks(16, seed=5)])
     samples = [s for g in groups for s in g.samples]
     assert len(samples) == 64 and {s.row["turns"] for s in samples} >= {1, 2, 3}
     for s in samples:
@@ -80,7 +80,7 @@ def test_a_remote_environment_gives_the_same_trajectories_as_in_process(game_war
         engine = HFEngine.from_pretrained(str(game_warm), seed=5, prefix_cache_tokens=1 << 16)
         loop = AgentLoop(engine, engine.tokenizer, factory, SamplingParams(max_tokens=4, n=4),
                          AgentLimits(max_turns=3))
-        return [s for g in loop.rollout(tasks) for s in g.samples]
+        return [s for g in loop.rollout(tasks)[0] for s in g.samples]
 
     server, thread = start_in_thread(create_app(GuessNumberEnv))
     assert thread.is_alive()
@@ -115,7 +115,7 @@ def test_an_openai_sdk_agent_trains_through_the_proxy(game_warm, tmp_path):
     before, after = r["eval_before"]["eval/accuracy"], r["eval_after"]["eval/accuracy"]
     print(f"proxy: held-out greedy success {before:.3f} -> {after:.3f}; the agent's own success "
           f"{r['agent_success_first10']:.3f} (first 10 steps) -> {r['agent_success_last10']:.3f} (last 10)")
-    assert r["steps"] == steps and r["trained_steps"] == steps
+    assert r["trained_steps"] == steps and "eval_after" in r
     assert after >= before + 0.2
     assert r["agent_success_last10"] >= r["agent_success_first10"] + 0.1
     # the agent played while the trainer trained: its samples are at most a step or two behind

@@ -1,6 +1,7 @@
-"""Controllers: the loop that drives generator, trainer and weight sync (`rl.py`), fed in place (colocated) or
-by a rollout producer running ahead within `controller.max_staleness` (`feeds.py`, engines placed by
-`placement.py`); proxy-mode training (`proxy_rl.py`)."""
+"""The controller: one loop (`rl.py`) that drives generator, trainer and weight sync. Its feed (`feeds.py`)
+rolls out in place (colocated), in a producer running ahead within `controller.max_staleness` (engines placed
+by `placement.py`), or takes an external agent's episodes (proxy mode). `build.py` builds a run from a config,
+`evaluate.py` holds the per-step metrics and the held-out evaluation."""
 
 from tokenmill.controller.build import Run, build_run
 from tokenmill.controller.rl import run_rl

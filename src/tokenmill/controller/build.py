@@ -25,7 +25,8 @@ from tokenmill.rewards.base import FunctionReward
 from tokenmill.rewards.model import ModelReward
 from tokenmill.rewards.set import RewardSet
 from tokenmill.rollout.agent import AgentLimits, AgentLoop
-from tokenmill.rollout.generator import Generator
+from tokenmill.rollout.base import Rollout
+from tokenmill.rollout.generator import Generator, build_generator
 from tokenmill.tracking.logger import MetricsLogger
 from tokenmill.training.critic import Critic, load_critic
 from tokenmill.training.local import LocalBackend, ReferenceModel
@@ -144,7 +145,7 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
-def build_agent(cfg: RLConfig, engine: Any, tokenizer: Any, params: SamplingParams) -> AgentLoop:
+def build_agent(cfg: RLConfig, engine: Any, tokenizer: Any) -> AgentLoop:
     """The agent loop for `cfg.env`: a factory for local or remote environments, the engine, the limits; an
     environment that exposes `tools` (a registry) gets their specs in the chat template and its calls parsed."""
     env = cfg.env
@@ -169,6 +170,7 @@ def build_agent(cfg: RLConfig, engine: Any, tokenizer: Any, params: SamplingPara
         engine.enable_prefix_cache(int(env.prefix_cache_mb * 2**20 // engine.kv_bytes_per_token()))
     limits = AgentLimits(max_turns=env.max_turns, max_episode_tokens=env.max_episode_tokens,
                          step_timeout_s=env.step_timeout_s, max_concurrent=env.max_concurrent)
+    params = SamplingParams.from_config(cfg.generation)
     return AgentLoop(engine, tokenizer, factory, params, limits, tool_parser=parser, tools=tools)
 
 
@@ -189,6 +191,7 @@ class Run:
     reference: ReferenceModel | None
     critic: Critic | None
     agent: AgentLoop | None
+    actor: Rollout  # what the loop's rollout calls: the agent loop for env runs, else the generator
     source: PromptSource
     eval_rows: Any
     logger: MetricsLogger
@@ -209,10 +212,6 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     amp = autocast_dtype(cfg.model, device)
     model, tokenizer = load_policy(cfg.model, device)
     gen = cfg.generation
-    params = SamplingParams(
-        max_tokens=gen.max_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
-        n=gen.group_size, stop=tuple(gen.stop),
-    )
     # colocated, in-process: the engine samples from the trainer's own module, so weight sync is free
     engine = HFEngine(model, tokenizer, seed=cfg.training.seed, autocast_dtype=amp)
     tr = cfg.training
@@ -237,7 +236,8 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
             total_steps=optimizer_steps, value_clip=cfg.critic.value_clip, max_grad_norm=cfg.critic.max_grad_norm,
             micro_batch_tokens=tr.micro_batch_tokens, autocast_dtype=amp,
         )
-    agent = build_agent(cfg, engine, tokenizer, params) if cfg.env is not None else None
+    generator = build_generator(cfg, engine, tokenizer, reward_set)
+    agent = build_agent(cfg, engine, tokenizer) if cfg.env is not None else None
     out = Path(cfg.tracking.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
@@ -248,8 +248,8 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     )
     return Run(
         cfg=cfg, model=model, tokenizer=tokenizer, engine=engine,
-        generator=Generator(engine, tokenizer, reward_set, params, cfg.data.prompt_column),
-        backend=backend, reference=reference, critic=critic, agent=agent,
+        generator=generator, backend=backend, reference=reference, critic=critic, agent=agent,
+        actor=agent or generator,
         source=PromptSource(train_rows, seed=cfg.training.seed, shuffle=cfg.data.shuffle),
         eval_rows=eval_rows, logger=logger, update_rng=random.Random(cfg.training.seed + 1), output_dir=out,
     )

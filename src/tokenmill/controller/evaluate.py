@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 from tokenmill.rollout.generator import Generator
-from tokenmill.types import Group, StopReason
+from tokenmill.types import Group, Sample, StopReason
 
 ACCURACY_THRESHOLD = 1.0 - 1e-6  # a task reward of 1.0 means "solved"
 
@@ -46,13 +46,21 @@ def rollout_metrics(groups: list[Group]) -> tuple[dict[str, Any], list[str]]:
 
 
 def sample_records(groups, k: int) -> list[dict[str, Any]]:
-    """The first `k` samples of a step as JSON records (samples.jsonl)."""
+    """The first `k` samples of a step as JSON records (samples.jsonl). `advantage` is the one the sample
+    trained with (with a critic: the mean of its per-token advantages over the trained tokens)."""
     picked = [s for g in groups for s in g.samples][:k]
     return [
         {"prompt": s.prompt, "completion": s.completion, "reward": s.reward, "rewards": s.rewards,
-         "advantage": s.advantage, "stop": s.stop_reason.value}
+         "advantage": _advantage(s), "stop": s.stop_reason.value}
         for s in picked
     ]
+
+
+def _advantage(s: Sample) -> float:
+    if not s.token_advantages:
+        return s.advantage
+    trained = [a for a, m in zip(s.token_advantages, s.loss_mask, strict=True) if m]
+    return statistics.fmean(trained) if trained else 0.0
 
 
 def evaluate(
@@ -85,7 +93,7 @@ def evaluate_agent(agent, rows, max_rows: int) -> dict[str, float]:
     rows = [rows[i] for i in range(min(len(rows), max_rows))]
     out: dict[str, float] = {"eval/rows": len(rows)}
     for tag, params in (("", replace(agent.params, n=1, greedy=True)), ("sampled_", None)):
-        groups = agent.rollout(rows, group_size=1, params=params)
+        groups, _ = agent.rollout(rows, group_size=1, params=params)
         returns = [s.reward for g in groups for s in g.samples]
         valid = [r for r in returns if not math.isnan(r)]
         out[f"eval/{tag}reward_mean"] = statistics.fmean(valid) if valid else math.nan

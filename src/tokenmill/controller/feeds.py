@@ -1,14 +1,19 @@
-"""Asynchronous training is the synchronous loop started early, not a second trainer.
+"""The feeds: where `run_rl` gets each step's scored groups, and where it hands the new weights.
 
 `run_rl` (controller/rl.py) asks a *feed* for each step's groups and hands it the new weights after each
-update. The colocated feed (`InlineFeed`) calls the loop's own `rollout` on the spot: that is the synchronous
-loop. `AsyncFeed` runs the same `rollout` function in a producer thread, against an engine placed elsewhere
-(a copy in this process, `tokenmill serve` subprocesses or remote servers: `controller/placement.py`), and
-puts each step's scored groups into a bounded buffer that the trainer drains.
+update. Three feeds, one protocol (`Feed`):
 
-Staleness, enforced per sample by the policy version that produced it: a sample trained at step s comes from
-weights of version v (the trainer holds version s - 1 while it trains step s); its lag is (s - 1) - v.
-The producer starts the rollout of step s only once version s - 1 - k is published (k =
+- `InlineFeed` (colocated engine): calls the loop's own `rollout` on the spot: the synchronous loop.
+- `AsyncFeed` (engine placed elsewhere): runs the same `rollout` in a producer thread against an engine in
+  a thread, `tokenmill serve` subprocesses or remote servers (`controller/placement.py`), and puts each
+  step's scored groups into a bounded buffer that the trainer drains. Asynchronous training is the
+  synchronous loop started early.
+- `ProxyFeed` (`proxy:` section): serves a copy of the policy at an OpenAI endpoint, starts the agent
+  program if asked, and runs the same `rollout` with the proxy collector in place of the generator.
+
+Staleness (AsyncFeed), enforced per sample by the policy version that produced it: a sample trained at step s
+comes from weights of version v (the trainer holds version s - 1 while it trains step s); its lag is
+(s - 1) - v. The producer starts the rollout of step s only once version s - 1 - k is published (k =
 `controller.max_staleness`): it *waits* rather than run more than k versions ahead, so with k = 0 every batch
 is generated with the newest weights, after the previous update: the synchronous loop, step for step. The
 trainer also checks every group's oldest sample and drops (and counts) groups older than k; that only happens
@@ -18,7 +23,7 @@ Resume in async mode restores weights, optimiser, RNGs, the data position of the
 feed sets `run.source` to it as batches are taken) and the batches that were complete in the buffer (generated
 ahead, not trained yet): the resumed run trains them first, with their original versions, and the producer
 draws prompts after them. Only a batch still being generated at the checkpoint is lost; its prompts are
-drawn again.
+drawn again. A proxy run keeps nothing of the agent's episodes across a checkpoint: the agent plays on.
 """
 
 from __future__ import annotations
@@ -26,12 +31,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import queue
+import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Self
+from typing import Any, Protocol
 
 import torch
 
@@ -39,7 +45,40 @@ from tokenmill.controller.placement import Placement, build_placement, thread_sp
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.types import Group, Sample, StopReason, TokenmillError
 
-Rollout = Callable[[Any, int], tuple[list[Group], dict[str, float]]]
+# the loop's rollout(run, step) -> (groups, sampling metrics): one step's prompts, generated and scored
+RolloutFn = Callable[[Any, int], tuple[list[Group], dict[str, float]]]
+
+
+class Feed(Protocol):
+    """Where the loop's groups come from and where its weights go.
+
+        >>> with rollout_feed(run, rollout, start=0) as feed:                    # doctest: +SKIP
+        ...     for step in range(1, steps + 1):
+        ...         groups, metrics = feed.get(step)    # None: the source ran dry (a proxy agent exited)
+        ...         ...                                 # advantages, policy update
+        ...         feed.push(step)                     # weights of version `step` to the engine side
+        ...     state = feed.state_dict()               # for a checkpoint
+
+    side: the label of the loop's stage events ("trainer" when a producer runs beside it; None when one side)
+    """
+
+    side: str | None
+
+    def get(self, step: int) -> tuple[list[Group], dict[str, float]] | None:
+        """The scored groups for `step` and the step's sampling metrics; None when nothing more will come."""
+        ...
+
+    def push(self, step: int) -> None:
+        """Hand the trainer's weights, version `step`, to whatever generates."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the feed (`{"batches": [...]}`: rollouts generated ahead, not trained)."""
+        ...
+
+    def close(self, finish: bool = False) -> None:
+        """Stop what the feed started; `finish` on a clean stop (work in flight may be kept)."""
+        ...
 
 
 class InlineFeed:
@@ -47,7 +86,7 @@ class InlineFeed:
 
     side = None  # one side: generation and training take turns in the trainer's step (stage events)
 
-    def __init__(self, run, rollout: Rollout) -> None:
+    def __init__(self, run, rollout: RolloutFn) -> None:
         self.run, self.rollout = run, rollout
 
     def get(self, step: int) -> tuple[list[Group], dict[str, float]]:
@@ -60,13 +99,7 @@ class InlineFeed:
     def state_dict(self) -> dict[str, Any]:
         return {"batches": []}  # nothing is generated ahead
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        pass
-
-    def close(self) -> None:
+    def close(self, finish: bool = False) -> None:
         pass
 
 
@@ -106,7 +139,7 @@ class AsyncFeed:
 
     side = "trainer"  # the loop's own stages; the producer thread labels its stages "producer"
 
-    def __init__(self, run, rollout: Rollout, start: int, buffered: dict | None = None,
+    def __init__(self, run, rollout: RolloutFn, start: int, buffered: dict | None = None,
                  placement: Placement | None = None) -> None:
         cfg = run.cfg
         self.run, self.rollout = run, rollout
@@ -115,7 +148,8 @@ class AsyncFeed:
         self.placement = placement or build_placement(run)
         # the producer's view of the run: its own engine, generator (or agent) and prompt position
         self.view = replace(run, engine=self.placement.engine, generator=self.placement.generator,
-                            agent=self.placement.agent, source=copy.copy(run.source))
+                            agent=self.placement.agent, actor=self.placement.agent or self.placement.generator,
+                            source=copy.copy(run.source))
         try:
             self._push(start)
         except BaseException:
@@ -291,12 +325,6 @@ class AsyncFeed:
             raise ProducerError(f"async: pushing weights (version {version}) to {self.placement.describe()} "
                                 f"failed: {type(exc).__name__}: {exc}") from exc
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, exc_type, *_: object) -> None:
-        self.close(finish=exc_type is None)
-
     def close(self, finish: bool = False) -> None:
         """Stop the producer. With `finish` (a clean stop), the rollout in progress is completed and kept for
         the checkpoint; otherwise it is abandoned (its thread ends within the engine's own timeout)."""
@@ -315,9 +343,93 @@ class AsyncFeed:
         torch.set_num_threads(self.trainer_threads_before)
 
 
-def rollout_feed(run, rollout: Rollout, start: int, buffered: dict | None = None):
-    """The synchronous in-place feed for a colocated engine, else the producer thread (serving a checkpoint's
-    `buffered` batches first). Either is a context manager that closes it."""
-    if run.cfg.engine.placement == "colocated":
-        return InlineFeed(run, rollout)
-    return AsyncFeed(run, rollout, start, buffered)
+class ProxyFeed:
+    """Proxy mode: an external agent program plays against a copy of the policy served at
+    `http://HOST:PORT/proxy/<episode id>/v1` and posts rewards; `get` runs the loop's `rollout` with the proxy
+    collector, so dynamic sampling and overlong shaping apply as in any run.
+
+    The serving copy lives in a continuous-batching engine: the agent keeps playing while the trainer trains,
+    so its next episodes come from a policy at most a step old (each sample keeps the version it came from).
+    """
+
+    side = None  # one trainer side (the agent is not ours to label)
+
+    def __init__(self, run, rollout: RolloutFn, start: int) -> None:
+        from tokenmill.engines.continuous import ContinuousEngine
+        from tokenmill.engines.server import create_app
+        from tokenmill.envs.server import check_exposure, start_in_thread
+        from tokenmill.rollout.proxy import EpisodeRecorder, ProxyCollector
+
+        cfg, pc = run.cfg, run.cfg.proxy
+        check_exposure(pc.host, pc.token, pc.allow_remote)
+        self.run, self.rollout, self.agent = run, rollout, None
+        self.serving = ContinuousEngine(copy.deepcopy(run.model).eval(), run.tokenizer, seed=cfg.training.seed)
+        self.serving.version = start
+        self.recorder = EpisodeRecorder(ttl_s=pc.episode_ttl_s)
+        app = create_app(self.serving, model_name="policy", token=pc.token, recorder=self.recorder,
+                         default_max_tokens=cfg.generation.max_tokens, max_tokens_cap=cfg.generation.max_tokens)
+        try:
+            self.server, _ = start_in_thread(app, pc.host, pc.port)
+        except BaseException:
+            self.serving.close()
+            raise
+        run.logger.message(f"proxy endpoint: {self.server.url}/proxy/<episode id>/v1 (OpenAI API); post rewards "
+                           f"to {self.server.url}/v1/episodes/<episode id>/reward")
+        if pc.agent_command:
+            argv = [a.replace("{url}", self.server.url).replace("{token}", pc.token or "none")
+                    for a in pc.agent_command]
+            try:
+                self.agent = subprocess.Popen(argv)
+            except OSError as exc:
+                self.close()
+                raise TokenmillError(f"proxy.agent_command: cannot start {argv[0]!r}: {exc}") from None
+        self.collector = ProxyCollector(self.recorder, cfg.generation.group_size, pc.wait_timeout_s, self.agent)
+        self.view = replace(run, actor=self.collector)
+
+    def get(self, step: int) -> tuple[list[Group], dict[str, float]] | None:
+        groups, info = self.rollout(self.view, step)
+        if not groups and self.collector.exhausted:
+            self.run.logger.message(f"the agent exited; stopping after {step - 1} step(s)")
+            return None
+        lags = [step - 1 - s.version for g in groups for s in g.samples] or [0]
+        return groups, info | {"proxy/version_lag_mean": sum(lags) / len(lags),
+                               "proxy/version_lag_max": float(max(lags))}
+
+    def push(self, step: int) -> None:
+        """The serving copy and the trainer's own engine take version `step` (in-flight replies finish on the
+        old weights)."""
+        self.serving.update_weights(self.run.backend.weights(), version=step)
+        self.run.engine.update_weights(self.run.backend.weights(), version=step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batches": []}  # episodes of incomplete groups are not kept: the agent plays on after a resume
+
+    def close(self, finish: bool = False) -> None:
+        if self.agent is not None and self.agent.poll() is None:
+            self.agent.terminate()
+            try:
+                self.agent.wait(10)
+            except subprocess.TimeoutExpired:
+                self.agent.kill()
+                self.agent.wait(10)
+        self.server.stop()
+        self.serving.close()
+
+
+@contextlib.contextmanager
+def rollout_feed(run, rollout: RolloutFn, start: int, buffered: dict | None = None) -> Iterator[Feed]:
+    """The feed for `run`: the proxy feed when `proxy:` is set, the synchronous in-place feed for a colocated
+    engine, else the producer thread (serving a checkpoint's `buffered` batches first). Closed on the way out
+    (finishing work in flight only on a clean exit)."""
+    if run.cfg.proxy is not None:
+        feed: Feed = ProxyFeed(run, rollout, start)
+    elif run.cfg.engine.placement == "colocated":
+        feed = InlineFeed(run, rollout)
+    else:
+        feed = AsyncFeed(run, rollout, start, buffered)
+    try:
+        yield feed
+    except BaseException:
+        feed.close(finish=False)
+        raise
+    feed.close(finish=True)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.rollout.generator import Generator
+from tokenmill.rollout.generator import Generator, build_generator
 from tokenmill.sandbox.lifetime import preexec_die_with_parent
 from tokenmill.types import ConfigError, Group, TokenmillError
 
@@ -235,7 +235,6 @@ def build_placement(run) -> Placement:
 
     cfg = run.cfg
     place = cfg.engine.placement
-    params = run.generator.params
     rewards = _LockedRewards(run.generator.rewards, threading.Lock())
     run.generator.rewards = rewards  # the trainer's held-out evaluation takes the same lock
     if place == "thread":
@@ -259,8 +258,8 @@ def build_placement(run) -> Placement:
         engine = placement.engine
     else:
         raise ConfigError(f"engine.placement: {place!r} has no producer (colocated runs in place)")
-    placement.generator = Generator(engine, run.tokenizer, rewards, params, cfg.data.prompt_column)
-    placement.agent = build_agent(cfg, engine, run.tokenizer, params) if cfg.env is not None else None
+    placement.generator = build_generator(cfg, engine, run.tokenizer, rewards)
+    placement.agent = build_agent(cfg, engine, run.tokenizer) if cfg.env is not None else None
     return placement
 
 

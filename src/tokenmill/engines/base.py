@@ -4,12 +4,17 @@
     >>> [[c]] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4))      # doctest: +SKIP
     >>> len(c.token_ids) == len(c.logprobs)                                      # doctest: +SKIP
     True
+    >>> state = engine.state_dict()            # its sampling RNG, for an exact resume  # doctest: +SKIP
+    >>> engine.load_state_dict(state); engine.close()                            # doctest: +SKIP
+
+This is everything the loop and the rollouts call on an engine. In-process engines (`HFEngine`,
+`ContinuousEngine`) also expose `tokenizer`, `device` and `model`, which only the builders use.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -24,9 +29,14 @@ class EngineUnavailable(TokenmillError):
 
 @runtime_checkable
 class InferenceEngine(Protocol):
-    """Samples completions. Logprobs are of the sampled token under softmax(logits / temperature)."""
+    """Samples completions. Logprobs are of the sampled token under softmax(logits / temperature).
+
+    version:  the policy version (trainer steps) of the weights it samples from
+    pad_id:   the token id the trainer pads its batches with (the engine's tokenizer's)
+    """
 
     version: int
+    pad_id: int
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """Return `params.n` completions for each prompt, in prompt order."""
@@ -34,4 +44,17 @@ class InferenceEngine(Protocol):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy new weights in place (no reload) and record the policy version they belong to."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue sampling the same stream (the RNG state; {} when the sampling
+        happens elsewhere, as on a server)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s output."""
+        ...
+
+    def close(self) -> None:
+        """Release threads, connections and servers; idempotent."""
         ...

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -116,6 +117,16 @@ class HFEngine:
         self.version = version
         if self.prefix_cache is not None:  # states of the old weights
             self.prefix_cache.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampling RNG (a checkpoint keeps it, so a resumed run draws the same stream)."""
+        return {"rng": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["rng"])
+
+    def close(self) -> None:
+        """Nothing to release (the module belongs to the caller)."""
 
     # ---------------------------------------------------------------------------------------- generation
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:

@@ -90,6 +90,13 @@ class RemoteEngine:
         self.sync.push(named_tensors, version)
         self.version = version
 
+    def state_dict(self) -> dict[str, Any]:
+        """Empty: the servers sample with their own RNGs (seeded per request when asked)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
     def health(self) -> dict[str, bool]:
         return self.pool.probe()
 

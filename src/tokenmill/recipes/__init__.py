@@ -205,12 +205,11 @@ def game_proxy(
 ) -> dict[str, Any]:
     """Proxy mode on guess-the-number: `agent_command` (an OpenAI-SDK program; '{url}' becomes the endpoint)
     plays against the served policy and posts rewards; the run trains on its episodes. Returns
-    `run_proxy`'s result plus the agent's own success over the first and last ten steps."""
+    `run_rl`'s result plus the agent's own success over the first and last ten steps."""
     import json
 
     from tokenmill.config import RLConfig, load_config
-    from tokenmill.controller import build_run
-    from tokenmill.controller.proxy_rl import run_proxy
+    from tokenmill.controller import build_run, run_rl
 
     cfg = load_config(RLConfig, {
         "model": {"path": str(warm)},
@@ -225,7 +224,7 @@ def game_proxy(
     })
     run = build_run(cfg)
     try:
-        result = run_proxy(run)
+        result = run_rl(run)
     finally:
         run.close()
     rows = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]

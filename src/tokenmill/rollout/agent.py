@@ -26,6 +26,7 @@ from typing import Any
 
 from tokenmill.data.chat import ChatTemplateError
 from tokenmill.envs.base import EnvFactory, Message, as_messages, as_step_result, call
+from tokenmill.tracking.stages import stage
 from tokenmill.types import Completion, Group, Sample, SamplingParams, StopReason
 
 log = logging.getLogger("tokenmill.agent")
@@ -78,7 +79,9 @@ class ChatFormat:
 
 
 @dataclass
-class Episode:
+class AgentEpisode:
+    """One episode the agent loop runs against an environment: its messages and token truth so far."""
+
     index: int
     group: int
     task: dict[str, Any]
@@ -163,27 +166,32 @@ class AgentLoop:
 
     # ------------------------------------------------------------------------------------------ public
     def rollout(
-        self, rows: Sequence[dict[str, Any]], *, group_size: int | None = None, version: int = 0,
-        params: SamplingParams | None = None, first_group: int = 0,
-    ) -> list[Group]:
-        """`group_size` episodes per row (default: the sampling params' n), all run to the end."""
+        self, rows: Sequence[dict[str, Any]], version: int = 0, first_group: int = 0, *,
+        group_size: int | None = None, params: SamplingParams | None = None,
+    ) -> tuple[list[Group], dict[str, float]]:
+        """`group_size` episodes per row (default: the sampling params' n), all run to the end (the `Rollout`
+        protocol; timed as the generate stage, whose tokens are the policy's); the info is the loop's stats."""
         g = group_size or self.params.n
         self.stats = AgentStats()
-        episodes = asyncio.run(self.run([(row, i) for i, row in enumerate(rows) for _ in range(g)], params))
+        with stage("generate") as t:
+            episodes = asyncio.run(self.run([(row, i) for i, row in enumerate(rows) for _ in range(g)], params))
+            if t is not None:
+                t.add_tokens("generate", sum(sum(ep.mask) for ep in episodes))
         groups: dict[int, list[Sample]] = {}
         for ep in episodes:
             groups.setdefault(ep.group, []).append(self.to_sample(ep, version, first_group))
-        return [Group(first_group + i, tuple(groups[i])) for i in range(len(rows))]
+        out = [Group(first_group + i, tuple(groups[i])) for i in range(len(rows))]
+        return out, self.stats.report(self.limits.max_concurrent)
 
     async def run(
         self, queue: Sequence[tuple[dict[str, Any], int]], params: SamplingParams | None = None
-    ) -> list[Episode]:
+    ) -> list[AgentEpisode]:
         """Run an episode for each (task, group) of `queue`, at most `max_concurrent` at a time; a finished
         episode's place goes to the next queued one before the next engine batch."""
         params = replace(params or self.params, n=1)
-        waiting = deque(Episode(i, grp, dict(task)) for i, (task, grp) in enumerate(queue))
-        live: list[Episode] = []
-        done: list[Episode] = []
+        waiting = deque(AgentEpisode(i, grp, dict(task)) for i, (task, grp) in enumerate(queue))
+        live: list[AgentEpisode] = []
+        done: list[AgentEpisode] = []
         while waiting or live:
             starting = []
             while waiting and len(live) + len(starting) < self.limits.max_concurrent:
@@ -198,7 +206,7 @@ class AgentLoop:
             await self._retire(live, done)
         return sorted(done, key=lambda e: e.index)
 
-    async def _retire(self, live: list[Episode], done: list[Episode]) -> None:
+    async def _retire(self, live: list[AgentEpisode], done: list[AgentEpisode]) -> None:
         """Move finished episodes out of `live` and close their environments."""
         finished = [e for e in live if e.done]
         now = time.perf_counter()
@@ -219,7 +227,7 @@ class AgentLoop:
     async def _timed(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.wait_for(call(fn, *args), timeout=self.limits.step_timeout_s)
 
-    def _fail(self, ep: Episode, what: str, exc: BaseException) -> None:
+    def _fail(self, ep: AgentEpisode, what: str, exc: BaseException) -> None:
         if isinstance(exc, asyncio.TimeoutError | TimeoutError):
             reason = f"{what} timed out after {self.limits.step_timeout_s:g}s"
         else:
@@ -228,7 +236,7 @@ class AgentLoop:
         self.stats.failed += 1
         log.warning("episode %d (task group %d): %s", ep.index, ep.group, reason)
 
-    async def _start(self, ep: Episode) -> None:
+    async def _start(self, ep: AgentEpisode) -> None:
         ep.started = time.perf_counter()
         try:
             ep.env = self.env_factory()
@@ -243,7 +251,7 @@ class AgentLoop:
         if ep.prompt_len >= self.limits.max_episode_tokens:
             ep.done, ep.stop = True, StopReason.LENGTH
 
-    def _generate(self, live: list[Episode], params: SamplingParams) -> list[Completion]:
+    def _generate(self, live: list[AgentEpisode], params: SamplingParams) -> list[Completion]:
         """One turn for every live episode, batched; an episode near its token budget gets a shorter turn."""
         start = time.perf_counter()
         budgets = [min(params.max_tokens, self.limits.max_episode_tokens - len(ep.tokens)) for ep in live]
@@ -259,7 +267,7 @@ class AgentLoop:
         self.stats.engine_seconds += time.perf_counter() - start
         return out  # type: ignore[return-value]
 
-    def _buckets(self, live: list[Episode], budgets: list[int]) -> list[list[int]]:
+    def _buckets(self, live: list[AgentEpisode], budgets: list[int]) -> list[list[int]]:
         """Engine calls for one round: episodes with the same turn budget, cut by context length so that no
         call pads a short history to a long one's length (a row shorter than `length_ratio` x the call's
         longest starts a new call); the engine re-reads each history, so padding costs real compute."""
@@ -275,7 +283,7 @@ class AgentLoop:
             calls.append(current)
         return calls
 
-    async def _step(self, ep: Episode, turn: Completion) -> None:
+    async def _step(self, ep: AgentEpisode, turn: Completion) -> None:
         ep.turns += 1
         ep.tokens += turn.token_ids
         ep.mask += [1] * len(turn.token_ids)
@@ -316,7 +324,7 @@ class AgentLoop:
             ep.done, ep.stop = True, StopReason.LENGTH
             ep.info["token_limit"] = True
 
-    async def _close(self, ep: Episode) -> None:
+    async def _close(self, ep: AgentEpisode) -> None:
         if ep.env is None or not hasattr(ep.env, "close"):
             return
         try:
@@ -325,7 +333,7 @@ class AgentLoop:
             log.warning("episode %d: close failed: %s: %s", ep.index, type(exc).__name__, exc)
 
     # ------------------------------------------------------------------------------------------ samples
-    def to_sample(self, ep: Episode, version: int, first_group: int = 0) -> Sample:
+    def to_sample(self, ep: AgentEpisode, version: int, first_group: int = 0) -> Sample:
         """The episode as a trainable Sample (its messages, turns and info in `row`)."""
         tokens = ep.tokens or [self.tokenizer.eos_token_id]
         return Sample(

@@ -10,6 +10,7 @@ from typing import Any
 
 from tokenmill.engines.base import InferenceEngine
 from tokenmill.rewards.set import RewardSet
+from tokenmill.tracking.stages import stage
 from tokenmill.types import Completion, Group, Sample, SamplingParams
 
 
@@ -31,6 +32,8 @@ def encode_prompts(tokenizer, prompts: list[Any]) -> list[list[int]]:
 
 
 class Generator:
+    """Single-turn rollouts: `params.n` completions per row from `engine`, scored by `rewards`."""
+
     def __init__(
         self,
         engine: InferenceEngine,
@@ -44,6 +47,17 @@ class Generator:
         self.rewards = rewards
         self.params = params
         self.prompt_column = prompt_column
+
+    def rollout(
+        self, rows: list[dict[str, Any]], version: int, first_group: int = 0
+    ) -> tuple[list[Group], dict[str, float]]:
+        """Sample then score (the `Rollout` protocol), timed as the generate and reward stages."""
+        with stage("generate") as t:
+            prompt_ids, completions = self.sample(rows)
+            if t is not None:
+                t.add_tokens("generate", sum(len(c.token_ids) for g in completions for c in g))
+        with stage("reward"):
+            return self.score(rows, prompt_ids, completions, version=version, first_group=first_group), {}
 
     def sample(
         self, rows: list[dict[str, Any]], params: SamplingParams | None = None
@@ -96,3 +110,8 @@ class Generator:
                 k += 1
             groups.append(Group(first_group + g, tuple(samples)))
         return groups
+
+
+def build_generator(cfg: Any, engine: InferenceEngine, tokenizer: Any, rewards: RewardSet) -> Generator:
+    """The run's single-turn generator for an `RLConfig`: its sampling params and prompt column."""
+    return Generator(engine, tokenizer, rewards, SamplingParams.from_config(cfg.generation), cfg.data.prompt_column)

@@ -16,12 +16,15 @@ segments of an episode carry its reward.
 from __future__ import annotations
 
 import math
+import subprocess
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.tracking.stages import stage
 from tokenmill.types import Completion, Group, Sample, StopReason, TokenmillError
 
 
@@ -42,7 +45,7 @@ class _Segment:
 
 
 @dataclass
-class Episode:
+class RecordedEpisode:
     """One agent episode as recorded by the proxy; `group` is the key episodes are compared within (GRPO)."""
 
     episode_id: str
@@ -72,9 +75,9 @@ class EpisodeRecorder:
 
     def __init__(self, *, max_open: int = 10_000, ttl_s: float = 600.0) -> None:
         self.max_open, self.ttl_s = max_open, ttl_s
-        self._open: dict[str, Episode] = {}
+        self._open: dict[str, RecordedEpisode] = {}
         self._last_seen: dict[str, float] = {}
-        self._finished: deque[Episode] = deque()
+        self._finished: deque[RecordedEpisode] = deque()
         self._cond = threading.Condition()
         self.dropped = 0
 
@@ -87,7 +90,7 @@ class EpisodeRecorder:
             if ep is None:
                 if len(self._open) >= self.max_open:
                     raise EpisodeError(f"episode {episode_id!r}: {self.max_open} episodes already open")
-                ep = self._open[episode_id] = Episode(episode_id, group or episode_id)
+                ep = self._open[episode_id] = RecordedEpisode(episode_id, group or episode_id)
             self._last_seen[episode_id] = time.monotonic()
             ep.calls += 1
             reply = list(completion.token_ids)
@@ -106,7 +109,7 @@ class EpisodeRecorder:
                     prompt=prompt, completion=completion.text, stop_reason=completion.stop_reason, version=version,
                 ))
 
-    def finish(self, episode_id: str, reward: float, group: str | None = None) -> Episode:
+    def finish(self, episode_id: str, reward: float, group: str | None = None) -> RecordedEpisode:
         """Close the episode with its reward; it then waits in the finished queue for the trainer."""
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise EpisodeError(f"episode {episode_id!r}: reward must be a finite number, got {reward!r}")
@@ -123,7 +126,7 @@ class EpisodeRecorder:
             self._cond.notify_all()
             return ep
 
-    def take_finished(self, max_episodes: int, timeout_s: float = 0.0) -> list[Episode]:
+    def take_finished(self, max_episodes: int, timeout_s: float = 0.0) -> list[RecordedEpisode]:
         """Up to `max_episodes` finished episodes, oldest first; wait up to `timeout_s` for the first one."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
@@ -146,9 +149,9 @@ class EpisodeRecorder:
             self.dropped += 1
 
 
-def episodes_to_groups(episodes: list[Episode], first_group: int = 0) -> list[Group]:
+def episodes_to_groups(episodes: list[RecordedEpisode], first_group: int = 0) -> list[Group]:
     """Episodes sharing a `group` key become one Group (GRPO compares them); order of first appearance."""
-    by_key: dict[str, list[Episode]] = {}
+    by_key: dict[str, list[RecordedEpisode]] = {}
     for ep in episodes:
         by_key.setdefault(ep.group, []).append(ep)
     groups = []
@@ -156,3 +159,54 @@ def episodes_to_groups(episodes: list[Episode], first_group: int = 0) -> list[Gr
         gid = first_group + i
         groups.append(Group(gid, tuple(s for ep in eps for s in ep.samples(gid))))
     return groups
+
+
+class ProxyError(TokenmillError):
+    """The proxy run cannot go on (the agent failed, or no episodes within the timeout); says what arrived."""
+
+
+class ProxyCollector:
+    """The proxy side of the `Rollout` protocol: waits until `len(rows)` groups of `group_size` finished
+    episodes are complete (grouped by the `group` key the agent posts with the reward) and returns them. The
+    rows only say how many groups a step wants: the external agent picks its own tasks.
+
+    After `agent` (the process `proxy.agent_command` started, if any) exits and nothing complete is left,
+    `rollout` returns what it has (possibly nothing) and `exhausted` turns True.
+    """
+
+    def __init__(self, recorder: EpisodeRecorder, group_size: int, wait_timeout_s: float,
+                 agent: subprocess.Popen | None = None) -> None:
+        self.recorder, self.group_size, self.wait_timeout_s, self.agent = recorder, group_size, wait_timeout_s, agent
+        self.pending: dict[str, list[RecordedEpisode]] = {}  # episodes of groups not complete yet
+        self.exhausted = False
+
+    def rollout(self, rows: Sequence[Any], version: int, first_group: int = 0) -> tuple[list[Group], dict[str, float]]:
+        """The recorded samples keep the versions the serving engine reported (`version` is not used)."""
+        with stage("generate") as t:
+            ready = self._collect(len(rows))
+            groups = episodes_to_groups([e for g in ready for e in g], first_group)
+            if t is not None:
+                t.add_tokens("generate", sum(sum(s.loss_mask) for g in groups for s in g.samples))
+        return groups, {f"proxy/{k}": float(v) for k, v in self.recorder.counts().items()}
+
+    def _collect(self, want: int) -> list[list[RecordedEpisode]]:
+        ready: list[list[RecordedEpisode]] = []
+        deadline = time.monotonic() + self.wait_timeout_s
+        while len(ready) < want:
+            for ep in self.recorder.take_finished(10_000, timeout_s=0.5):
+                self.pending.setdefault(ep.group, []).append(ep)
+                if len(self.pending[ep.group]) == self.group_size:
+                    ready.append(self.pending.pop(ep.group))
+            if self.agent is not None and self.agent.poll() is not None and not self.recorder.counts()["finished"]:
+                if self.agent.returncode != 0:
+                    raise ProxyError(f"proxy.agent_command exited with status {self.agent.returncode}")
+                self.exhausted = True
+                return ready
+            if time.monotonic() > deadline:
+                raise ProxyError(
+                    f"proxy.wait_timeout_s: {len(ready)} of {want} complete groups of {self.group_size} episodes "
+                    f"after {self.wait_timeout_s:g} s ({sum(map(len, self.pending.values()))} episodes in "
+                    f"incomplete groups; {self.recorder.counts()['open']} open). Does the agent post rewards with "
+                    f"a 'group' key?"
+                )
+        return ready

@@ -1,4 +1,5 @@
-"""Metric sinks: JSONL always, a rich progress bar or plain lines, TensorBoard and W&B when asked."""
+"""The run's logger: metrics.jsonl and samples.jsonl always, plus its trackers (`tracking/base.py`): a rich
+progress bar or plain lines on the console, TensorBoard and W&B when asked."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.tracking import events
+from tokenmill.tracking.base import Tracker
 
 SUMMARY_KEYS = [
     ("reward/mean", "reward", "{:.3f}"),
@@ -27,29 +29,19 @@ def _clean(value: Any) -> Any:
     return value
 
 
-class MetricsLogger:
-    def __init__(
-        self,
-        output_dir: str | Path,
-        total_steps: int,
-        console: str = "rich",
-        log_every: int = 1,
-        tensorboard: bool = False,
-        wandb: bool = False,
-        wandb_project: str = "tokenmill",
-        run_config: dict[str, Any] | None = None,
-    ) -> None:
-        self.dir = Path(output_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_file = open(self.dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
-        self.samples_file = open(self.dir / "samples.jsonl", "a", buffering=1)  # noqa: SIM115
-        self.events = events.EventLog(self.dir / events.FILENAME)  # stage entries, for live views
-        events.activate(self.events)
-        self.console = console if sys.stdout.isatty() or console != "rich" else "plain"
-        self.log_every = log_every
-        self.total = total_steps
+def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+
+
+class ConsoleTracker:
+    """A rich progress bar with a one-line summary (on a terminal), plain summary lines every `log_every`
+    steps, or nothing (`mode` "none")."""
+
+    def __init__(self, total_steps: int, mode: str = "rich", log_every: int = 1) -> None:
+        self.mode = mode if sys.stdout.isatty() or mode != "rich" else "plain"
+        self.total, self.log_every = total_steps, log_every
         self._progress = self._task = None
-        if self.console == "rich":
+        if self.mode == "rich":
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._progress = Progress(
@@ -58,15 +50,6 @@ class MetricsLogger:
             )
             self._task = self._progress.add_task("train", total=total_steps, summary="")
             self._progress.start()
-        self._tb = self._wandb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(self.dir / "tensorboard"))
-        if wandb:
-            import wandb as wandb_lib
-
-            self._wandb = wandb_lib.init(project=wandb_project, dir=str(self.dir), config=run_config)
 
     def summary(self, step: int, metrics: dict[str, Any]) -> str:
         parts = [f"step {step}/{self.total}"]
@@ -78,37 +61,99 @@ class MetricsLogger:
         return " | ".join(parts)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
-        self.metrics_file.write(json.dumps(record) + "\n")
-        numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-        if self._tb is not None:
-            for k, v in numeric.items():
-                self._tb.add_scalar(k, v, step)
-        if self._wandb is not None:
-            self._wandb.log(numeric, step=step)
         line = self.summary(step, metrics)
         if self._progress is not None:
             self._progress.update(self._task, completed=step, summary=line.split(" | ", 1)[-1])
-        elif self.console == "plain" and (step % self.log_every == 0 or step == self.total):
+        elif self.mode == "plain" and (step % self.log_every == 0 or step == self.total):
             print(line, flush=True)
+
+    def message(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(text)
+        elif self.mode != "none":
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+class TensorBoardTracker:
+    """Scalars under `output_dir/tensorboard` (needs tensorboard)."""
+
+    def __init__(self, output_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(output_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        for k, v in _numeric(metrics).items():
+            self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    """A Weights & Biases run (needs wandb) with the run's config."""
+
+    def __init__(self, output_dir: Path, project: str, run_config: dict[str, Any] | None) -> None:
+        import wandb
+
+        self.run = wandb.init(project=project, dir=str(output_dir), config=run_config)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        self.run.log(_numeric(metrics), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MetricsLogger:
+    """What the loop logs through: `log` (a step's metrics), `log_samples`, `message` (a console line), `close`."""
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        total_steps: int,
+        console: str = "rich",
+        log_every: int = 1,
+        tensorboard: bool = False,
+        wandb: bool = False,
+        wandb_project: str = "tokenmill",
+        run_config: dict[str, Any] | None = None,
+        trackers: list[Tracker] | None = None,
+    ) -> None:
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_file = open(self.dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.samples_file = open(self.dir / "samples.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.events = events.EventLog(self.dir / events.FILENAME)  # stage entries, for live views
+        events.activate(self.events)
+        self.console = ConsoleTracker(total_steps, console, log_every)
+        self.trackers: list[Tracker] = [self.console]
+        if tensorboard:
+            self.trackers.append(TensorBoardTracker(self.dir))
+        if wandb:
+            self.trackers.append(WandbTracker(self.dir, wandb_project, run_config))
+        self.trackers += trackers or []
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        self.metrics_file.write(json.dumps(record) + "\n")
+        for tracker in self.trackers:
+            tracker.log(step, metrics)
 
     def log_samples(self, step: int, records: list[dict[str, Any]]) -> None:
         for r in records:
             self.samples_file.write(json.dumps({"step": step, **r}) + "\n")
 
     def message(self, text: str) -> None:
-        if self._progress is not None:
-            self._progress.console.print(text)
-        elif self.console != "none":
-            print(text, flush=True)
+        self.console.message(text)
 
     def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        for tracker in self.trackers:
+            tracker.close()
         events.deactivate(self.events)
         self.events.close()
         self.metrics_file.close()

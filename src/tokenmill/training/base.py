@@ -1,8 +1,9 @@
 """The training-backend protocol: the loop sees these few verbs whatever runs underneath.
 
-    >>> backend = LocalBackend(model, TrainingConfig(), total_steps=100)          # doctest: +SKIP
+    >>> backend = LocalBackend(model, learning_rate=1e-5, total_steps=100)        # doctest: +SKIP
     >>> metrics = backend.forward_backward(batch, loss_fn)                        # doctest: +SKIP
     >>> backend.optim_step()["grad_norm"]                                         # doctest: +SKIP
+    >>> backend.load_state_dict(backend.state_dict())  # optimiser + schedule, for resume  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -38,4 +39,8 @@ class TrainBackend(Protocol):
 
     def state_dict(self) -> dict[str, Any]:
         """Optimiser and schedule state for an exact resume (weights are saved from the module)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s output (after the module's weights are loaded)."""
         ...
