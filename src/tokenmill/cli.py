@@ -124,16 +124,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from tokenmill.controller.build import build_datasets, build_rewards, load_policy, resolve_device
     from tokenmill.controller.evaluate import evaluate
     from tokenmill.engines.hf import HFEngine
-    from tokenmill.rollout.generator import Generator
-    from tokenmill.types import SamplingParams
+    from tokenmill.rollout.generator import build_generator
 
     cfg = _rl_config(args.config, args.overrides)
     check_run(cfg)
     train_rows, eval_rows, task_reward = build_datasets(cfg)
     rewards = build_rewards(cfg, task_reward=task_reward)
     model, tok = load_policy(cfg.model, resolve_device(cfg.model.device))
-    gen = Generator(HFEngine(model, tok), tok, rewards, SamplingParams(max_tokens=cfg.generation.max_tokens,
-                    stop=tuple(cfg.generation.stop)), cfg.data.prompt_column)
+    gen = build_generator(cfg, HFEngine(model, tok), tok, rewards)  # evaluate() samples greedily, one per row
     try:
         result = evaluate(gen, eval_rows if eval_rows is not None else train_rows, cfg.controller.eval_max_rows,
                           accuracy_reward=cfg.data.task)

@@ -12,7 +12,8 @@ from tokenmill.checkpoint.atomic import load_latest, rng_state, save_checkpoint,
 from tokenmill.checkpoint.export import export_atomic
 from tokenmill.controller.build import Run, parameter_counts
 from tokenmill.controller.evaluate import evaluate, evaluate_agent, rollout_metrics, sample_records
-from tokenmill.controller.feeds import rollout_feed
+from tokenmill.controller.feeds import Feed, rollout_feed
+from tokenmill.rewards.watch import RewardFailureWatch
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.critic import gae_advantages
 from tokenmill.training.update import policy_update, value_update
@@ -22,14 +23,7 @@ from tokenmill.types import Group, Sample
 def run_rl(run: Run) -> dict[str, Any]:
     """Train until `controller.steps`; return the first and last evaluation and the last step's metrics."""
     cfg, log = run.cfg, run.logger
-    seqs = cfg.sequences_per_step
-    log.message(
-        f"{cfg.controller.prompts_per_step} prompts x {cfg.generation.group_size} samples = {seqs} sequences "
-        f"per step; {cfg.algorithm.ppo_epochs} epoch(s) x {cfg.algorithm.mini_batches} mini-batch(es) = "
-        f"{cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches} optimiser step(s) per step"
-    )
-    trainable, total = parameter_counts(run.model)
-    log.message(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / max(1, total):.2f}%)")
+    announce(run)
     start, buffered = resume(run) if cfg.checkpoint.resume else (0, {})
     # killed after the last checkpoint but before the export: the export and final eval are still owed
     owed = cfg.checkpoint.save_final and not (run.output_dir / "final").is_dir()
@@ -41,63 +35,62 @@ def run_rl(run: Run) -> dict[str, Any]:
         result["eval_before"] = held_out(run)
         log.log(0, result["eval_before"])
     metrics: dict[str, Any] = {}
-    last = cfg.controller.steps
+    end = last = cfg.controller.steps  # the run's last step, and this process's (max_steps_per_run)
     if cfg.controller.max_steps_per_run:
         last = min(last, start + cfg.controller.max_steps_per_run)
-    # generation runs in place (colocated) or ahead in a producer, at most controller.max_staleness versions
+    # generation runs in place (colocated), ahead in a producer (at most controller.max_staleness versions),
+    # or in an external agent program (proxy): the feed hides which
+    watch = RewardFailureWatch(cfg.controller.reward_failure_steps)  # a reward failing on every sample stops
     with rollout_feed(run, rollout, start, buffered) as feed:
         for step in range(start + 1, last + 1):
             with step_timer(step, side=feed.side) as timer:
                 # 1-3. sample prompts, generate G completions each (all groups in one engine batch), score them
-                groups, sampling = feed.get(step)
+                got = feed.get(step)
+                if got is None:  # no more rollouts will come (a proxy agent exited): the run ends here
+                    end = last = step - 1
+                    break
+                groups, sampling = got
                 # 4. advantages: inside each group (GRPO family), or per token from the critic's values (PPO)
-                samples, train_metrics = advantages(run, groups)
+                groups, samples, train_metrics = advantages(run, groups)
                 # 5. policy update (reference forward included when KL is in the loss), then the critic's
-                critic_warmup = run.critic is not None and step <= cfg.critic.warmup_steps
-                if samples and not critic_warmup:
-                    with stage("train") as t:
-                        train_metrics |= policy_update(
-                            samples, run.backend, cfg.algorithm, pad_id=run.engine.pad_id,
-                            max_tokens=cfg.generation.max_tokens, rng=run.update_rng,
-                            reference=None if cfg.algorithm.kl_in_reward else run.reference,
-                        )
-                        t.add_tokens("train", sum(len(s.tokens) for s in samples))
-                if samples and run.critic is not None:
-                    with stage("critic") as t:
-                        train_metrics |= value_update(
-                            samples, run.critic, cfg.algorithm, pad_id=run.engine.pad_id, rng=run.update_rng
-                        )
-                        t.add_tokens("critic", sum(len(s.tokens) for s in samples))
+                train_metrics |= update(run, step, samples)
                 # 6. sync weights to the engine (a version bump when it shares the module)
                 with stage("sync"):
                     feed.push(step)
-            # 7. log
-            metrics, errors = rollout_metrics(groups)
-            metrics |= sampling | train_metrics | timer.report()
-            metrics["throughput/e2e_tok_s"] = timer.tokens.get("generate", 0) / metrics["timing_s/step"]
-            for e in errors:
-                log.message(f"step {step}: {e}")
-            if cfg.controller.eval_every and step % cfg.controller.eval_every == 0 and run.eval_rows is not None:
-                metrics |= held_out(run)
-            log.log(step, metrics)
-            log.log_samples(step, sample_records(groups, cfg.tracking.log_samples))
+            # 7. log (the samples with the advantages they were trained with)
+            metrics = log_step(run, step, groups, sampling | train_metrics, timer)
+            watch.check(step, groups)
             # 8. checkpoint
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < last:
                 save(run, step, feed)
-    if last < cfg.controller.steps:
+    if last < end:
         save(run, last, feed)
-        log.message(f"stopped after step {last} of {cfg.controller.steps} (max_steps_per_run); resume to go on")
+        log.message(f"stopped after step {last} of {end} (max_steps_per_run); resume to go on")
         result["last_metrics"] = metrics
         return result
-    if cfg.checkpoint.save_final and start < cfg.controller.steps:
-        save(run, cfg.controller.steps, feed)
-    if owed or (cfg.checkpoint.save_final and start < cfg.controller.steps):
+    trained = start < end
+    if cfg.checkpoint.save_final and trained:
+        save(run, end, feed)
+    if owed or (cfg.checkpoint.save_final and trained):
         export_atomic(run.model, run.tokenizer, run.output_dir / "final")
-    if run.eval_rows is not None and (start < cfg.controller.steps or owed):
+    if run.eval_rows is not None and (trained or owed):
         result["eval_after"] = held_out(run)
-        log.log(cfg.controller.steps, result["eval_after"])
+        log.log(end, result["eval_after"])
     result["last_metrics"] = metrics
     return result
+
+
+def announce(run: Run) -> None:
+    """What one step is, and how much of the model trains."""
+    cfg = run.cfg
+    seqs = cfg.sequences_per_step
+    run.logger.message(
+        f"{cfg.controller.prompts_per_step} prompts x {cfg.generation.group_size} samples = {seqs} sequences "
+        f"per step; {cfg.algorithm.ppo_epochs} epoch(s) x {cfg.algorithm.mini_batches} mini-batch(es) = "
+        f"{cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches} optimiser step(s) per step"
+    )
+    trainable, total = parameter_counts(run.model)
+    run.logger.message(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / max(1, total):.2f}%)")
 
 
 def held_out(run: Run) -> dict[str, float]:
@@ -108,21 +101,59 @@ def held_out(run: Run) -> dict[str, float]:
     return evaluate(run.generator, run.eval_rows, cfg.controller.eval_max_rows, accuracy_reward=cfg.data.task)
 
 
-def advantages(run: Run, groups: list[Group]) -> tuple[list[Sample], dict[str, float]]:
-    """The trainable samples with their advantages set, and any metrics of computing them."""
+def advantages(run: Run, groups: list[Group]) -> tuple[list[Group], list[Sample], dict[str, float]]:
+    """The groups with their advantages set (what samples.jsonl logs), the trainable samples among them, and
+    any metrics of computing them."""
     algo = run.cfg.algorithm
     if run.critic is None:
         groups = assign_advantages(groups, algo.advantage, scale_rewards=algo.scale_rewards)
-        return [s for g in groups for s in g.samples if s.trainable], {}
+        return groups, [s for g in groups for s in g.samples if s.trainable], {}
     samples = [s for g in groups for s in g.samples if s.trainable]
     if not samples:
-        return [], {}
+        return groups, [], {}
     with stage("critic"):
-        return gae_advantages(samples, run.critic, algo, pad_id=run.engine.pad_id, reference=run.reference)
+        samples, metrics = gae_advantages(samples, run.critic, algo, pad_id=run.engine.pad_id,
+                                          reference=run.reference)
+    scored = iter(samples)  # in the order they were taken: put them back in their groups
+    groups = [Group(g.group_id, tuple(next(scored) if s.trainable else s for s in g.samples)) for g in groups]
+    return groups, samples, metrics
+
+
+def update(run: Run, step: int, samples: list[Sample]) -> dict[str, float]:
+    """The policy update (none while the critic warms up), then the critic's; their metrics."""
+    cfg, metrics = run.cfg, {}
+    if samples and (run.critic is None or step > cfg.critic.warmup_steps):
+        with stage("train") as t:
+            metrics |= policy_update(
+                samples, run.backend, cfg.algorithm, pad_id=run.engine.pad_id, max_tokens=cfg.generation.max_tokens,
+                rng=run.update_rng, reference=None if cfg.algorithm.kl_in_reward else run.reference,
+            )
+            t.add_tokens("train", sum(len(s.tokens) for s in samples))
+    if samples and run.critic is not None:
+        with stage("critic") as t:
+            metrics |= value_update(samples, run.critic, cfg.algorithm, pad_id=run.engine.pad_id, rng=run.update_rng)
+            t.add_tokens("critic", sum(len(s.tokens) for s in samples))
+    return metrics
+
+
+def log_step(run: Run, step: int, groups: list[Group], step_metrics: dict[str, Any], timer) -> dict[str, Any]:
+    """Write the step's metrics (rollout, sampling, training, timing, an evaluation when due) and samples."""
+    cfg, log = run.cfg, run.logger
+    metrics, errors = rollout_metrics(groups)
+    metrics |= step_metrics | timer.report()
+    metrics["throughput/e2e_tok_s"] = timer.tokens.get("generate", 0) / metrics["timing_s/step"]
+    for e in errors:
+        log.message(f"step {step}: {e}")
+    if cfg.controller.eval_every and step % cfg.controller.eval_every == 0 and run.eval_rows is not None:
+        metrics |= held_out(run)
+    log.log(step, metrics)
+    log.log_samples(step, sample_records(groups, cfg.tracking.log_samples))
+    return metrics
 
 
 def rollout(run: Run, step: int) -> tuple[list[Group], dict[str, float]]:
-    """Sample prompts, generate and score one step's groups (timed as the generate and reward stages).
+    """Sample prompts, then generate and score one step's groups with `run.actor` (the generator, the agent
+    loop or the proxy collector; each times its own generate and reward stages).
 
     With `algorithm.dynamic_sampling` (DAPO), groups whose rewards are all equal are dropped and more
     prompts are drawn to refill the step, for at most `max_sampling_rounds` rounds; the step then trains on
@@ -136,18 +167,8 @@ def rollout(run: Run, step: int) -> tuple[list[Group], dict[str, float]]:
     info: dict[str, float] = {}
     for _ in range(rounds):
         rows = run.source.next_rows(want - len(groups))
-        if run.agent is not None:  # multi-turn episodes: the environment's returns are the rewards
-            with stage("generate") as t:
-                new = run.agent.rollout(rows, version=run.engine.version, first_group=len(groups))
-                t.add_tokens("generate", sum(sum(s.loss_mask) for g in new for s in g.samples))
-            info |= run.agent.stats.report(cfg.env.max_concurrent)
-        else:
-            with stage("generate") as t:
-                prompt_ids, completions = run.generator.sample(rows)
-                t.add_tokens("generate", sum(len(c.token_ids) for g in completions for c in g))
-            with stage("reward"):
-                new = run.generator.score(rows, prompt_ids, completions, version=run.engine.version,
-                                         first_group=len(groups))
+        new, made = run.actor.rollout(rows, version=run.engine.version, first_group=len(groups))
+        info |= made
         new = shape_overlong(new, cfg.generation.max_tokens, algo.overlong_buffer, algo.overlong_penalty)
         if algo.dynamic_sampling:
             kept = [g for g in new if has_spread(g)]
@@ -161,10 +182,10 @@ def rollout(run: Run, step: int) -> tuple[list[Group], dict[str, float]]:
     return groups, info
 
 
-def save(run: Run, step: int, feed) -> None:
+def save(run: Run, step: int, feed: Feed) -> None:
     state = {
         "trainer": run.backend.state_dict(),
-        "engine_rng": run.engine.generator.get_state(),
+        "engine": run.engine.state_dict(),  # its sampling RNG
         "update_rng": run.update_rng.getstate(),
         "rng": rng_state(),
         "data": run.source.state_dict(),
@@ -184,7 +205,7 @@ def resume(run: Run) -> tuple[int, dict]:
         return 0, {}
     path, step, state = found
     run.backend.load_state_dict(state["trainer"])
-    run.engine.generator.set_state(state["engine_rng"])
+    run.engine.load_state_dict(state["engine"])
     version, internal, gauss = state["update_rng"]
     run.update_rng.setstate((version, tuple(internal), gauss))
     set_rng_state(state["rng"])
