@@ -120,20 +120,16 @@ def normalise_host(host: str) -> str:
     return host.strip().lower().removeprefix("[").removesuffix("]")
 
 
+# a Host header: a name or IPv4 address, or a bracketed IPv6 address, then an optional port
+_HOST = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9._-]+))(?::(\d{1,5}))?")
+
+
 def _split_host(value: str) -> tuple[str, int | None] | None:
-    """("name", port or None) of a `Host` header value or URL authority; None if malformed."""
-    value = value.strip().lower()
-    if not value or any(c in value for c in "/?#@ \\"):
+    """("name", port or None) of a `Host` header value; None if malformed."""
+    found = _HOST.fullmatch(value.strip().lower())
+    if found is None or (found.group(3) and int(found.group(3)) > 65535):
         return None
-    try:
-        parts = urlsplit(f"//{value}")
-        port = parts.port  # raises on a bad port
-    except ValueError:
-        return None
-    name = parts.hostname or ""
-    if ":" in name and not value.startswith("["):  # an unbracketed IPv6 address is not a valid Host
-        return None
-    return (name, port) if name else None
+    return found.group(1) or found.group(2), int(found.group(3)) if found.group(3) else None
 
 
 def host_name(value: str) -> str:
@@ -196,8 +192,12 @@ def same_origin(origin: str, host_header: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ the guard
-class BodyTooLarge(TokenmillError):
-    pass
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised from the guard's `receive` once a body passes the cap: an HTTP error (413), so that FastAPI's body
+    reading lets it through to the app's handler, which answers in the app's own shape."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body too large (over {limit} bytes)")
 
 
 class Guard:
@@ -282,7 +282,7 @@ class Guard:
         await self._limited(scope, receive, send)
 
     def _too_large(self) -> Response:
-        return self.error(413, f"request body too large (over {self.max_body_bytes} bytes)", None)
+        return self.error(413, _BodyTooLarge(self.max_body_bytes).detail, None)
 
     async def _limited(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Run the app, counting body bytes as they arrive (a chunked body announces no length)."""
@@ -294,7 +294,7 @@ class Guard:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_body_bytes:
-                    raise BodyTooLarge
+                    raise _BodyTooLarge(self.max_body_bytes)
             return message
 
         async def tracked(message: Message) -> None:
@@ -304,7 +304,7 @@ class Guard:
 
         try:
             await self.app(scope, counted, tracked)
-        except BodyTooLarge:
+        except _BodyTooLarge:
             if not started:
                 await self._too_large()(scope, receive, send)
 

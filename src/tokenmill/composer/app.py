@@ -99,9 +99,10 @@ class _Invalid(Exception):
 
 
 def create_app(token: str, runs_dir: str | Path = "runs/composer", *, bind_host: str = "127.0.0.1",
-               static_dir: str | Path | None = None, max_runs: int = DEFAULT_MAX_RUNS) -> FastAPI:
+               static_dir: str | Path | None = None, max_runs: int = DEFAULT_MAX_RUNS,
+               max_body_bytes: int = serving.DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The Composer app, with its Guard installed; `bind_host` decides which Host headers it answers,
-    `max_runs` how many launched runs may run at once."""
+    `max_runs` how many launched runs may run at once, `max_body_bytes` the largest request body (413)."""
     if not token:
         raise ValueError("token must be a non-empty string")
     app = FastAPI(title="tokenmill composer", docs_url=None, redoc_url=None, openapi_url=None)
@@ -110,7 +111,8 @@ def create_app(token: str, runs_dir: str | Path = "runs/composer", *, bind_host:
     static = Path(static_dir) if static_dir is not None else STATIC_DIR
     # every route needs the token (the page too: it is set as a cookie by `/?token=`); refusals in our shape
     app.add_middleware(serving.Guard, token=token, allowed_hosts=serving.host_set(serving.bind_names(bind_host)),
-                       open_paths=(), cookie=COOKIE, error=lambda status, message, _param: _error(status, message))
+                       open_paths=(), cookie=COOKIE, error=lambda status, message, _param: _error(status, message),
+                       max_body_bytes=max_body_bytes)
     _errors(app)
     _page_routes(app, static)
     _config_routes(app)

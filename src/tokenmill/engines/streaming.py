@@ -9,8 +9,9 @@
 
 Each chunk carries its token's id and (when asked for) logprob, so that a trainer behind a streaming agent
 gets the same token truth as from a plain answer. Text is sent as soon as it cannot change any more: the
-last `longest stop string - 1` characters wait (a stop string may still complete there and cut them), and so
-does an incomplete UTF-8 character. The streamed text therefore equals the plain answer's text.
+last `longest stop string - 1` characters wait (a stop string may still complete there and cut them), text
+from a stop string on is never sent (the answer is cut there), and an incomplete UTF-8 character waits.
+The streamed text therefore equals the plain answer's text.
 The engine calls back from its own thread; the callback only hands the token over to the event loop.
 """
 
@@ -111,7 +112,8 @@ class Streamer:
         delta = None
         if not self.spec.tools:  # tool calls are parsed from the whole reply: its text comes at the end
             text = self.tokenizer.decode(choice.tokens, skip_special_tokens=True)
-            safe = text[: max(0, len(text) - self.hold)].rstrip("\ufffd")
+            end = min([len(text) - self.hold] + [at for s in self.spec.stops if (at := text.find(s)) >= 0])
+            safe = text[: max(0, end)].rstrip("\ufffd")
             if len(safe) > len(choice.sent) and safe.startswith(choice.sent):
                 delta, choice.sent = safe[len(choice.sent):], safe
         return self._chunk(index, delta, [token], [logprob])

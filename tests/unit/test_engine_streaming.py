@@ -1,0 +1,133 @@
+"""`stream: true` and client disconnects on a real loopback engine server, read with the real OpenAI SDK."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tokenmill.engines.continuous import ContinuousEngine
+from tokenmill.engines.server import create_app
+from tokenmill.rollout.proxy import EpisodeRecorder
+from tokenmill.serving import start_in_thread
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_path):
+    """(url, engine, recorder) of an open server in proxy mode (so /v1 and /proxy/<episode>/v1 both exist)."""
+    engine = ContinuousEngine.from_pretrained(tiny_model_path, max_batch=16)
+    recorder = EpisodeRecorder()
+    server, _ = start_in_thread(create_app(engine, model_name="tiny", recorder=recorder))
+    yield server.url, engine, recorder
+    server.stop()
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def sdk(served):
+    return openai.OpenAI(base_url=f"{served[0]}/v1", api_key="none", max_retries=0)
+
+
+def _streamed_chat(chunks) -> tuple[str, list[int], list[float], str]:
+    text, ids, logprobs, finish = "", [], [], None
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        [choice] = chunk.choices
+        text += choice.delta.content or ""
+        ids += choice.model_extra["token_ids"]
+        logprobs += [c.logprob for c in (choice.logprobs.content if choice.logprobs else None) or []]
+        finish = choice.finish_reason or finish
+    return text, ids, logprobs, finish
+
+
+def test_streamed_chat_equals_the_plain_answer_for_the_same_seed(sdk):
+    messages = [{"role": "system", "content": "Add."}, {"role": "user", "content": "2+2"}]
+    kwargs = {"model": "tiny", "messages": messages, "max_tokens": 24, "seed": 5, "logprobs": True}
+    plain = sdk.chat.completions.create(**kwargs).choices[0]
+    chunks = list(sdk.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    text, ids, logprobs, finish = _streamed_chat(chunks)
+    assert text == plain.message.content and text
+    assert ids == plain.model_extra["token_ids"] and len(ids) == chunks[-1].usage.completion_tokens
+    assert logprobs == [c.logprob for c in plain.logprobs.content]
+    assert finish == plain.finish_reason
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    assert chunks[-2].choices[0].model_extra["prompt_token_ids"] == plain.model_extra["prompt_token_ids"]
+
+
+def test_streamed_completions_hold_back_what_a_stop_string_may_cut(sdk):
+    for stop in (None, ["9"], ["ab", "+="]):
+        kwargs = {"model": "tiny", "prompt": ["12+34=", "7*"], "max_tokens": 30, "seed": 3, "n": 2, "stop": stop,
+                  "logprobs": 1}
+        plain = sdk.completions.create(**kwargs)
+        texts, ids, lps = [""] * 4, [[] for _ in range(4)], [[] for _ in range(4)]
+        finish = [None] * 4
+        for chunk in sdk.completions.create(**kwargs, stream=True):
+            [choice] = chunk.choices
+            texts[choice.index] += choice.text
+            ids[choice.index] += choice.model_extra["token_ids"]
+            lps[choice.index] += choice.logprobs.token_logprobs if choice.logprobs else []
+            finish[choice.index] = choice.finish_reason or finish[choice.index]
+        assert texts == [c.text for c in plain.choices], stop
+        assert ids == [c.model_extra["token_ids"] for c in plain.choices]
+        assert lps == [c.logprobs.token_logprobs for c in plain.choices]
+        assert finish == [c.finish_reason for c in plain.choices]
+
+
+def test_the_stream_is_server_sent_events_ending_in_done(served):
+    body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "stream": True}
+    r = httpx.post(f"{served[0]}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = r.text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: {") for e in events[:-2])
+    assert len(events) - 2 == 3 + 1  # one chunk per token (max_tokens 3, a length stop), then the finish chunk
+
+
+def test_streaming_through_the_proxy_records_the_episode(served, tokenizer):
+    url, _, recorder = served
+    agent = openai.OpenAI(base_url=f"{url}/proxy/ep-s/v1", api_key="none", max_retries=0)
+    chunks = list(agent.chat.completions.create(model="policy", messages=[{"role": "user", "content": "1-7"}],
+                                                max_tokens=5, seed=1, stream=True))
+    text, ids, _, _ = _streamed_chat(chunks)
+    done = httpx.post(f"{url}/v1/episodes/ep-s/reward", json={"reward": 1.0}).json()
+    assert done["calls"] == 1
+    [episode] = recorder.take_finished(10)
+    [sample] = episode.samples(group_id=0)
+    assert list(sample.tokens[sample.prompt_len:]) == ids and sample.reward == 1.0
+    assert text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _wait_idle(engine, timeout_s: float = 2.0) -> float:
+    start = time.monotonic()
+    while engine.stats()["running_rows"] or engine.stats()["waiting_requests"]:
+        assert time.monotonic() - start < timeout_s, engine.stats()
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def test_a_client_that_goes_away_cancels_its_streamed_request(served):
+    url, engine, _ = served
+    before = engine.generated_tokens
+    body = {"prompt": "1", "max_tokens": 480, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30) as client, client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: {")
+        assert engine.stats()["running_rows"] == 1
+    # the connection is closed: decoding stops at the engine's next step
+    assert _wait_idle(engine) < 1.0
+    generated = engine.generated_tokens - before
+    time.sleep(0.2)
+    assert engine.generated_tokens - before == generated < 480
+
+
+def test_a_client_that_goes_away_cancels_its_plain_request(served):
+    url, engine, _ = served
+    before = engine.generated_tokens
+    body = {"prompt": "1", "max_tokens": 480, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+    assert _wait_idle(engine) < 1.0
+    assert engine.generated_tokens - before < 480
