@@ -65,7 +65,7 @@ def _short_key(key: str) -> str:
     return key if len(key) <= 40 else f"{key[:40]}..."
 
 
-FIELD_PREFIX = re.compile(r"^([a-z_]+(?:\.[a-z_0-9]+)+): ")
+FIELD_PREFIX = re.compile(r"^([a-z_]+(?:\.[a-z_0-9]+)*): ")
 
 
 def format_validation_error(err: ValidationError) -> str:
