@@ -148,6 +148,23 @@ def test_async_reward_is_awaited(tokenizer, isolation):
     assert [s.rewards["async_reward_func"] for s in samples] == [23 % 3, 1 % 3, 10 % 3, 31 % 3]
 
 
+@pytest.mark.parametrize("isolation", ["process", "thread", None])
+def test_async_reward_called_from_inside_a_running_loop(isolation):
+    # a notebook runs its cells inside an event loop; None: `invoke` itself, in the loop's thread
+    from tokenmill.rewards.base import invoke
+
+    async def notebook_cell():
+        if isolation is None:
+            return invoke(async_reward_func, {"prompts": ["p", "q"], "completions": ["ab", "abcd"]})
+        reward = FunctionReward(async_reward_func, isolation=isolation)
+        try:
+            return [r.value for r in reward(["p", "q"], ["ab", "abcd"], {})]
+        finally:
+            reward.close()
+
+    assert asyncio.run(notebook_cell()) == [2.0, 1.0]
+
+
 def test_async_per_sample_reward():
     async def close_to(prompt, completion, answer):
         await asyncio.sleep(0.01)

@@ -20,6 +20,7 @@ a string) becomes a failed score (`RewardResult(None, error=...)`) that is count
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import math
 from collections.abc import Callable, Sequence
@@ -113,7 +114,14 @@ def _resolve(values: list[Any]) -> list[Any]:
     """Await what an async function returned (all of a batch's awaitables concurrently)."""
     pending = [i for i, v in enumerate(values) if inspect.isawaitable(v)]
     if pending:
-        done = asyncio.run(_gather([values[i] for i in pending]))
+        gathered = _gather([values[i] for i in pending])
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # the usual case: no loop in this thread
+            done = asyncio.run(gathered)
+        else:  # called from inside a running loop (a notebook, or a worker forked from one): a thread of its own
+            with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+                done = pool.submit(asyncio.run, gathered).result()
         values = list(values)
         for i, v in zip(pending, done, strict=True):
             values[i] = v
