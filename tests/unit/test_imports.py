@@ -72,8 +72,9 @@ def test_an_environment_in_a_file_trains_through_the_config(tmp_path, monkeypatc
     result = tokenmill.train(cfg)
     [row] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
              if "reward/mean" in line]
-    assert row["step"] == 1 and 0.0 <= row["reward/mean"] <= 1.0
-    assert result["last_metrics"]["step"] == 1
+    assert row["step"] == 1 and 0.0 <= row["reward/env/mean"] <= 1.0
+    assert row["agent/failed_episodes"] == 0 and row["reward/env/failed"] == 0  # the file's env ran every episode
+    assert result["last_metrics"]["reward/mean"] == row["reward/mean"]  # the one step trained on the env's returns
 
 
 def test_module_and_file_specs_resolve_dotted_attributes(tmp_path):
