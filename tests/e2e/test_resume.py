@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -86,3 +87,25 @@ def test_resume_without_checkpoint_starts_fresh_and_finished_run_trains_nothing(
     again = tokenmill.train(cfg, checkpoint__resume=True)
     assert again["resumed_from"] == 2
     assert again["last_metrics"] == {}
+
+
+def test_resume_writes_the_final_export_a_killed_run_still_owed(tmp_path):
+    """Killed after the last checkpoint but before `final/` existed: the resumed run exports (and evaluates)
+    instead of reporting "nothing left to train"."""
+    torch.set_num_threads(1)
+    model = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    out = tmp_path / "run"
+    cfg = _config(model, str(out), steps=2)
+    cfg["data"]["num_eval"] = 4
+    first = tokenmill.train(cfg, rewards=[digit_share])
+    weights = load_file(str(out / "final" / "model.safetensors"))
+    # the state a kill -9 between the last checkpoint and the export leaves: step 2 saved, no final/
+    shutil.rmtree(out / "final")
+    again = tokenmill.train(cfg, rewards=[digit_share], checkpoint__resume=True)
+    assert again["resumed_from"] == 2 and again["eval_after"] == first["eval_after"]
+    exported = load_file(str(out / "final" / "model.safetensors"))
+    assert exported.keys() == weights.keys() and all(torch.equal(exported[k], weights[k]) for k in weights)
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no temporary export left
+    # with final/ in place a further resume has nothing left to do: no export, no evaluation
+    third = tokenmill.train(cfg, rewards=[digit_share], checkpoint__resume=True)
+    assert third["resumed_from"] == 2 and "eval_after" not in third and third["last_metrics"] == {}

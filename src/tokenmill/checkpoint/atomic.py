@@ -68,14 +68,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def _pause_for_tests(stage: str) -> None:
-    """Crash tests: TOKENMILL_TEST_CHECKPOINT_HOLD=<stage> makes the writer announce itself on stderr and
-    sleep at that point of the write, so a test can SIGKILL it there. Unset in normal use."""
-    if os.environ.get("TOKENMILL_TEST_CHECKPOINT_HOLD") == stage:
+def hold_point(name: str) -> None:
+    """Crash tests: with TOKENMILL_TEST_HOLD=<name> the writer says so on stderr and sleeps at this point,
+    so a test can SIGKILL it exactly there (`tokenmill.testing.crash`). Unset in normal use."""
+    if os.environ.get("TOKENMILL_TEST_HOLD") == name:
         import sys
         import time
 
-        print(f"tokenmill-test: checkpoint writer holding at {stage}", file=sys.stderr, flush=True)
+        print(f"tokenmill-test: holding at {name}", file=sys.stderr, flush=True)
         time.sleep(3600)
 
 
@@ -126,7 +126,7 @@ def save_checkpoint(
     tmp.mkdir()
     try:
         save_model(model, str(tmp / "model.safetensors"))
-        _pause_for_tests("model")
+        hold_point(f"checkpoint-model@{step}")  # weights written, trainer state not
         torch.save(trainer_state, tmp / "trainer.pt")
         files = {}
         for name in PAYLOAD:
@@ -136,7 +136,7 @@ def save_checkpoint(
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         _fsync_path(tmp / "meta.json")
         _fsync_path(tmp)
-        _pause_for_tests("rename")
+        hold_point(f"checkpoint-rename@{step}")  # complete, not renamed into place
     except BaseException:  # disk full, interrupted: leave no half-written folder behind (older ones stay)
         shutil.rmtree(tmp, ignore_errors=True)
         raise

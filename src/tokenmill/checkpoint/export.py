@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from tokenmill.checkpoint.atomic import hold_point
+
 
 def export_model(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
     """A plain HF folder any tool loads; with LoRA the adapters are merged into it (a copy: the training
@@ -29,6 +31,7 @@ def export_atomic(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     for stale in path.parent.glob(f".tmp-{path.name}-*"):  # a killed export's leftovers
         shutil.rmtree(stale, ignore_errors=True)
+    hold_point("export")  # the last checkpoint is saved, the export not begun
     try:
         export_model(model, tokenizer, tmp)
         for file in tmp.rglob("*"):
@@ -38,6 +41,7 @@ def export_atomic(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    hold_point("export-rename")  # written in full, not renamed into place
     old = path.with_name(f".old-{path.name}-{os.getpid()}")
     if path.exists():  # a re-export (the run went on with more steps): the old one goes only after the swap
         path.rename(old)

@@ -204,6 +204,10 @@ class Run:
 
 
 def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, dataset=None) -> Run:
+    if cfg.training.deterministic:  # first: MKL and cuBLAS read their reproducibility mode once
+        from tokenmill.checkpoint.determinism import make_deterministic
+
+        make_deterministic()
     torch.manual_seed(cfg.training.seed)
     random.seed(cfg.training.seed)
     train_rows, eval_rows, task_reward = build_datasets(cfg, dataset)

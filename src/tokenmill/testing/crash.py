@@ -1,0 +1,155 @@
+"""Kill-and-resume runs of `tokenmill train` in real subprocesses, for crash tests and the determinism
+benchmark: SIGKILL at a chosen point (after a checkpoint, mid-checkpoint write, before or during the
+final export), resume, and compare the final weights with an uninterrupted run.
+
+Exact points use the writer's hold points (`TOKENMILL_TEST_HOLD`, see `tokenmill.checkpoint.atomic`): the
+trainer announces on stderr that it is holding there and sleeps until it is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+REWARD = '''
+def digit_share(prompts, completions, **_):
+    """A dense reward (share of digits), so a random-init model gets non-zero advantages."""
+    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+'''
+
+# where a run of `write_config`'s 4 steps is killed: "after-checkpoint@K" (SIGKILL as soon as step K's
+# checkpoint is in place: the kill lands in step K+1), or a hold point of the checkpoint writer (the
+# weights written but not the trainer state; the final checkpoint complete but not renamed into place) or
+# of the final export (not begun; written but not renamed into place)
+KILL_POINTS = ("after-checkpoint@1", "checkpoint-model@2", "checkpoint-rename@4", "export", "export-rename")
+
+
+def write_config(folder: Path, model: str, *, steps: int = 4, deterministic: bool = True,
+                 overrides: dict[str, dict] | None = None) -> Path:
+    """A tiny GRPO run (checkpoint every step, process-isolated reward workers) writing to folder/run;
+    `overrides` are merged into its sections."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "rewards.py").write_text(REWARD)
+    config = {
+        "model": {"path": model},
+        "data": {"task": "addition", "num_train": 200, "num_eval": 0},
+        "generation": {"group_size": 4, "max_tokens": 4},
+        "rewards": [{"function": f"{folder / 'rewards.py'}:digit_share", "isolation": "process"}],
+        "algorithm": {"ppo_epochs": 2, "mini_batches": 2},
+        "training": {"learning_rate": 1e-3, "lr_schedule": "cosine", "warmup_steps": 2, "seed": 3,
+                     "deterministic": deterministic},
+        "controller": {"steps": steps, "prompts_per_step": 4},
+        "tracking": {"output_dir": str(folder / "run"), "console": "none"},
+        "checkpoint": {"every": 1, "keep_last": 2, "save_final": True},
+    }
+    for section, values in (overrides or {}).items():
+        config[section] = {**config.get(section, {}), **values}
+    path = folder / "config.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    return path
+
+
+def _command(config: Path, resume: bool) -> list[str]:
+    return [sys.executable, "-m", "tokenmill.cli", "train", str(config), "--checkpoint.resume",
+            "true" if resume else "false"]
+
+
+def run_to_end(config: Path, *, resume: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_TEST_HOLD"}
+    return subprocess.run(_command(config, resume), capture_output=True, text=True, timeout=timeout, env=env,
+                          check=False)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, their children, ...)."""
+    parents: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat[stat.rindex(b")") + 2 :].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [p for p, pp in parents.items() if pp == parent]
+        found += children
+        frontier += children
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped, does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2 :].split()[0] != b"Z"
+
+
+@dataclass
+class Killed:
+    point: str
+    children: list[int]  # the trainer's descendants at the moment of the kill
+    left_after_s: list[int]  # those still alive `orphan_wait_s` later
+    seconds: float
+
+
+def run_and_kill(config: Path, point: str, *, timeout: float = 600, orphan_wait_s: float = 5.0) -> Killed:
+    """Start a fresh run and SIGKILL it at `point` (one of KILL_POINTS' forms)."""
+    out = Path(json.loads(config.read_text())["tracking"]["output_dir"])
+    env = dict(os.environ)
+    after = point.startswith("after-checkpoint@")
+    if not after:
+        env["TOKENMILL_TEST_HOLD"] = point
+    stderr_path = config.parent / f"stderr-{point}.txt"
+    start = time.monotonic()
+    with open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen(_command(config, resume=False), stdout=subprocess.DEVNULL, stderr=stderr,
+                                env=env)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"run exited ({proc.returncode}) before {point}: "
+                                   f"{stderr_path.read_text()[-2000:]}")
+            if time.monotonic() - start > timeout:
+                raise TimeoutError(f"run did not reach {point} in {timeout:.0f}s")
+            if after:
+                if (out / "checkpoints" / f"step_{int(point.split('@')[1]):08d}").is_dir():
+                    break
+            elif f"holding at {point}\n" in stderr_path.read_text():
+                break
+            time.sleep(0.02)
+        children = descendants(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    end = time.monotonic() + orphan_wait_s
+    while time.monotonic() < end and any(alive(p) for p in children):
+        time.sleep(0.05)
+    return Killed(point, children, [p for p in children if alive(p)], time.monotonic() - start)
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "final" / "model.safetensors"))
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    if a.keys() != b.keys():
+        raise ValueError(f"different tensors: {sorted(a.keys() ^ b.keys())}")
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)

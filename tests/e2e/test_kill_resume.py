@@ -1,0 +1,60 @@
+"""kill -9 of `tokenmill train` at chosen points, then resume: no process of the killed run is left, `final/`
+is written, and with `training.deterministic` the final weights equal an uninterrupted run's bit for bit.
+
+Real subprocesses and SIGKILL (`tokenmill.testing.crash`); the exact points are the checkpoint writer's hold
+points. CI kills once, mid-checkpoint (~45 s); the slow test kills at all five points (~3 min on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenmill.testing import build_tiny_model
+from tokenmill.testing.crash import KILL_POINTS, final_weights, run_and_kill, run_to_end, write_config
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """The tiny model and the final weights of an uninterrupted deterministic run of it."""
+    root = tmp_path_factory.mktemp("kill")
+    model = build_tiny_model(root / "model", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    config = write_config(root / "uninterrupted", model)
+    done = run_to_end(config)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return model, final_weights(root / "uninterrupted" / "run")
+
+
+def _kill_and_resume(tmp_path: Path, model: str, point: str) -> dict[str, torch.Tensor]:
+    config = write_config(tmp_path / point.replace("@", "-"), model)
+    out = Path(json.loads(config.read_text())["tracking"]["output_dir"])
+    killed = run_and_kill(config, point)
+    assert killed.children, "the run had started its reward workers"
+    assert killed.left_after_s == [], f"{point}: processes outlived the killed trainer: {killed.left_after_s}"
+    assert not (out / "final").exists()
+    done = run_to_end(config, resume=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "final" / "config.json").is_file()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000003", "step_00000004"]
+    return final_weights(out)
+
+
+def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name, value in a.items():
+        assert torch.equal(value, b[name]), name
+
+
+def test_kill_mid_checkpoint_then_resume_is_exact(tmp_path, baseline):
+    model, expected = baseline
+    _assert_equal(_kill_and_resume(tmp_path, model, "checkpoint-model@2"), expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_kill_anywhere_then_resume_is_exact(tmp_path, baseline, point):
+    model, expected = baseline
+    _assert_equal(_kill_and_resume(tmp_path, model, point), expected)
