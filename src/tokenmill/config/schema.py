@@ -259,11 +259,6 @@ class TrainingConfig(Section):
         "killed and resumed ends with exactly the weights of an uninterrupted one (slower; see "
         "docs/reliability.md)."
     )
-    deterministic: bool = Field(
-        False, description="Bit-exact runs: deterministic torch algorithms and a fixed thread count, so a run "
-        "killed and resumed ends with exactly the weights of an uninterrupted one (slower; see "
-        "docs/reliability.md)."
-    )
 
 
 class ControllerConfig(Section):
