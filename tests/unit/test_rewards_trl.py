@@ -8,6 +8,7 @@ worker), and TRL's own GRPOTrainer scores the same completions for comparison.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import re
 
@@ -65,6 +66,21 @@ def step_scaled(completions, trainer_state, **kwargs):
 
 def token_count(completions, completion_ids, **kwargs):
     return [float(len(ids)) for ids in completion_ids]
+
+
+def scaled_len(completions, scale, **kwargs):
+    return [scale * len(c) for c in completions]
+
+
+class ContainsDigit:  # a callable class instance: named after its class
+    def __call__(self, completions, **kwargs):
+        return [float(any(ch.isdigit() for ch in c)) for c in completions]
+
+
+class AsyncJudge:  # an async __call__, as an LLM judge would have
+    async def __call__(self, prompts, completions, **kwargs):
+        await asyncio.sleep(0.01)
+        return [float(c.startswith("\\")) for c in completions]
 
 
 def logs_a_metric(completions, log_metric, log_extra, **kwargs):
@@ -237,10 +253,12 @@ def test_equal_to_trl_grpo_trainer(tiny_model_path, tokenizer, conversational):
         rows, texts, fns = CHAT_ROWS, CHAT_TEXTS, [format_reward_func, step_scaled, token_count]
     else:
         rows, texts = PLAIN_ROWS, PLAIN_TEXTS
-        fns = [reward_len, reward_func, math_reward_func, async_reward_func, step_scaled, token_count]
+        fns = [reward_len, reward_func, math_reward_func, async_reward_func, step_scaled, token_count,
+               functools.partial(scaled_len, scale=0.5), ContainsDigit(), AsyncJudge()]
     theirs = _trl_rewards(tiny_model_path, tokenizer, rows, texts, fns, global_step=3, max_steps=12)
     samples, _ = score(tokenizer, rows, texts, fns, version=3, max_steps=12)
-    assert set(theirs) == {fn.__name__ for fn in fns}
+    assert set(theirs) == set(samples[0].rewards)  # the same names: partials unwrapped, instances by class
+    assert conversational or {"scaled_len", "ContainsDigit", "AsyncJudge"} <= set(theirs)
     for name, values in theirs.items():
         _same([s.rewards[name] for s in samples], values)
     # the values are not trivially equal: each reward tells some samples apart (but step_scaled on chat

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import inspect
 import math
 from collections.abc import Callable, Sequence
@@ -80,6 +81,13 @@ def is_conversational(prompt: Any) -> bool:
 def trl_completion(prompt: Any, text: str) -> Any:
     """The completion as TRL hands it to reward functions: the text, or one assistant message in a list."""
     return [{"role": "assistant", "content": text}] if is_conversational(prompt) else text
+
+
+def callable_name(fn: Callable[..., Any]) -> str:
+    """The name a reward is logged under: a function's name (through functools.partial), else its class's."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def _accepted(fn: Callable[..., Any], kwargs: dict[str, Any], skip: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -205,7 +213,7 @@ class FunctionReward:
         isolation: str = "process",
     ) -> None:
         self.fn = fn
-        self.name = name or getattr(fn, "__name__", type(fn).__name__)
+        self.name = name or callable_name(fn)
         self.weight = weight
         self.timeout_s = timeout_s
         self.per_sample = per_sample
