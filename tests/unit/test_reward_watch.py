@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import yaml
@@ -69,18 +70,28 @@ def always_raises(prompts, completions, **kwargs):
     raise KeyError("no column named solution")
 
 
+def always_nan(prompts, completions, **kwargs):
+    return [float("nan")] * len(completions)
+
+
+def hangs(prompts, completions, **kwargs):
+    import time
+
+    time.sleep(30)
+
+
 def fails_on_half(prompts, completions, **kwargs):
     return [float("nan") if i % 2 else 1.0 for i in range(len(completions))]
 '''
 
 
-def _config(tmp_path, model: str, reward: str, steps: int) -> dict:
+def _config(tmp_path, model: str, reward: str, steps: int, timeout_s: float = 10.0) -> dict:
     (tmp_path / "rewards.py").write_text(REWARDS)
     return {
         "model": {"path": model},
         "data": {"task": "addition", "num_train": 100, "num_eval": 0},
         "rewards": [{"function": f"{tmp_path / 'rewards.py'}:digit_share"},
-                    {"function": f"{tmp_path / 'rewards.py'}:{reward}"}],
+                    {"function": f"{tmp_path / 'rewards.py'}:{reward}", "timeout_s": timeout_s}],
         "generation": {"group_size": 2, "max_tokens": 3},
         "controller": {"steps": steps, "prompts_per_step": 2, "reward_failure_steps": 3},
         "engine": {"threads": 1},
@@ -117,3 +128,18 @@ def test_a_reward_failing_on_some_samples_does_not_stop_the_run(tiny_model_path,
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert all(r["reward/fails_on_half/failed"] == 2 and r["reward/fails_on_half/mean"] == 1.0 for r in steps)
     assert result["last_metrics"]["reward/fails_on_half/failed"] == 2
+
+
+@pytest.mark.parametrize("reward, placement, error", [
+    ("always_nan", "colocated", "non-finite value nan"),
+    ("hangs", "colocated", "no result within 0.3s (worker killed)"),
+    ("always_raises", "thread", "KeyError: 'no column named solution'"),  # async: the producer is shut down too
+])
+def test_nan_hanging_and_async_runs_stop_too(tiny_model_path, tmp_path, reward, placement, error):
+    cfg = _config(tmp_path, tiny_model_path, reward, steps=10, timeout_s=0.3)
+    cfg["engine"]["placement"] = placement
+    cfg["controller"]["reward_failure_steps"] = 2
+    with pytest.raises(RewardFailureError, match=rf"^reward '{reward}' failed on every sample in 2 consecutive steps "
+                                                 rf"\(1-2\); first error: {re.escape(error)}"):
+        tokenmill.train(cfg)
+    assert [r["step"] for r in _logged_steps(tmp_path)] == [1, 2]
