@@ -276,3 +276,39 @@ def test_reward_state_has_trainer_state_fields():
     theirs = {f.name for f in fields(transformers.TrainerState)}
     ours = {f.name for f in fields(RewardState)}
     assert ours <= theirs
+
+
+# --------------------------------------------------------------------------------------------- in a run
+
+PROGRESS = '''
+import json, os
+
+
+def progress(completions, completion_ids, trainer_state, **kwargs):
+    with open(os.environ["PROGRESS_LOG"], "a") as f:
+        f.write(json.dumps([trainer_state.global_step, trainer_state.max_steps, [len(i) for i in completion_ids]]))
+        f.write("\\n")
+    return [0.0] * len(completions)
+'''
+
+
+def test_a_run_hands_rewards_its_progress_and_token_ids(tiny_model_path, tmp_path, monkeypatch):
+    import json
+
+    import tokenmill
+
+    (tmp_path / "progress.py").write_text(PROGRESS)
+    monkeypatch.setenv("PROGRESS_LOG", str(tmp_path / "progress.jsonl"))
+    tokenmill.train({
+        "model": {"path": tiny_model_path}, "data": {"task": "addition", "num_train": 50, "num_eval": 0},
+        "rewards": [{"function": f"{tmp_path / 'progress.py'}:progress"}],
+        "generation": {"group_size": 2, "max_tokens": 3}, "controller": {"steps": 3, "prompts_per_step": 2},
+        "tracking": {"output_dir": str(tmp_path / "run"), "console": "none"},
+        "checkpoint": {"every": 0, "save_final": False},
+    })
+    calls = [json.loads(line) for line in (tmp_path / "progress.jsonl").read_text().splitlines()]
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+             if '"reward/mean"' in line]
+    # step k is generated with the weights of k - 1 updates, as TRL's global_step reads during generation
+    assert [(c[0], c[1]) for c in calls] == [(0, 3), (1, 3), (2, 3)]
+    assert [sum(c[2]) / len(c[2]) for c in calls] == [s["response_len/mean"] for s in steps]
