@@ -7,7 +7,6 @@ any model is loaded.
 from __future__ import annotations
 
 import copy
-import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,17 +19,19 @@ import yaml
 from tokenmill.config.imports import resolve
 from tokenmill.config.schema import LoRAConfig, ModelConfig, RewardFunctionConfig, RLConfig
 from tokenmill.data.prompts import PromptSource, load_rows
+from tokenmill.engines.base import InferenceEngine
 from tokenmill.engines.hf import HFEngine
 from tokenmill.rewards.base import FunctionReward
 from tokenmill.rewards.model import ModelReward
 from tokenmill.rewards.set import RewardSet
-from tokenmill.rollout.agent import AgentLimits, AgentLoop
+from tokenmill.rollout.agent import AgentLoop, build_agent
 from tokenmill.rollout.base import Rollout
 from tokenmill.rollout.generator import Generator, build_generator
 from tokenmill.tracking.logger import MetricsLogger
+from tokenmill.training.base import TrainBackend
 from tokenmill.training.critic import Critic, load_critic
 from tokenmill.training.local import LocalBackend, ReferenceModel
-from tokenmill.types import ConfigError, SamplingParams
+from tokenmill.types import ConfigError
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -145,49 +146,14 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
-def build_agent(cfg: RLConfig, engine: Any, tokenizer: Any) -> AgentLoop:
-    """The agent loop for `cfg.env`: a factory for local or remote environments, the engine, the limits; an
-    environment that exposes `tools` (a registry) gets their specs in the chat template and its calls parsed."""
-    env = cfg.env
-    if env.url is not None:
-        from tokenmill.envs.remote import remote_factory
-
-        factory = remote_factory(env.url, token=env.token or os.environ.get("TOKENMILL_ENV_TOKEN"),
-                                 timeout_s=env.step_timeout_s)
-        tools, parser = None, None
-    else:
-        from tokenmill.envs import resolve_env
-
-        factory = resolve_env(env.name, env.kwargs)
-        try:
-            probe = factory()
-        except Exception as exc:  # noqa: BLE001 - a constructor that fails is a config problem, reported as one
-            raise ConfigError(f"env.kwargs: cannot create {env.name!r}: {type(exc).__name__}: {exc}") from None
-        registry = getattr(probe, "tools", None)
-        tools = registry.specs() if registry is not None else None
-        parser = _tool_parser() if registry is not None else None
-    if hasattr(engine, "enable_prefix_cache"):
-        engine.enable_prefix_cache(int(env.prefix_cache_mb * 2**20 // engine.kv_bytes_per_token()))
-    limits = AgentLimits(max_turns=env.max_turns, max_episode_tokens=env.max_episode_tokens,
-                         step_timeout_s=env.step_timeout_s, max_concurrent=env.max_concurrent)
-    params = SamplingParams.from_config(cfg.generation)
-    return AgentLoop(engine, tokenizer, factory, params, limits, tool_parser=parser, tools=tools)
-
-
-def _tool_parser():
-    from tokenmill.envs.tools import HermesToolCallParser
-
-    return HermesToolCallParser().parse
-
-
 @dataclass
 class Run:
     cfg: RLConfig
     model: torch.nn.Module
     tokenizer: Any
-    engine: HFEngine
+    engine: InferenceEngine  # colocated: an HFEngine on the trainer's module; a feed's view may hold another
     generator: Generator
-    backend: LocalBackend
+    backend: TrainBackend
     reference: ReferenceModel | None
     critic: Critic | None
     agent: AgentLoop | None

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.rollout.agent import build_agent
 from tokenmill.rollout.generator import Generator, build_generator
 from tokenmill.sandbox.lifetime import preexec_die_with_parent
 from tokenmill.types import ConfigError, Group, TokenmillError
@@ -231,8 +232,6 @@ def _weight_sync(cfg, urls: list[str], token: str | None, scratch: Path):
 
 def build_placement(run) -> Placement:
     """The producer's engine for `run.cfg.engine.placement` (thread, process or remote)."""
-    from tokenmill.controller.build import build_agent
-
     cfg = run.cfg
     place = cfg.engine.placement
     rewards = _LockedRewards(run.generator.rewards, threading.Lock())

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -27,7 +28,7 @@ from typing import Any
 from tokenmill.data.chat import ChatTemplateError
 from tokenmill.envs.base import EnvFactory, Message, as_messages, as_step_result, call
 from tokenmill.tracking.stages import stage
-from tokenmill.types import Completion, Group, Sample, SamplingParams, StopReason
+from tokenmill.types import Completion, ConfigError, Group, Sample, SamplingParams, StopReason
 
 log = logging.getLogger("tokenmill.agent")
 
@@ -344,3 +345,34 @@ class AgentLoop:
             reward_errors={"env": ep.error} if ep.error else {},
             row={**ep.task, "messages": ep.messages, "turns": ep.turns, "info": ep.info},
         )
+
+
+def build_agent(cfg: Any, engine: Any, tokenizer: Any) -> AgentLoop:
+    """The agent loop for an `RLConfig`'s `env`: a factory for local or remote environments, the engine, the
+    limits; an environment that exposes `tools` (a registry) gets their specs in the chat template and its
+    calls parsed."""
+    env = cfg.env
+    if env.url is not None:
+        from tokenmill.envs.remote import remote_factory
+
+        factory = remote_factory(env.url, token=env.token or os.environ.get("TOKENMILL_ENV_TOKEN"),
+                                 timeout_s=env.step_timeout_s)
+        tools, parser = None, None
+    else:
+        from tokenmill.envs import resolve_env
+        from tokenmill.envs.tools import HermesToolCallParser
+
+        factory = resolve_env(env.name, env.kwargs)
+        try:
+            probe = factory()
+        except Exception as exc:  # noqa: BLE001 - a constructor that fails is a config problem, reported as one
+            raise ConfigError(f"env.kwargs: cannot create {env.name!r}: {type(exc).__name__}: {exc}") from None
+        registry = getattr(probe, "tools", None)
+        tools = registry.specs() if registry is not None else None
+        parser = HermesToolCallParser().parse if registry is not None else None
+    if hasattr(engine, "enable_prefix_cache"):
+        engine.enable_prefix_cache(int(env.prefix_cache_mb * 2**20 // engine.kv_bytes_per_token()))
+    limits = AgentLimits(max_turns=env.max_turns, max_episode_tokens=env.max_episode_tokens,
+                         step_timeout_s=env.step_timeout_s, max_concurrent=env.max_concurrent)
+    return AgentLoop(engine, tokenizer, factory, SamplingParams.from_config(cfg.generation), limits,
+                     tool_parser=parser, tools=tools)
