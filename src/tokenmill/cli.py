@@ -55,12 +55,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_sft(args: argparse.Namespace) -> int:
     from tokenmill.config import SFTConfig, load_config, parse_overrides
+    from tokenmill.config.preflight import check_model_and_data
     from tokenmill.controller.build import load_policy, resolve_device
     from tokenmill.data import load_rows
     from tokenmill.data.registry import task_splits
     from tokenmill.training.sft import run_sft
 
     cfg = load_config(SFTConfig, args.config, parse_overrides(args.overrides))
+    check_model_and_data(cfg.model, cfg.data.path, cfg.data.split)
     if cfg.data.task:
         rows, _, _ = task_splits(cfg.data.task, cfg.data.num_train, cfg.data.num_eval, seed=cfg.seed,
                                  **cfg.data.task_kwargs)
@@ -85,6 +87,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 def cmd_preference(args: argparse.Namespace) -> int:
     from tokenmill.config import PreferenceConfig, load_config, parse_overrides
+    from tokenmill.config.preflight import check_model_and_data
     from tokenmill.controller.build import load_policy, resolve_device
     from tokenmill.data import load_rows
     from tokenmill.data.registry import HELD_OUT_SEED_OFFSET
@@ -92,6 +95,7 @@ def cmd_preference(args: argparse.Namespace) -> int:
     from tokenmill.training import preference as pref
 
     cfg = load_config(PreferenceConfig, args.config, parse_overrides(args.overrides))
+    check_model_and_data(cfg.model, cfg.data.path, cfg.data.split)
     held = None
     if cfg.data.task:
         held_seed = cfg.seed + HELD_OUT_SEED_OFFSET

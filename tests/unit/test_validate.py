@@ -268,3 +268,19 @@ def test_check_run_accepts_a_good_setup(tmp_path):
                     {"function": f"{tmp_path / 'rewards.py'}:one", "per_sample": True}],
     })
     assert check_run(cfg) == []
+
+
+@pytest.mark.parametrize("command, content, line", [
+    ("sft", None, "data.path: no such file or folder"),
+    ("sft", "", "data.path: '{data}' has no rows"),
+    ("preference", '{"prompt": "a", "chosen": "b", "rejected": "c"}\nnot json\n', "data.path: '{data}' line 2 is not JSON"),
+])
+def test_sft_and_preference_check_their_data_first(tmp_path, capsys, command, content, line):
+    data = tmp_path / "pairs.jsonl"
+    if content is not None:
+        data.write_text(content)
+    path = write(tmp_path, {"model": {"path": "./no-such-model"}, "data": {"path": str(data)}})
+    code, _, err = run_cli([command, path], capsys)
+    assert code == 2
+    assert err.splitlines()[1] == "model.path: no model folder at './no-such-model'"
+    assert err.splitlines()[2].startswith(line.replace("{data}", str(data)))

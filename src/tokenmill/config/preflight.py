@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.config.imports import resolve
-from tokenmill.config.schema import RewardFunctionConfig, RewardModelConfig, RLConfig
+from tokenmill.config.schema import ModelConfig, RewardFunctionConfig, RewardModelConfig, RLConfig
 from tokenmill.types import ConfigError
 
 DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
@@ -233,6 +233,22 @@ def _env_problem(cfg: RLConfig) -> str | None:
     except ConfigError as exc:
         return str(exc)
     return None if callable(obj) else f"env.name: {name!r} names a {type(obj).__name__}, not a class or factory"
+
+
+def check_model_and_data(model: ModelConfig, data_path: str | None, split: str = "train") -> None:
+    """What SFT and preference training share with `check_run`: the model folder, the device, and that a local
+    data file exists and its first rows parse. One `ConfigError` with a line per problem."""
+    problems = [p for field, path in (("model.path", model.path), ("model.tokenizer_path", model.tokenizer_path))
+                if path is not None and (p := model_folder_problem(path, field))]
+    if problem := device_problem(model.device):
+        problems.append(problem)
+    if data_path is not None:
+        try:
+            dataset_columns(data_path, split)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def check_run(cfg: RLConfig, rewards: list[Any] | None = None, dataset: Any = None) -> list[str]:
