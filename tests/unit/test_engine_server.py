@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -252,3 +253,96 @@ def test_serve_command_prints_its_url_and_serves(tiny_model_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+# ------------------------------------------------------------------------------------------ hostile input
+@pytest.mark.parametrize(("route", "raw", "param"), [
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 2}', "messages"),
+    ("/v1/completions", b'{"prompt": [5, 6], "seed": 1180591620717411303424}', "seed"),
+    ("/v1/completions", b'{"prompt": [5, 6], "seed": -9223372036854775809}', "seed"),
+    ("/v1/completions", b'{"prompt": [5, 6], "top_k": 100000000000000000000}', "top_k"),
+])
+def test_lone_surrogates_and_huge_numbers_are_openai_shaped_400s(client, route, raw, param):
+    """A lone surrogate (valid JSON, not valid Unicode) used to reach the tokenizer (a plain-text 500), and
+    `seed: 2**70` torch's seeding (a 400 without `param`)."""
+    answer = client.post(route, content=raw, headers={"content-type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["code"] is None
+    assert client.get("/health").status_code == 200
+
+
+def _health_latencies(url: str, busy) -> list[float]:
+    """/health round trips (seconds) measured while `busy()` runs on another thread."""
+    import threading
+
+    done = threading.Event()
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            out["result"] = busy()
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=run)
+    latencies = []
+    with httpx.Client(base_url=url, timeout=30) as c:
+        thread.start()
+        while not done.is_set():
+            start = time.monotonic()
+            assert c.get("/health").status_code == 200
+            latencies.append(time.monotonic() - start)
+            time.sleep(0.01)
+    thread.join()
+    return latencies, out["result"]
+
+
+def test_a_5mb_prompt_is_refused_before_tokenising_and_health_stays_fast(tiny_model_path):
+    """5 MB of text cannot fit 512 positions whatever its tokens: refused without tokenising (which took
+    ~12 s here, on the event loop, stalling /health)."""
+    engine = ContinuousEngine.from_pretrained(tiny_model_path, max_batch=8)
+    server, _ = start_in_thread(create_app(engine, model_name="tiny", max_body_bytes=8 * 2**20))
+    prompt = "12+34=" * (5 * 2**20 // 6)
+    try:
+        def huge():
+            with httpx.Client(base_url=server.url, timeout=60) as c:
+                return [c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}),
+                        c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}]})]
+
+        latencies, answers = _health_latencies(server.url, huge)
+        for answer, param in zip(answers, ("prompt", "messages"), strict=True):
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == param
+            assert "over the model's context of 512 positions" in answer.json()["error"]["message"]
+        assert max(latencies) < 0.5, max(latencies)
+        with httpx.Client(base_url=server.url, timeout=60) as c:  # the default cap: 4 MiB
+            assert c.post("/v1/completions", json={"prompt": prompt * 2}).status_code == 413
+    finally:
+        server.stop()
+        engine.close()
+
+
+def test_tokenising_runs_off_the_event_loop(tiny_model_path, tokenizer):
+    """A model with a long context must tokenise a 1 MB prompt: in a worker thread, /health answers meanwhile."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    model.config.max_position_embeddings = 100_000  # 1M characters may be fewer tokens: they are counted
+    engine = ContinuousEngine(model, tokenizer, max_batch=8)
+    server, _ = start_in_thread(create_app(engine, model_name="tiny"))
+    prompt = "1" * 2**20
+    try:
+        def huge():
+            with httpx.Client(base_url=server.url, timeout=120) as c:
+                start = time.monotonic()
+                answer = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+                return answer, time.monotonic() - start
+
+        latencies, (answer, took) = _health_latencies(server.url, huge)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "prompt"
+        assert "1048576 tokens leave no room" in answer.json()["error"]["message"]
+        assert took > 0.3 and len(latencies) >= 5, (took, len(latencies))  # tokenising took a while...
+        assert max(latencies) < took / 2, (max(latencies), took)  # ...and /health did not wait for it
+    finally:
+        server.stop()
+        engine.close()

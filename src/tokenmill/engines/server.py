@@ -78,6 +78,13 @@ class Completer:
             raise ApiError(400, f"{field}: {len(text)} characters are at least {least} tokens, over the model's "
                                 f"context of {self.limit} positions", field)
 
+    def check_room(self, prompts: list[list[int]], field: str) -> list[list[int]]:
+        longest = max(len(p) for p in prompts)
+        if self.limit and longest >= self.limit:
+            raise ApiError(400, f"{field}: {longest} tokens leave no room to generate (the model's context is "
+                                f"{self.limit} positions)", field)
+        return prompts
+
     def room(self, prompts: list[list[int]]) -> int:
         """Tokens left in the model's context after the longest prompt (the engine refuses a full one)."""
         left = max(1, self.limit - max(len(p) for p in prompts)) if self.limit else 1 << 30
@@ -172,7 +179,8 @@ class Completer:
         for p in [body.prompt] if isinstance(body.prompt, str) else body.prompt:
             if isinstance(p, str):
                 self.check_fits(p, "prompt")
-        prompts = await asyncio.to_thread(wire.completion_prompts, self.tokenizer, body.prompt)
+        prompts = await asyncio.to_thread(lambda: self.check_room(wire.completion_prompts(self.tokenizer, body.prompt),
+                                                                  "prompt"))
         if episode_id is not None and len(prompts) != 1:
             raise ApiError(400, "prompt: one prompt per call in proxy mode", "prompt")
         params = wire.sampling(body, min(body.max_tokens or 16, self.room(prompts)))
@@ -199,7 +207,7 @@ class Completer:
         def render() -> list[int]:
             text = wire.chat_text(self.tokenizer, body.messages, body.tools, body.chat_template_kwargs)
             self.check_fits(text, "messages")
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return self.check_room([list(self.tokenizer(text, add_special_tokens=False)["input_ids"])], "messages")[0]
 
         prompt = await asyncio.to_thread(render)
         wanted = body.max_completion_tokens or body.max_tokens or self.default_max_tokens
