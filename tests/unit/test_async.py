@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import tokenmill
 from tokenmill.config import RLConfig, load_config
-from tokenmill.controller.feeds import AsyncFeed
+from tokenmill.controller.feeds import within_staleness
 from tokenmill.types import ConfigError, Group, Sample, StopReason
 
 
@@ -95,15 +95,12 @@ def _group(gid: int, versions: list[int]) -> Group:
     return Group(gid, samples)
 
 
-def test_groups_older_than_the_bound_are_dropped_and_counted():
-    feed = AsyncFeed.__new__(AsyncFeed)  # only the bookkeeping, no producer
-    feed.k, feed.dropped_groups, feed.dropped_samples = 1, 0, 0
+def test_groups_older_than_the_bound_are_dropped():
     # training step 5 holds version 4: lag = 4 - version; a group goes when its oldest sample lags > 1
     groups = [_group(0, [4, 4]), _group(1, [3, 4]), _group(2, [2, 4]), _group(3, [1, 1])]
-    kept, lag = feed._fresh(groups, step=5)
-    assert [g.group_id for g in kept] == [0, 1]
+    kept, stale, lag = within_staleness(groups, step=5, k=1)
+    assert [g.group_id for g in kept] == [0, 1] and [g.group_id for g in stale] == [2, 3]
     assert lag == {0: 3, 1: 1}
-    assert (feed.dropped_groups, feed.dropped_samples) == (2, 4)
 
 
 def slow_reward(prompts, completions, **_):

@@ -130,6 +130,20 @@ class RolloutBatch:
                             state["tokens"], state["busy_s"])
 
 
+def within_staleness(groups: list[Group], step: int, k: int) -> tuple[list[Group], list[Group], Counter[int]]:
+    """(groups kept, groups dropped, the lag of every kept sample) for training step `step` with bound `k`:
+    the trainer holds version step - 1, so a sample's lag is step - 1 - its version, and a group goes when its
+    oldest sample lags more than k."""
+    kept, stale, lag = [], [], Counter()
+    for g in groups:
+        if step - 1 - min(s.version for s in g.samples) > k:
+            stale.append(g)
+            continue
+        kept.append(g)
+        lag.update(step - 1 - s.version for s in g.samples)
+    return kept, stale, lag
+
+
 class ProducerError(TokenmillError):
     """The rollout producer failed; the message names the placement and the cause."""
 
@@ -250,21 +264,10 @@ class AsyncFeed:
         if timer is not None:
             timer.add_tokens("generate", item.tokens)
         self.run.source.load_state_dict(item.data_state)  # what a checkpoint now records: the trained rows
-        groups, lag = self._fresh(item.groups, step)
+        groups, stale, lag = within_staleness(item.groups, step, self.k)
+        self.dropped_groups += len(stale)
+        self.dropped_samples += sum(len(g.samples) for g in stale)
         return groups, item.info | self._metrics(step, fill, waited, lag)
-
-    def _fresh(self, groups: list[Group], step: int) -> tuple[list[Group], Counter[int]]:
-        """Keep the groups within the staleness bound; count the lag of every kept sample."""
-        kept, lag = [], Counter()
-        for g in groups:
-            oldest = min(s.version for s in g.samples)
-            if step - 1 - oldest > self.k:
-                self.dropped_groups += 1
-                self.dropped_samples += len(g.samples)
-                continue
-            kept.append(g)
-            lag.update(step - 1 - s.version for s in g.samples)
-        return kept, lag
 
     def _metrics(self, step: int, fill: int, waited: float, lag: Counter[int]) -> dict[str, Any]:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
