@@ -197,7 +197,7 @@ def test_trainer_state_completion_ids_and_logging(tokenizer):
     assert [s.rewards["step_scaled"] for s in samples] == [3 / 12 * n for n in (23, 1, 10, 31)]
     # the character tokenizer: one token per character
     assert [s.rewards["token_count"] for s in samples] == [23.0, 1.0, 10.0, 31.0]
-    assert rewards.drain_metrics() == {"mean_chars": (23 + 1 + 10 + 31) / 4}
+    assert rewards.drain_metrics() == {"reward_metric/mean_chars": (23 + 1 + 10 + 31) / 4}
     assert rewards.drain_metrics() == {}  # drained
     log = rewards.rewards[2].last_log
     assert log.extra == {"chars": [23, 1, 10, 31]}
@@ -284,7 +284,8 @@ PROGRESS = '''
 import json, os
 
 
-def progress(completions, completion_ids, trainer_state, **kwargs):
+def progress(completions, completion_ids, trainer_state, log_metric, **kwargs):
+    log_metric("tokens", sum(len(i) for i in completion_ids) / len(completion_ids))
     with open(os.environ["PROGRESS_LOG"], "a") as f:
         f.write(json.dumps([trainer_state.global_step, trainer_state.max_steps, [len(i) for i in completion_ids]]))
         f.write("\\n")
@@ -292,7 +293,7 @@ def progress(completions, completion_ids, trainer_state, **kwargs):
 '''
 
 
-def test_a_run_hands_rewards_its_progress_and_token_ids(tiny_model_path, tmp_path, monkeypatch):
+def test_a_run_hands_rewards_its_progress_token_ids_and_log_metric(tiny_model_path, tmp_path, monkeypatch):
     import json
 
     import tokenmill
@@ -312,3 +313,5 @@ def test_a_run_hands_rewards_its_progress_and_token_ids(tiny_model_path, tmp_pat
     # step k is generated with the weights of k - 1 updates, as TRL's global_step reads during generation
     assert [(c[0], c[1]) for c in calls] == [(0, 3), (1, 3), (2, 3)]
     assert [sum(c[2]) / len(c[2]) for c in calls] == [s["response_len/mean"] for s in steps]
+    # what the function reported through TRL's log_metric is in the step's metrics
+    assert [s["reward_metric/tokens"] for s in steps] == [s["response_len/mean"] for s in steps]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -24,6 +25,7 @@ class RewardSet:
         self.max_steps = max_steps
         self.last_seconds: dict[str, float] = {}
         self._logged: dict[str, list[float]] = {}
+        self._logged_lock = threading.Lock()  # an async run scores in the producer and drains in the trainer
 
     def score(
         self,
@@ -45,8 +47,9 @@ class RewardSet:
             for slot, result in zip(per_sample, results, strict=True):
                 slot[reward.name] = result
             log = getattr(reward, "last_log", None)
-            for name, values in (log.metrics.items() if log is not None else ()):
-                self._logged.setdefault(name, []).extend(values)
+            with self._logged_lock:
+                for name, values in (log.metrics.items() if log is not None else ()):
+                    self._logged.setdefault(name, []).extend(values)
         weights = {r.name: r.weight for r in self.rewards}
         totals = []
         for slot in per_sample:
@@ -55,10 +58,11 @@ class RewardSet:
         return totals, per_sample
 
     def drain_metrics(self) -> dict[str, float]:
-        """The mean of each metric reward functions reported through `log_metric` since the last drain."""
-        out = {name: statistics.fmean(values) for name, values in self._logged.items() if values}
-        self._logged = {}
-        return out
+        """The mean of each metric reward functions reported through `log_metric` since the last drain, as
+        `reward_metric/<name>`."""
+        with self._logged_lock:
+            logged, self._logged = self._logged, {}
+        return {f"reward_metric/{name}": statistics.fmean(values) for name, values in logged.items() if values}
 
     def close(self) -> None:
         for reward in self.rewards:
