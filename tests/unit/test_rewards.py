@@ -334,3 +334,14 @@ def test_model_reward_needs_one_label(tmp_path, reward_model_path):
     AutoTokenizer.from_pretrained(reward_model_path).save_pretrained(tmp_path / "two")
     with pytest.raises(ValueError, match="2 labels, expected 1"):
         ModelReward(str(tmp_path / "two"))
+
+
+def test_positional_parameter_names_fail_naming_what_is_given():
+    def old_style(p, c, **kwargs):  # positional names: TRL passes everything by keyword, so this cannot be called
+        return [1.0] * len(c)
+
+    [out] = FunctionReward(old_style, isolation="thread")(["1+1="], ["2"], {"answer": ["2"]})
+    assert out.value is None
+    assert out.error.startswith(
+        "TypeError: missing a required argument: 'p'; reward functions are called by keyword as TRL calls them, "
+        "given: answer, completions, log_extra, log_metric, prompts, trainer_state")
