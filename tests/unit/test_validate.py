@@ -260,9 +260,11 @@ def test_a_broken_row_deep_in_the_file_is_one_line_at_load(tmp_path):
 def test_check_run_accepts_a_good_setup(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
     (tmp_path / "rewards.py").write_text(REWARDS)
     cfg = load_config(RLConfig, {
-        "model": {"path": str(tmp_path / "model"), "device": "cpu"},
+        "model": {"path": str(tmp_path / "model"), "tokenizer_path": str(tmp_path / "tok"), "device": "cpu"},
         "data": {"path": rows_file(tmp_path, [{"prompt": "p", "answer": "a"}])},
         "rewards": [{"function": f"{tmp_path / 'rewards.py'}:needs_answer"},
                     {"function": f"{tmp_path / 'rewards.py'}:one", "per_sample": True}],

@@ -36,14 +36,15 @@ def _looks_local(path: str) -> bool:
 
 
 def model_folder_problem(path: str, field: str, what: str = "model") -> str | None:
-    """Why `path` cannot be a Hugging Face model folder, or None (hub ids are not looked up)."""
+    """Why `path` cannot be a Hugging Face model (or tokenizer) folder, or None (hub ids are not looked up)."""
     p = Path(path).expanduser()
     if not p.exists():
         return f"{field}: no {what} folder at {path!r}" if _looks_local(path) else None
     if not p.is_dir():
-        return f"{field}: {path!r} is a file; give the {what}'s folder (with config.json and the weights)"
-    if not (p / "config.json").is_file():
-        return f"{field}: {path!r} has no config.json, so it is not a Hugging Face {what} folder"
+        return f"{field}: {path!r} is a file; give the {what}'s folder"
+    markers = ("tokenizer_config.json", "tokenizer.json", "config.json") if what == "tokenizer" else ("config.json",)
+    if not any((p / m).is_file() for m in markers):
+        return f"{field}: {path!r} has no {' or '.join(markers)}, so it is not a Hugging Face {what} folder"
     return None
 
 
@@ -238,8 +239,9 @@ def _env_problem(cfg: RLConfig) -> str | None:
 def check_model_and_data(model: ModelConfig, data_path: str | None, split: str = "train") -> None:
     """What SFT and preference training share with `check_run`: the model folder, the device, and that a local
     data file exists and its first rows parse. One `ConfigError` with a line per problem."""
-    problems = [p for field, path in (("model.path", model.path), ("model.tokenizer_path", model.tokenizer_path))
-                if path is not None and (p := model_folder_problem(path, field))]
+    problems = [p for field, path, what in (("model.path", model.path, "model"),
+                                            ("model.tokenizer_path", model.tokenizer_path, "tokenizer"))
+                if path is not None and (p := model_folder_problem(path, field, what))]
     if problem := device_problem(model.device):
         problems.append(problem)
     if data_path is not None:
@@ -256,9 +258,10 @@ def check_run(cfg: RLConfig, rewards: list[Any] | None = None, dataset: Any = No
     problem. Returns notes on what could not be checked here (a hub model or dataset is not looked up)."""
     problems: list[str] = []
     notes: list[str] = []
-    for field, path in (("model.path", cfg.model.path), ("model.tokenizer_path", cfg.model.tokenizer_path),
-                        ("critic.path", cfg.critic.path if cfg.algorithm.advantage == "gae" else None)):
-        if path is not None and (problem := model_folder_problem(path, field)):
+    for field, path, what in (("model.path", cfg.model.path, "model"),
+                              ("model.tokenizer_path", cfg.model.tokenizer_path, "tokenizer"),
+                              ("critic.path", cfg.critic.path if cfg.algorithm.advantage == "gae" else None, "critic")):
+        if path is not None and (problem := model_folder_problem(path, field, what)):
             problems.append(problem)
         elif path is not None and not Path(path).expanduser().exists():
             notes.append(f"{field} {path!r} is taken as a hub id (not looked up)")
