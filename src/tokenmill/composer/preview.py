@@ -112,8 +112,7 @@ class Previewer:
     def _preview(self, cfg: RLConfig, codes: list[RewardCode], n: int, k: int, seed: int,
                  reward_model_timeout_s: float) -> dict[str, Any]:
         from tokenmill.engines.hf import HFEngine
-        from tokenmill.rollout.generator import Generator
-        from tokenmill.types import SamplingParams
+        from tokenmill.rollout.generator import build_generator
 
         rows, task_reward = _rows(cfg, n)
         reward_set, infos = _rewards(cfg, codes, task_reward, reward_model_timeout_s)
@@ -122,8 +121,8 @@ class Previewer:
         except PreviewError:
             reward_set.close()
             raise
-        params = dataclasses.replace(SamplingParams.from_config(cfg.generation), n=k)
-        generator = Generator(HFEngine(model, tok, seed=seed), tok, reward_set, params, cfg.data.prompt_column)
+        generator = build_generator(cfg, HFEngine(model, tok, seed=seed), tok, reward_set)
+        generator.params = dataclasses.replace(generator.params, n=k)  # k samples of each previewed row
         try:
             t0 = time.perf_counter()
             prompt_ids, completions = generator.sample(rows)
