@@ -25,13 +25,15 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import queue
 import re
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable
 from http.cookies import SimpleCookie
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import parse_qs, urlsplit
 
 import uvicorn
@@ -343,6 +345,37 @@ def read_port(line: str) -> int | None:
     """The port named in a `ready_line`, or None for any other line."""
     found = _READY.search(line)
     return int(found.group(1)) if found else None
+
+
+def wait_for_port(proc: subprocess.Popen, *, timeout_s: float, log: BinaryIO | None = None) -> int:
+    """The port a spawned server (started with `--port 0`, stdout a pipe) names in its `ready_line`. Every
+    line of its output goes on to `log` (closed at the end), or is drained, so that the pipe never fills.
+    Raises TimeoutError when no ready line comes in time, ChildProcessError when the process ends first."""
+    found: queue.Queue[int | None] = queue.Queue()
+
+    def pump() -> None:
+        announced = False
+        try:
+            for line in iter(proc.stdout.readline, b""):
+                if log is not None:
+                    log.write(line)
+                    log.flush()
+                if not announced and (port := read_port(line.decode("utf-8", "replace"))) is not None:
+                    announced = True
+                    found.put(port)
+        finally:
+            found.put(None)
+            if log is not None:
+                log.close()
+
+    threading.Thread(target=pump, name="tokenmill-server-output", daemon=True).start()
+    try:
+        port = found.get(timeout=timeout_s)
+    except queue.Empty:
+        raise TimeoutError(f"no ready line within {timeout_s:g}s") from None
+    if port is None:
+        raise ChildProcessError(f"exited with code {proc.wait()} before it was ready")
+    return port
 
 
 def _config(app: ASGIApp, graceful_timeout_s: float) -> uvicorn.Config:

@@ -143,3 +143,45 @@ def test_env_serve_prints_its_port_and_has_the_origin_check(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def _python(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def test_wait_for_port_reads_the_ready_line_and_keeps_the_log(tmp_path):
+    proc = _python("import time; print('loading', flush=True); print('x ready on http://127.0.0.1:4321/v1', "
+                   "flush=True); print('after', flush=True); time.sleep(0.2)")
+    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - closed by the pump when the output ends
+    assert serving.wait_for_port(proc, timeout_s=30, log=log) == 4321
+    proc.wait(10)
+    deadline = time.monotonic() + 5
+    while not log.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (tmp_path / "server.log").read_text().splitlines() == ["loading", "x ready on http://127.0.0.1:4321/v1",
+                                                                  "after"]
+    with pytest.raises(ChildProcessError, match="exited with code 3"):
+        serving.wait_for_port(_python("import sys; print('no'); sys.exit(3)"), timeout_s=30)
+    slow = _python("import time; time.sleep(30)")
+    try:
+        with pytest.raises(TimeoutError, match="no ready line within 0.3s"):
+            serving.wait_for_port(slow, timeout_s=0.3)
+    finally:
+        slow.kill()
+        slow.wait()
+
+
+def test_spawned_engine_servers_bind_port_zero_and_report_it(tiny_model_path, tmp_path):
+    """`engine.placement: process` starts `tokenmill serve --port 0` and reads each port back: no free-port race."""
+    from tokenmill.controller.placement import spawn_servers
+
+    urls, procs = spawn_servers(tiny_model_path, 1, threads=1, timeout_s=120, log_dir=tmp_path)
+    try:
+        assert len(urls) == 1
+        for i, url in enumerate(urls):
+            assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok"
+            assert serving.read_port((tmp_path / f"server_{i}.log").read_text()) == int(url.rsplit(":", 1)[1])
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -171,16 +170,11 @@ def thread_split(cfg) -> tuple[int, int]:
     return per_engine, max(1, min(torch.get_num_threads(), cores - per_engine * engines))
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn_servers(model_dir: str, count: int, *, threads: int = 0, timeout_s: float = 120.0, seed: int = 0,
                   device: str = "cpu", log_dir: Path | None = None) -> tuple[list[str], list[subprocess.Popen]]:
-    """Start `count` `tokenmill serve MODEL_DIR` processes on free loopback ports and wait for `/health`."""
-    import httpx
+    """Start `count` `tokenmill serve MODEL_DIR --port 0` processes (each binds a free loopback port and names
+    it in its ready line, so no port can be taken in between) and wait until each is ready."""
+    from tokenmill.serving import wait_for_port
 
     urls, procs = [], []
     env = dict(os.environ)
@@ -188,30 +182,21 @@ def spawn_servers(model_dir: str, count: int, *, threads: int = 0, timeout_s: fl
         env["OMP_NUM_THREADS"] = str(threads)
     try:
         for i in range(count):
-            port = _free_port()
-            log = open(log_dir / f"server_{i}.log", "wb") if log_dir else subprocess.DEVNULL  # noqa: SIM115
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tokenmill.cli", "serve", model_dir, "--port", str(port), "--seed",
-                 str(seed + i), "--device", device], stdout=log, stderr=subprocess.STDOUT, env=env,
+                [sys.executable, "-m", "tokenmill.cli", "serve", model_dir, "--port", "0", "--seed",
+                 str(seed + i), "--device", device], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                 # a kill -9 of the trainer takes its servers along; the hook only calls prctl and getppid
                 preexec_fn=preexec_die_with_parent(),  # noqa: PLW1509
             ))
-            urls.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + timeout_s
-        for url, proc in zip(urls, procs, strict=True):
-            while True:
-                if proc.poll() is not None:
-                    raise TokenmillError(f"engine.placement process: `tokenmill serve` for {url} exited with "
-                                         f"code {proc.returncode} before answering /health")
-                try:
-                    if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TokenmillError(f"engine.placement process: {url} did not answer /health within "
-                                         f"engine.timeout_s={timeout_s:g}s")
-                time.sleep(0.2)
+        for i, proc in enumerate(procs):
+            log = open(log_dir / f"server_{i}.log", "wb") if log_dir else None  # noqa: SIM115
+            try:
+                port = wait_for_port(proc, timeout_s=max(0.0, deadline - time.monotonic()), log=log)
+            except (TimeoutError, ChildProcessError) as exc:
+                raise TokenmillError(f"engine.placement process: `tokenmill serve` #{i} {exc} "
+                                     f"(engine.timeout_s={timeout_s:g}s)") from None
+            urls.append(f"http://127.0.0.1:{port}")
     except BaseException:
         for p in procs:
             p.kill()
