@@ -113,6 +113,15 @@ def test_reward_entries_are_checked(tmp_path):
         load_config(RLConfig, good, {"rewards.0.weight": 2.0})
 
 
+def test_union_members_are_not_shown_as_fields():
+    with pytest.raises(ConfigError) as err:
+        load_config(RLConfig, base(), {"model.lora.target_modules": 5})
+    assert str(err.value).splitlines() == [
+        "model.lora.target_modules: Input should be a valid list (got 5)",
+        "model.lora.target_modules: Input should be 'all-linear' (got 5)",
+    ]
+
+
 def test_reward_error_names_rewards_0_weight():
     with pytest.raises(ConfigError) as err:
         load_config(RLConfig, {**base(), "rewards": [{"function": "m:f", "weight": "heavy"}]})

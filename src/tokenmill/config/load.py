@@ -76,6 +76,8 @@ def format_validation_error(err: ValidationError) -> str:
         parts = list(e["loc"])
         # drop union tags that pydantic puts in the path (rewards.0.function.weight -> rewards.0.weight)
         parts = [p for i, p in enumerate(parts) if not (i and isinstance(parts[i - 1], int) and p in TAGS)]
+        # and a field's own union members (model.lora.target_modules.list[str] -> model.lora.target_modules)
+        parts = [p for p in parts if not (isinstance(p, str) and "[" in p)]
         loc = ".".join(_short_key(str(p)) for p in parts)
         msg = e["msg"].removeprefix("Value error, ")
         got = e.get("input")
