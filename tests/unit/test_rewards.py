@@ -345,3 +345,23 @@ def test_positional_parameter_names_fail_naming_what_is_given():
     assert out.error.startswith(
         "TypeError: missing a required argument: 'p'; reward functions are called by keyword as TRL calls them, "
         "given: answer, completions, log_extra, log_metric, prompts, trainer_state")
+
+
+def returns_text(prompts, completions, **kwargs):
+    return "1.0"
+
+
+def returns_generator(prompts, completions, **kwargs):
+    return (0.5 for _ in completions)
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_a_string_is_not_a_list_and_a_generator_is(isolation):
+    text = FunctionReward(returns_text, isolation=isolation)
+    gen = FunctionReward(returns_generator, isolation=isolation)
+    try:
+        assert text(["p"] * 3, ["c"] * 3, {}) == [RewardResult(None, "returned str, expected a list")] * 3
+        assert gen(["p"] * 3, ["c"] * 3, {}) == [RewardResult(0.5)] * 3
+    finally:
+        text.close()
+        gen.close()

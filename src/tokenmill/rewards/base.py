@@ -178,9 +178,9 @@ class _WorkerCall:
         log = CallLog()
         kwargs = kwargs | {"log_extra": log.log_extra, "log_metric": log.log_metric}
         out = invoke(self.fn, kwargs, per_sample=self.per_sample)
-        if not isinstance(out, (list, tuple)):
+        if not isinstance(out, (list, tuple, str, bytes, dict)):  # the last three are reported as wrong
             try:
-                out = list(out)  # numpy arrays, tensors: plain values cross the pipe
+                out = list(out)  # numpy arrays, tensors, generators: plain values cross the pipe
             except TypeError:
                 pass
         return out, log
