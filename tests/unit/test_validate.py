@@ -114,7 +114,7 @@ def test_validate_imports_no_ml_library_and_answers_in_under_a_second(tmp_path):
 def test_dataset_columns_from_the_first_rows(tmp_path):
     assert dataset_columns(rows_file(tmp_path, [{"prompt": "a"}, {"prompt": "b", "answer": "c"}])) == [
         "prompt", "answer"]
-    (tmp_path / "rows.csv").write_text("question,answer\nq,a\n")
+    (tmp_path / "rows.csv").write_text("\ufeffquestion,answer\nq,a\n")  # a BOM is not part of the first name
     assert dataset_columns(str(tmp_path / "rows.csv")) == ["question", "answer"]
     (tmp_path / "rows.json").write_text(json.dumps([{"prompt": "p", "solution": "s"}]))
     assert dataset_columns(str(tmp_path / "rows.json")) == ["prompt", "solution"]

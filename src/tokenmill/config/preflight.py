@@ -95,14 +95,14 @@ def _jsonl_head(p: Path, field: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _json_head(p: Path, field: str) -> list[dict[str, Any]]:
-    """A .json file is either JSON lines or one array of row objects."""
+def _json_head(p: Path, field: str) -> list[dict[str, Any]] | None:
+    """A .json file is either JSON lines or one array of row objects (None: too large to read here)."""
     with p.open("rb") as f:
         first = f.read(4096).lstrip()[:1]
     if first != b"[":
         return _jsonl_head(p, field)
     if p.stat().st_size > 64 << 20:  # a huge array is left to the dataset reader
-        return []
+        return None
     try:
         rows = json.loads(p.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -137,12 +137,14 @@ def dataset_columns(path: str, split: str = "train", field: str = "data.path") -
         except Exception as exc:  # noqa: BLE001 - a damaged file is a config problem to report
             raise ConfigError(f"{field}: {path!r} is not a readable parquet file ({exc})") from None
     if p.suffix == ".csv":
-        with p.open(newline="", encoding="utf-8", errors="replace") as f:
+        with p.open(newline="", encoding="utf-8-sig", errors="replace") as f:
             header = next(csv.reader(f), None)
         if not header:
             raise ConfigError(f"{field}: {path!r} is empty (no header row)")
         return header
     rows = _jsonl_head(p, field) if p.suffix == ".jsonl" else _json_head(p, field)
+    if rows is None:
+        return None
     if not rows:
         raise ConfigError(f"{field}: {path!r} has no rows")
     return list(dict.fromkeys(k for row in rows for k in row))
