@@ -152,7 +152,7 @@ def chat_message(c: Completion, tools: bool) -> tuple[dict[str, Any], str]:
     message: dict[str, Any] = {"role": "assistant", "content": c.text}
     reason = c.stop_reason.value
     if tools:
-        from tokenmill.envs.tools import HermesToolCallParser
+        from tokenmill.tool_calls import HermesToolCallParser
 
         turn = HermesToolCallParser().parse(c.text)
         if turn.tool_calls:
