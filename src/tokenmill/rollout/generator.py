@@ -84,7 +84,8 @@ class Generator:
                 texts.append(c.text)
                 for k, values in columns.items():
                     values.append(row[k])
-        totals, details = self.rewards.score(prompts, texts, columns)
+        sampled = [list(c.token_ids) for group in completions for c in group]  # TRL's completion_ids
+        totals, details = self.rewards.score(prompts, texts, columns, completion_ids=sampled, step=version)
         groups, k = [], 0
         for g, (row, ids, group) in enumerate(zip(rows, prompt_ids, completions, strict=True)):
             samples = []
