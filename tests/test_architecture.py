@@ -8,6 +8,8 @@ only runs on a GPU or a cluster. Each failure names the file and line to look at
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -177,6 +179,15 @@ def test_the_cli_does_not_import_the_composer_at_import_time():
     cli = PACKAGE / "cli.py"
     bad = [i for i in imports(cli) if i.top_level and names(i.module, "tokenmill.composer")]
     assert not bad, report(bad)
+
+
+
+def test_importing_the_cli_loads_no_composer_module():
+    """The same, through every module the CLI imports (one fresh interpreter, so nothing is loaded yet)."""
+    probe = ("import sys, tokenmill.cli; "
+             "print(sorted(m for m in sys.modules if m.startswith('tokenmill.composer')))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 # --- sizes ---------------------------------------------------------------------------------------------------
