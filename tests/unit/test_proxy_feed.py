@@ -114,3 +114,10 @@ def test_a_proxy_run_whose_agent_stops_early_ends_and_exports_what_it_trained(ti
     assert [r["step"] for r in _steps(out)] == [1, 2]
     assert result["last_metrics"]["proxy/version_lag_max"] >= 0
     assert (out / "final" / "model.safetensors").is_file() and _checkpoints(out) == [2]
+
+
+def test_a_proxy_endpoint_off_loopback_without_a_token_is_refused_naming_the_fields(tiny_model_path, tmp_path):
+    cfg = _config(tiny_model_path, tmp_path / "open", steps=1, games=PROMPTS, proxy={"host": "0.0.0.0"})
+    with pytest.raises(tokenmill.types.TokenmillError, match=r"non-loopback host '0.0.0.0'.*proxy.allow_remote "
+                       r"together with proxy.token"):
+        _train(cfg)

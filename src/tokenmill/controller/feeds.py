@@ -360,11 +360,11 @@ class ProxyFeed:
     def __init__(self, run, rollout: RolloutFn, start: int) -> None:
         from tokenmill.engines.continuous import ContinuousEngine
         from tokenmill.engines.server import create_app
-        from tokenmill.envs.server import check_exposure, start_in_thread
         from tokenmill.rollout.proxy import EpisodeRecorder, ProxyCollector
+        from tokenmill.serving import check_exposure, start_in_thread
 
         cfg, pc = run.cfg, run.cfg.proxy
-        check_exposure(pc.host, pc.token, pc.allow_remote)
+        check_exposure(pc.host, pc.token, pc.allow_remote, flag="proxy.allow_remote", token_flag="proxy.token")
         self.run, self.rollout, self.agent = run, rollout, None
         self.serving = ContinuousEngine(copy.deepcopy(run.model).eval(), run.tokenizer, seed=cfg.training.seed)
         self.serving.version = start
