@@ -198,7 +198,8 @@ def cmd_env_serve(args: argparse.Namespace) -> int:
     token = args.token or os.environ.get("TOKENMILL_ENV_TOKEN") or None
     try:
         serve(args.env, host=args.host, port=args.port, token=token, allow_remote=args.allow_remote, kwargs=kwargs,
-              max_episodes=args.max_episodes, step_timeout_s=args.step_timeout_s)
+              max_episodes=args.max_episodes, step_timeout_s=args.step_timeout_s,
+              max_body_bytes=int(args.max_body_mb * 2**20))
     except ValueError as exc:  # a bad spec or an unsafe exposure: one line, no traceback
         raise ConfigError(f"env serve: {exc}") from None
     return 0
@@ -215,7 +216,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         serve(args.model_dir, host=args.host, port=args.port, token=token, allow_remote=args.allow_remote,
               served_model_name=args.served_model_name, dtype=args.dtype, max_batch=args.max_batch,
-              seed=args.seed, device=args.device)
+              seed=args.seed, device=args.device, max_body_bytes=int(args.max_body_mb * 2**20))
     except ValueError as exc:  # an unsafe exposure, a bad folder or flag: one line, no traceback
         print(f"tokenmill serve: {exc}", file=sys.stderr)
         return 2
@@ -277,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--kwargs", default="{}", help="JSON object of constructor arguments")
     srv.add_argument("--max-episodes", type=int, default=1024, help="live episodes at once")
     srv.add_argument("--step-timeout-s", type=float, default=60.0, help="seconds one reset / step / close may take")
+    srv.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (413 beyond)")
     srv.set_defaults(fn=cmd_env_serve)
     srv = sub.add_parser("serve", help="OpenAI-compatible engine server with continuous batching")
     srv.add_argument("model_dir", help="a Hugging Face model folder (config.json, weights, tokenizer)")
@@ -289,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-batch", type=int, default=256, help="running sequences at most")
     srv.add_argument("--seed", type=int, default=0, help="seed of the sampling of requests without their own")
     srv.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
+    srv.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (413 beyond)")
     srv.set_defaults(fn=cmd_serve)
     comp = sub.add_parser("composer", help="web UI: compose a config, preview rewards, launch and watch runs")
     comp.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")

@@ -126,8 +126,9 @@ def test_one_guard_on_every_server(three_servers, name):
 
 
 def test_env_serve_prints_its_port_and_has_the_origin_check(tmp_path):
-    """`tokenmill env serve --port 0` binds a free port and says which in its ready line."""
-    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "env", "serve", "guess_number", "--port", "0"],
+    """`tokenmill env serve --port 0` binds a free port and says which in its ready line; --max-body-mb caps bodies."""
+    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "env", "serve", "guess_number", "--port", "0",
+                             "--max-body-mb", "0.001"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     try:
         port, deadline = None, time.monotonic() + 60
@@ -140,6 +141,8 @@ def test_env_serve_prints_its_port_and_has_the_origin_check(tmp_path):
         assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok"
         r = httpx.post(f"{url}/episodes", json={"task": {}}, headers={"Origin": "http://evil.example"}, timeout=10)
         assert r.status_code == 403 and r.json()["error"]["param"] == "Origin"
+        r = httpx.post(f"{url}/episodes", json={"task": {"pad": "x" * 1100}}, timeout=10)
+        assert r.status_code == 413 and "over 1048 bytes" in r.json()["error"]["message"]  # --max-body-mb 0.001
     finally:
         proc.terminate()
         proc.wait(10)
