@@ -244,3 +244,14 @@ def test_sample_rows_draws_from_each_rows_own_distribution():
                             top_k_B=torch.zeros(2, dtype=torch.long), greedy_B=torch.tensor([True, True]),
                             uniform_B=torch.tensor([0.99, 0.5]))
     assert greedy.tolist() == [0, 0]
+
+
+def test_on_token_reports_every_sampled_token_in_order(engine):
+    """Streaming's hook: (row, token, logprob) for each sampled token, from the loop, before the future resolves."""
+    seen: list[tuple[int, int, float]] = []
+    future = engine.submit([5, 6, 7], SamplingParams(max_tokens=6, n=3, temperature=0.8), seed=4,
+                           on_token=lambda row, token, logprob: seen.append((row, token, logprob)))
+    completions = future.result(timeout=60)
+    for row, c in enumerate(completions):
+        assert [(t, lp) for r, t, lp in seen if r == row] == list(zip(c.token_ids, c.logprobs, strict=True))
+    assert len(seen) == sum(len(c.token_ids) for c in completions)
