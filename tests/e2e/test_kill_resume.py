@@ -58,3 +58,24 @@ def test_kill_mid_checkpoint_then_resume_is_exact(tmp_path, baseline):
 def test_kill_anywhere_then_resume_is_exact(tmp_path, baseline, point):
     model, expected = baseline
     _assert_equal(_kill_and_resume(tmp_path, model, point), expected)
+
+
+# a run big enough that torch's default CPU kernels are not bit-reproducible on a 2-core machine: two
+# uninterrupted runs of it without training.deterministic differ by ~1.2e-7 (benchmarks/determinism.py)
+LARGER = {"controller": {"prompts_per_step": 16}, "generation": {"group_size": 8, "max_tokens": 16}}
+
+
+@pytest.mark.slow
+def test_deterministic_mode_makes_a_larger_run_exact(tmp_path):
+    """~5 min on 2 cores."""
+    model = build_tiny_model(tmp_path / "model")  # the quickstart's width: 128, 2 layers
+    config = write_config(tmp_path / "uninterrupted", model, overrides=LARGER)
+    done = run_to_end(config)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = final_weights(tmp_path / "uninterrupted" / "run")
+    config = write_config(tmp_path / "killed", model, overrides=LARGER)
+    killed = run_and_kill(config, "checkpoint-model@2")
+    assert killed.children and killed.left_after_s == []
+    done = run_to_end(config, resume=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_equal(final_weights(tmp_path / "killed" / "run"), expected)

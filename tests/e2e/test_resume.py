@@ -109,3 +109,33 @@ def test_resume_writes_the_final_export_a_killed_run_still_owed(tmp_path):
     # with final/ in place a further resume has nothing left to do: no export, no evaluation
     third = tokenmill.train(cfg, rewards=[digit_share], checkpoint__resume=True)
     assert third["resumed_from"] == 2 and "eval_after" not in third and third["last_metrics"] == {}
+
+
+def test_cli_resume_skips_a_damaged_checkpoint_and_refuses_when_none_is_usable(tmp_path, capsys, caplog):
+    from tokenmill.cli import main
+
+    torch.set_num_threads(1)
+    model = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    out = tmp_path / "run"
+    cfg = _config(model, str(out), steps=3, max_steps_per_run=2)
+    cfg["checkpoint"] |= {"every": 1, "keep_last": 3}
+    tokenmill.train(cfg)  # stops after step 2: checkpoints 1 and 2
+    cfg["controller"]["max_steps_per_run"] = 0
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(cfg))
+    checkpoints = out / "checkpoints"
+    for step in (1, 2):  # a damaged trainer state in both: nothing to resume from
+        state = checkpoints / f"step_{step:08d}" / "trainer.pt"
+        state.write_bytes(state.read_bytes()[:-8])
+    assert main(["train", str(path), "--checkpoint.resume", "true"]) == 2
+    err = capsys.readouterr().err
+    err = err[err.index("tokenmill: "):]  # after the libraries' progress bars
+    assert err.startswith(f"tokenmill: no usable checkpoint in {checkpoints}; every one found is damaged:")
+    assert "step_00000002: trainer.pt has" in err and "Traceback" not in err
+    # step 1 repaired (saved again by a short run), step 2 still damaged: resume from 1 with a warning
+    shutil.rmtree(checkpoints / "step_00000001")
+    again = dict(cfg, controller={**cfg["controller"], "max_steps_per_run": 1})
+    tokenmill.train(again, checkpoint__resume=False, checkpoint__keep_last=3)
+    assert main(["train", str(path), "--checkpoint.resume", "true"]) == 0
+    assert any("step_00000002 is unusable: trainer.pt has" in r.getMessage() for r in caplog.records)
+    assert (out / "final" / "config.json").is_file() and (checkpoints / ".corrupt-step_00000002").is_dir()

@@ -199,7 +199,9 @@ def save(run: Run, step: int, feed: Feed) -> None:
 def resume(run: Run) -> tuple[int, dict]:
     """Restore weights, optimiser, schedule, RNGs and data position; return the step to continue after and
     the rollouts that were buffered (async) for the feed to serve first."""
-    found = load_latest(run.output_dir / "checkpoints", run.model, warn=run.logger.message)
+    # a damaged checkpoint is reported even with tracking.console none (then as a logging warning)
+    warn = run.logger.message if run.cfg.tracking.console != "none" else None
+    found = load_latest(run.output_dir / "checkpoints", run.model, warn=warn)
     if found is None:
         run.logger.message("resume: no complete checkpoint found, starting from scratch")
         return 0, {}
