@@ -16,7 +16,7 @@ from tokenmill.types import ConfigError, TokenmillError
 
 CONFIG_COMMANDS = {"train", "sft", "eval", "validate", "preference"}
 LIGHT_COMMANDS = {"validate"}  # load no model: transformers / datasets stay unimported (validate answers in < 1 s)
-MAX_LINE = 300  # characters of one error line shown (a message quoting a huge value is cut)
+MAX_LINE = 600  # characters of one error line shown (a message quoting a huge value is cut)
 
 
 def _rl_config(path: str | None, overrides: list[str]):

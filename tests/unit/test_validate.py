@@ -286,3 +286,24 @@ def test_sft_and_preference_check_their_data_first(tmp_path, capsys, command, co
     assert code == 2
     assert err.splitlines()[1] == "model.path: no model folder at './no-such-model'"
     assert err.splitlines()[2].startswith(line.replace("{data}", str(data)))
+
+
+LONG = "x" * 5000  # longer than any file name the OS accepts
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["validate", f"{LONG}.yaml"], "x" * 200 + "...: cannot read the config file (File name too long)"),
+    (["validate", "--model.path", f"./{LONG}", "--data.task", "addition"],
+     "model.path: no model folder at './" + "x" * 198 + "...'"),
+    (["validate", "--model.path", "m", "--data.path", f"{LONG}.jsonl"],
+     "data.path: no such file or folder '" + "x" * 200 + "...' (a local json/jsonl/csv/parquet file or folder, or a "
+     "hub dataset name such as org/name)"),
+    (["validate", "--model.path", "m", "--data.task", "addition", "--rewards", f"[{{function: {LONG}.py:f}}]"],
+     "rewards.0.function: cannot read '" + "x" * 200 + "...': OSError"),
+    (["validate", "--model.path", "m", "--data.task", "addition", "--env", f"{{name: {LONG}.py:f}}"],
+     "env.name: cannot read '" + "x" * 200 + "...': OSError"),
+])
+def test_names_the_os_refuses_are_one_short_line(argv, line, capsys):
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2
+    assert err.splitlines()[1:] == [line]

@@ -60,6 +60,10 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _short_path(path: str) -> str:
+    return path if len(path) <= 200 else f"{path[:200]}..."
+
+
 def _short_key(key: str) -> str:
     """A key as shown in a message: itself, or its first 40 characters when it is longer."""
     return key if len(key) <= 40 else f"{key[:40]}..."
@@ -94,16 +98,26 @@ def format_validation_error(err: ValidationError) -> str:
 def read_yaml_tree(source: str | Path) -> dict[str, Any]:
     """A config file's top-level mapping; `ConfigError` naming the file when it is missing or not one."""
     path = Path(source)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    if path.stat().st_size > MAX_FILE_BYTES:  # refused before reading it
-        raise ConfigError(f"{path}: {path.stat().st_size:,} bytes; a config file is at most {MAX_FILE_BYTES:,}")
+    shown = _short_path(str(path))
     try:
-        tree = load_yaml_text(decode_config_bytes(path.read_bytes())) or {}
+        exists = path.is_file()
+        size = path.stat().st_size if exists else 0
+        data = b""
+        if exists and size <= MAX_FILE_BYTES:  # a larger file is refused before it is read
+            with path.open("rb") as f:
+                data = f.read(MAX_FILE_BYTES + 1)  # a special file may say size 0 and be endless
+    except OSError as exc:  # a name too long, a file that cannot be read
+        raise ConfigError(f"{shown}: cannot read the config file ({exc.strerror or type(exc).__name__})") from None
+    if not exists:
+        raise ConfigError(f"config file not found: {shown}")
+    if size > MAX_FILE_BYTES:
+        raise ConfigError(f"{shown}: {size:,} bytes; a config file is at most {MAX_FILE_BYTES:,}")
+    try:
+        tree = load_yaml_text(decode_config_bytes(data)) or {}
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        raise ConfigError(f"{shown}: {exc}") from None
     if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        raise ConfigError(f"{shown}: the top level must be a mapping of sections")
     return tree
 
 

@@ -27,9 +27,23 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # `name` or 
 REWARD_ARGS = frozenset({"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"})
 
 
+def _q(text: str) -> str:
+    """A path or name as shown in a message: quoted, and cut when it is very long."""
+    return repr(text if len(text) <= 200 else text[:200] + "...")
+
+
+def _kind(path: str | Path) -> str:
+    """'dir', 'file' or 'missing'; a name the OS refuses (too long, a NUL byte) is missing too."""
+    try:
+        p = Path(path).expanduser()
+        return "dir" if p.is_dir() else "file" if p.exists() else "missing"
+    except (OSError, ValueError):
+        return "missing"
+
+
 def _looks_local(path: str) -> bool:
     """A path the user means as a local file or folder, as opposed to a hub id such as `org/name`."""
-    return Path(path).expanduser().exists() or not HUB_ID.match(path) or path.endswith(DATA_SUFFIXES)
+    return _kind(path) != "missing" or not HUB_ID.match(path) or path.endswith(DATA_SUFFIXES)
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -38,13 +52,14 @@ def _looks_local(path: str) -> bool:
 def model_folder_problem(path: str, field: str, what: str = "model") -> str | None:
     """Why `path` cannot be a Hugging Face model (or tokenizer) folder, or None (hub ids are not looked up)."""
     p = Path(path).expanduser()
-    if not p.exists():
-        return f"{field}: no {what} folder at {path!r}" if _looks_local(path) else None
-    if not p.is_dir():
-        return f"{field}: {path!r} is a file; give the {what}'s folder"
+    kind = _kind(path)
+    if kind == "missing":
+        return f"{field}: no {what} folder at {_q(path)}" if _looks_local(path) else None
+    if kind != "dir":
+        return f"{field}: {_q(path)} is a file; give the {what}'s folder"
     markers = ("tokenizer_config.json", "tokenizer.json", "config.json") if what == "tokenizer" else ("config.json",)
     if not any((p / m).is_file() for m in markers):
-        return f"{field}: {path!r} has no {' or '.join(markers)}, so it is not a Hugging Face {what} folder"
+        return f"{field}: {_q(path)} has no {' or '.join(markers)}, so it is not a Hugging Face {what} folder"
     return None
 
 
@@ -85,9 +100,9 @@ def _jsonl_head(p: Path, field: str) -> list[dict[str, Any]]:
             try:
                 row = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ConfigError(f"{field}: {str(p)!r} line {number} is not JSON ({exc})") from None
+                raise ConfigError(f"{field}: {_q(str(p))} line {number} is not JSON ({exc})") from None
             if not isinstance(row, dict):
-                raise ConfigError(f"{field}: {str(p)!r} line {number} is a {type(row).__name__}, not an object "
+                raise ConfigError(f"{field}: {_q(str(p))} line {number} is a {type(row).__name__}, not an object "
                                   "of column values")
             rows.append(row)
             if len(rows) >= HEAD_ROWS:
@@ -106,9 +121,9 @@ def _json_head(p: Path, field: str) -> list[dict[str, Any]] | None:
     try:
         rows = json.loads(p.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{field}: {str(p)!r} is not JSON ({exc})") from None
+        raise ConfigError(f"{field}: {_q(str(p))} is not JSON ({exc})") from None
     if rows and not all(isinstance(r, dict) for r in rows[:HEAD_ROWS]):
-        raise ConfigError(f"{field}: {str(p)!r} must be an array of objects (one per row)")
+        raise ConfigError(f"{field}: {_q(str(p))} must be an array of objects (one per row)")
     return rows[:HEAD_ROWS]
 
 
@@ -116,12 +131,13 @@ def dataset_columns(path: str, split: str = "train", field: str = "data.path") -
     """The columns of a local dataset, read from its first rows (None when they cannot be known without
     loading it, e.g. a hub name). Missing files, empty files and broken first rows are `ConfigError`s."""
     p = Path(path).expanduser()
-    if not p.exists():
+    kind = _kind(path)
+    if kind == "missing":
         if _looks_local(path):
-            raise ConfigError(f"{field}: no such file or folder {path!r} (a local json/jsonl/csv/parquet file "
+            raise ConfigError(f"{field}: no such file or folder {_q(path)} (a local json/jsonl/csv/parquet file "
                               "or folder, or a hub dataset name such as org/name)")
         return None
-    if p.is_dir():
+    if kind == "dir":
         for info in (p / "dataset_info.json", p / split / "dataset_info.json"):
             if info.is_file():
                 features = json.loads(info.read_text()).get("features") or {}
@@ -135,18 +151,18 @@ def dataset_columns(path: str, split: str = "train", field: str = "data.path") -
         try:
             return list(pq.read_schema(p).names)
         except Exception as exc:  # noqa: BLE001 - a damaged file is a config problem to report
-            raise ConfigError(f"{field}: {path!r} is not a readable parquet file ({exc})") from None
+            raise ConfigError(f"{field}: {_q(path)} is not a readable parquet file ({exc})") from None
     if p.suffix == ".csv":
         with p.open(newline="", encoding="utf-8-sig", errors="replace") as f:
             header = next(csv.reader(f), None)
         if not header:
-            raise ConfigError(f"{field}: {path!r} is empty (no header row)")
+            raise ConfigError(f"{field}: {_q(path)} is empty (no header row)")
         return header
     rows = _jsonl_head(p, field) if p.suffix == ".jsonl" else _json_head(p, field)
     if rows is None:
         return None
     if not rows:
-        raise ConfigError(f"{field}: {path!r} has no rows")
+        raise ConfigError(f"{field}: {_q(path)} has no rows")
     return list(dict.fromkeys(k for row in rows for k in row))
 
 
@@ -204,14 +220,17 @@ def _reward_functions(cfg: RLConfig, extra: list[Any], problems: list[str]) -> l
             except ConfigError as exc:
                 problems.append(str(exc))
                 continue
+            except (OSError, ValueError) as exc:  # a file name the OS refuses
+                problems.append(f"rewards.{i}.function: cannot read {_q(rc.function)}: {type(exc).__name__}")
+                continue
             if not callable(fn):
-                problems.append(f"rewards.{i}.function: {rc.function!r} is not callable")
+                problems.append(f"rewards.{i}.function: {_q(rc.function)} is not callable")
             else:
                 found.append((f"rewards.{i}.function", fn, rc.per_sample))
         elif isinstance(rc, RewardModelConfig):
             problem = model_folder_problem(rc.path, f"rewards.{i}.path", "reward model")
-            if problem is None and not Path(rc.path).expanduser().exists():
-                problem = f"rewards.{i}.path: no reward model folder at {rc.path!r}"
+            if problem is None and _kind(rc.path) == "missing":
+                problem = f"rewards.{i}.path: no reward model folder at {_q(rc.path)}"
             if problem:
                 problems.append(problem)
     for j, fn in enumerate(extra):
@@ -229,13 +248,15 @@ def _env_problem(cfg: RLConfig) -> str | None:
     if name in BUILTIN_ENVS:
         return None
     if ":" not in name:
-        return (f"env.name: unknown environment {name!r}; built-in: {', '.join(BUILTIN_ENVS)}, or "
+        return (f"env.name: unknown environment {_q(name)}; built-in: {', '.join(BUILTIN_ENVS)}, or "
                 "'module:Class' / 'path/to/file.py:Class' of your own")
     try:
         obj = resolve(name, "env.name")
     except ConfigError as exc:
         return str(exc)
-    return None if callable(obj) else f"env.name: {name!r} names a {type(obj).__name__}, not a class or factory"
+    except (OSError, ValueError) as exc:  # a file name the OS refuses
+        return f"env.name: cannot read {_q(name)}: {type(exc).__name__}"
+    return None if callable(obj) else f"env.name: {_q(name)} names a {type(obj).__name__}, not a class or factory"
 
 
 def check_model_and_data(model: ModelConfig, data_path: str | None, split: str = "train") -> None:
@@ -265,8 +286,8 @@ def check_run(cfg: RLConfig, rewards: list[Any] | None = None, dataset: Any = No
                               ("critic.path", cfg.critic.path if cfg.algorithm.advantage == "gae" else None, "critic")):
         if path is not None and (problem := model_folder_problem(path, field, what)):
             problems.append(problem)
-        elif path is not None and not Path(path).expanduser().exists():
-            notes.append(f"{field} {path!r} is taken as a hub id (not looked up)")
+        elif path is not None and _kind(path) == "missing":
+            notes.append(f"{field} {_q(path)} is taken as a hub id (not looked up)")
     if problem := device_problem(cfg.model.device):
         problems.append(problem)
     if problem := _env_problem(cfg):
@@ -279,7 +300,7 @@ def check_run(cfg: RLConfig, rewards: list[Any] | None = None, dataset: Any = No
         elif cfg.data.path is not None:
             columns = dataset_columns(cfg.data.path, cfg.data.split)
             if columns is None:
-                notes.append(f"data.path {cfg.data.path!r}: columns not checked (not a local file)")
+                notes.append(f"data.path {_q(cfg.data.path)}: columns not checked (not a local file)")
     except ConfigError as exc:
         problems.append(str(exc))
     if columns is not None:
