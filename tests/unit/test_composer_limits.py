@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import os
 import re
 import signal
@@ -245,3 +246,22 @@ def test_preview_workers_die_with_the_composer(tmp_path, tiny_model_path):
         composer.wait(timeout=10)
         if worker is not None and not _gone(worker):
             os.kill(worker, signal.SIGKILL)
+
+
+def test_stopping_a_run_leaves_no_traceback_in_its_log(tmp_path, tiny_model_path):
+    code = "def short(prompts, completions, **kw):\n    return [-len(c) for c in completions]\n"
+    body = {"mode": "rl", "config": {"model": {"path": tiny_model_path}, "data": {"task": "addition", "num_eval": 0},
+                                     "generation": {"group_size": 2, "max_tokens": 4},
+                                     "controller": {"steps": 100000, "prompts_per_step": 2}},
+            "rewards": [{"name": "short", "code": code, "function": "short"}]}
+    with _client(tmp_path) as client:
+        launched = client.post("/api/runs", json=body).json()
+        pid = json.loads((Path(launched["output_dir"]) / "composer.json").read_text())["pid"]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(_children(pid)) < 2:
+            time.sleep(0.1)  # the first step is being scored: both reward workers (task and code) are forked
+        assert len(_children(pid)) == 2, "no reward workers"
+        assert client.post(f"/api/runs/{launched['id']}/stop").json()["status"] == "stopped"
+    log = (Path(launched["output_dir"]) / "log.txt").read_text()
+    assert log.rstrip().endswith("tokenmill: interrupted"), log[-2000:]
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-2000:]

@@ -314,7 +314,8 @@ class RunManager:
             self._procs.pop(run_id, None)
 
     def stop(self, run_id: str) -> dict[str, Any]:
-        """SIGINT to the run's process group (the trainer closes cleanly), SIGKILL after STOP_GRACE_S."""
+        """SIGINT to the run's trainer (it closes cleanly), then SIGKILL to what is left of its process group
+        once it has exited, or after STOP_GRACE_S."""
         run_dir = self.folder(run_id)
         info = self.describe(run_id)
         if info["status"] != "running":
@@ -322,12 +323,13 @@ class RunManager:
         pid = _read_json(run_dir / "composer.json").get("pid")
         self._stopping.add(run_id)
         proc = self._procs.get(run_id)
-        _signal_group(pid, signal.SIGINT)
+        # SIGINT to the trainer alone: it closes its reward workers itself (a Ctrl-C in each of them would
+        # print a KeyboardInterrupt traceback into the log); whatever is left of the group is killed after
+        _signal(pid, signal.SIGINT)
         deadline = time.monotonic() + STOP_GRACE_S
         while time.monotonic() < deadline and _alive(proc, pid):
             time.sleep(0.1)
-        if _alive(proc, pid):
-            _signal_group(pid, signal.SIGKILL)
+        _signal_group(pid, signal.SIGKILL)
         if proc is not None:
             proc.wait(timeout=STOP_GRACE_S)
             deadline = time.monotonic() + 5
@@ -395,6 +397,15 @@ class RunManager:
 def _alive(proc: subprocess.Popen | None, pid: int | None) -> bool:
     """Our child (launched by this Composer) or, after a restart, the pid recorded in composer.json."""
     return proc.poll() is None if proc is not None else _pid_alive(pid)
+
+
+def _signal(pid: int | None, sig: int) -> None:
+    if not pid:
+        return
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _signal_group(pid: int | None, sig: int) -> None:
