@@ -80,6 +80,16 @@ def test_expansion_under_the_alias_bound_is_still_capped():
         load_yaml_text(text)
 
 
+def test_a_long_string_aliased_many_times_is_refused():
+    text = 'a: &a "' + "x" * 500_000 + '"\nb: [' + ", ".join(["*a"] * 8) + "]\n"
+    assert len(text) < MAX_FILE_BYTES
+    with pytest.raises(ConfigError, match=r"^more than 2,097,152 characters of text once aliases are expanded$"):
+        load_yaml_text(text)
+    from tokenmill.composer.configs import import_yaml
+
+    assert len(json.dumps(import_yaml(text))) < 500
+
+
 def test_deep_nesting_is_refused():
     with pytest.raises(ConfigError, match="nested more than 64 levels deep"):
         load_yaml_text("a: " + "[" * 100 + "]" * 100)

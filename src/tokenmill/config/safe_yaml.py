@@ -20,6 +20,7 @@ MAX_FILE_BYTES = 1 << 20  # a config is a few kB; 1 MiB leaves room for long sto
 MAX_ALIASES = 64  # anchors are fine for sharing a block or two; a bomb needs many aliases
 MAX_VALUES = 100_000  # scalars, lists and mappings after aliases are expanded
 MAX_DEPTH = 64  # nesting levels
+MAX_TEXT = 2 * MAX_FILE_BYTES  # characters of all strings after expansion (a 1 MB string aliased 64 times is not)
 
 _SHORT = reprlib.Repr()
 _SHORT.maxstring = _SHORT.maxother = 40
@@ -73,16 +74,21 @@ class _BoundedLoader(yaml.SafeLoader):
 
 def _check_size(tree: Any) -> None:
     """Walk the loaded tree as if aliases were expanded, stopping at the first bound it crosses."""
-    count = 0
+    count = chars = 0
     stack: list[tuple[Any, int]] = [(tree, 0)]
     while stack:
         node, depth = stack.pop()
         count += 1
+        if isinstance(node, str):
+            chars += len(node)
         if count > MAX_VALUES:
             raise ConfigError(f"more than {MAX_VALUES:,} values once aliases are expanded")
+        if chars > MAX_TEXT:
+            raise ConfigError(f"more than {MAX_TEXT:,} characters of text once aliases are expanded")
         if depth > MAX_DEPTH:
             raise ConfigError(f"nested more than {MAX_DEPTH} levels deep")
         if isinstance(node, dict):
+            chars += sum(len(k) for k in node if isinstance(k, str))
             stack.extend((v, depth + 1) for v in node.values())
         elif isinstance(node, list):
             stack.extend((v, depth + 1) for v in node)
