@@ -265,3 +265,19 @@ def test_stopping_a_run_leaves_no_traceback_in_its_log(tmp_path, tiny_model_path
     log = (Path(launched["output_dir"]) / "log.txt").read_text()
     assert log.rstrip().endswith("tokenmill: interrupted"), log[-2000:]
     assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-2000:]
+
+
+def test_the_bundle_is_served_gzipped_to_browsers_that_take_it(tmp_path):
+    from tokenmill.composer.app import STATIC_DIR
+
+    plain = (STATIC_DIR / "app.js").read_bytes()
+    with _client(tmp_path) as client:
+        zipped = client.get("/static/app.js", headers={"Accept-Encoding": "gzip, deflate, br"})
+        identity = client.get("/static/app.js", headers={"Accept-Encoding": "identity"})
+        css = client.get("/static/app.css", headers={"Accept-Encoding": "gzip"})
+    assert zipped.status_code == 200 and zipped.headers["content-encoding"] == "gzip"
+    assert zipped.content == plain  # httpx undoes the encoding
+    assert int(zipped.headers["content-length"]) < 0.4 * len(plain)  # 573 KB -> 198 KB
+    assert zipped.headers["content-type"].startswith(("text/javascript", "application/javascript"))
+    assert "content-encoding" not in identity.headers and identity.content == plain
+    assert css.headers["content-type"].startswith("text/css") and css.content == (STATIC_DIR / "app.css").read_bytes()
