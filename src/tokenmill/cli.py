@@ -6,6 +6,7 @@ Config errors print one line per bad field and exit with status 2, never a trace
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -238,6 +239,7 @@ def cmd_composer(args: argparse.Namespace) -> int:
     return 0
 
 
+@functools.cache  # built once per process: argparse's setup costs more than validating a config
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
