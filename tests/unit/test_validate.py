@@ -98,11 +98,12 @@ def test_validate_imports_no_ml_library_and_answers_in_under_a_second(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "HEAVY []" in done.stdout and "valid." in done.stdout
     # the installed command, as a user runs it: best of three (the machine may be busy)
-    exe = Path(sys.executable).with_name("tokenmill")
+    exe = Path(sys.executable).with_name("tokenmill")  # the console script, as a user runs it
+    command = [str(exe)] if exe.exists() else [sys.executable, "-m", "tokenmill.cli"]
     walls = []
     for _ in range(3):
         start = time.perf_counter()
-        done = subprocess.run([str(exe), "validate", path], check=False, capture_output=True, text=True, timeout=60)
+        done = subprocess.run([*command, "validate", path], check=False, capture_output=True, text=True, timeout=60)
         walls.append(time.perf_counter() - start)
         assert done.returncode == 0, done.stderr
     assert min(walls) < 1.0, walls
