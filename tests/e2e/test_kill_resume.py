@@ -2,7 +2,7 @@
 is written, and with `training.deterministic` the final weights equal an uninterrupted run's bit for bit.
 
 Real subprocesses and SIGKILL (`tokenmill.testing.crash`); the exact points are the checkpoint writer's hold
-points. CI kills once, mid-checkpoint (~45 s); the slow test kills at all five points (~3 min on 2 cores).
+points. CI kills once, mid-checkpoint (~45 s); the slow test kills at all five points (~3.5 min on 2 cores).
 """
 
 from __future__ import annotations
