@@ -179,7 +179,7 @@ def test_preview_scores_equal_the_function_applied_by_hand(client, tiny_model_pa
                         {"name": "digits", "code": per_sample, "function": "digits", "weight": 2.0,
                          "per_sample": True},
                         {"name": "broken", "code": "def broken(:\n", "function": "broken"},
-                        {"name": "raises", "code": "def raises(p, c, **k):\n    raise ValueError('nope')\n",
+                        {"name": "raises", "code": "def raises(completions, **k):\n    raise ValueError('nope')\n",
                          "function": "raises"}],
             "prompts": 3, "samples": 2}
     out = client.post("/api/rewards/preview", json=body)
@@ -274,7 +274,7 @@ def test_launched_tiny_run_finishes_and_streams_its_metrics(server, tmp_path_fac
 
     model = build_tiny_model(tmp_path_factory.mktemp("qs") / "model", seed=0, **MODEL)
     config = {"model": {"path": str(model), "device": "cpu"},
-              "data": {"task": "addition", "num_train": 64, "num_eval": 0},
+              "data": {"task": "addition", "num_train": 64, "num_eval": 4},
               "generation": {"group_size": 2, "max_tokens": 4},
               "controller": {"steps": 3, "prompts_per_step": 2}, "checkpoint": {"save_final": False}}
     code = "def short(prompts, completions, **kw):\n    return [-len(c) for c in completions]\n"
@@ -291,14 +291,20 @@ def test_launched_tiny_run_finishes_and_streams_its_metrics(server, tmp_path_fac
     metrics = [json.loads(d) for e, _, d in events if e == "metrics"]
     log = "".join(json.loads(d)["line"] + "\n" for e, _, d in events if e == "log")
     assert statuses[-1]["status"] == "finished" and statuses[-1]["returncode"] == 0, log
-    assert [m["step"] for m in metrics] == [1, 2, 3]
-    assert all("reward/short/mean" in m and "timing_s/generate" in m and "bottleneck" in m for m in metrics)
+    trained = [m for m in metrics if "reward/mean" in m]
+    evals = [m for m in metrics if "eval/accuracy" in m]
+    assert [m["step"] for m in trained] == [1, 2, 3] and [m["step"] for m in evals] == [0, 3]
+    assert len(metrics) == 5 and metrics[-1] == evals[-1]  # the held-out evaluation comes last
+    assert all("reward/short/mean" in m and "timing_s/generate" in m and "bottleneck" in m for m in trained)
     assert any(e == "samples" for e, _, _ in events)
     ids = [i for _, i, _ in events]
     assert len(set(ids[1:-1])) == len([e for e in events[1:-1] if e[0] != "status"])  # one id per line
     with httpx.Client(base_url=server.url, trust_env=False, timeout=30, headers=AUTH) as c:
         listed = {x["id"]: x for x in c.get("/api/runs").json()["runs"]}
-    assert listed[launched["id"]]["status"] == "finished" and listed[launched["id"]]["step"] == 3
+    run = listed[launched["id"]]
+    assert run["status"] == "finished" and run["step"] == 3
+    # the Runs page's reward is the last training step's, not the final evaluation's (which has none)
+    assert run["last_metrics"] == trained[-1] and run["last_eval"] == evals[-1]
 
 
 def test_stop_a_run(client, tiny_model_path):

@@ -149,17 +149,30 @@ def reported_stages(run_dir: Path, since: float | None = None) -> list[dict[str,
     return list(found.values())
 
 
-def last_metrics(run_dir: Path) -> dict[str, Any] | None:
-    """The last row of metrics.jsonl (read from the end: runs can log many thousand rows)."""
+def _is_eval(row: dict[str, Any]) -> bool:
+    """A held-out evaluation row (logged at step 0 and after the last step) rather than a training step's."""
+    return "reward/mean" not in row and any(str(k).startswith("eval/") for k in row)
+
+
+def last_metrics(run_dir: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The last training row and the last evaluation row of metrics.jsonl (read from the end: runs can log
+    many thousand rows). A finished run's very last row is its final evaluation, which has no reward."""
     tail = _tail(run_dir / FILES["metrics"], 256 << 10)
+    train = evaluation = None
     for line in reversed(tail.splitlines()):
         try:
             row = json.loads(line)
         except ValueError:
             continue
-        if isinstance(row, dict):
-            return row
-    return None
+        if not isinstance(row, dict):
+            continue
+        if _is_eval(row):
+            evaluation = evaluation or row
+        else:
+            train = train or row
+        if train is not None and evaluation is not None:
+            break
+    return train, evaluation
 
 
 def estimate_stage(row: dict[str, Any] | None, seconds_since: float) -> str:
@@ -344,7 +357,7 @@ class RunManager:
         run_dir = self.folder(run_id)
         meta = _read_json(run_dir / "composer.json")
         final = _read_json(run_dir / "status.json")
-        row = last_metrics(run_dir)
+        row, evaluation = last_metrics(run_dir)
         proc = self._procs.get(run_id)
         if final.get("status") not in FINAL and proc is not None and proc.poll() is not None:
             final = self._ended(run_id, proc.returncode)  # exited; the waiter thread has not written it yet
@@ -358,7 +371,7 @@ class RunManager:
             "id": run_id, "mode": meta.get("mode", "rl"), "status": status, "returncode": final.get("returncode"),
             "started": meta.get("started", _mtime(run_dir, "config.yaml")), "ended": final.get("ended"),
             "step": row.get("step") if row else None, "total_steps": meta.get("total_steps"),
-            "output_dir": str(run_dir), "argv": meta.get("argv"), "last_metrics": row,
+            "output_dir": str(run_dir), "argv": meta.get("argv"), "last_metrics": row, "last_eval": evaluation,
         }
 
     def list(self) -> list[dict[str, Any]]:
