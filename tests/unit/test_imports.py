@@ -104,3 +104,21 @@ def test_a_file_that_fails_to_load_is_reported_and_not_cached(tmp_path):
         resolve(f"{bad}:Env", "env.name")
     bad.write_text("class Env:\n    pass\n")  # fixed: the next resolve loads it afresh
     assert resolve(f"{bad}:Env", "env.name").__name__ == "Env"
+
+
+def test_import_strings_are_resolved_in_one_place():
+    """Only the resolver imports user code by name or loads it from a file (the package's lazy attributes in
+    `tokenmill/__init__.py` import its own modules by name)."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[2] / "src" / "tokenmill"
+    allowed = {package / "config" / "imports.py": {"import_module", "spec_from_file_location"},
+               package / "__init__.py": {"import_module"}}
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            attr = node.attr if isinstance(node, ast.Attribute) else None
+            if attr in ("import_module", "spec_from_file_location") and attr not in allowed.get(path, set()):
+                found.append(f"{path.relative_to(package)}:{node.lineno} {attr}")
+    assert not found, "resolve import strings with tokenmill.config.imports.resolve:\n" + "\n".join(found)
