@@ -7,8 +7,8 @@ import pytest
 
 from tokenmill.engines.continuous import ContinuousEngine
 from tokenmill.engines.server import create_app
-from tokenmill.serving import start_in_thread
 from tokenmill.rollout.proxy import EpisodeRecorder
+from tokenmill.serving import start_in_thread
 from tokenmill.testing.reference import teacher_logprobs
 
 openai = pytest.importorskip("openai")
