@@ -84,10 +84,26 @@ def test_unknown_mode_is_a_clear_400(client):
 def test_presets_are_valid_configs(client, mode):
     presets = client.get(f"/api/presets?mode={mode}").json()
     assert [p["id"] for p in presets] == ["laptop_cpu", "gpu_24gb", "gpu_80gb", "node_8xh100"]
-    assert [p["num_devices"] for p in presets] == [1, 1, 1, 8]
+    assert [p["num_devices"] for p in presets] == [1, 1, 1, 1]  # one trainer process, on one device
     for p in presets:
         r = client.post("/api/validate", json={"mode": mode, "config": p["config"]}).json()
         assert r["ok"], (p["id"], r["errors"])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_preset_fits_its_own_device(client, mode):
+    for p in client.get(f"/api/presets?mode={mode}").json():
+        est = client.post("/api/estimate", json={"mode": mode, "config": p["config"],
+                                                 "device_memory_gib": p["device_memory_gib"],
+                                                 "num_devices": p["num_devices"]}).json()
+        device = est["devices"][0]
+        assert device["fits"] and device["total_bytes"] <= device["budget_bytes"], (p["id"], device)
+        assert est["warnings"] == [] and est["budget"]["fits"], (p["id"], est["warnings"])
+        roles = [m["role"] for m in est["models"]]
+        if mode == "rl" and p["id"] == "node_8xh100":  # generation runs in engine servers on other GPUs
+            assert p["config"]["engine"]["placement"] == "process" and "engine" not in roles
+        elif mode == "rl":
+            assert roles[-1] == "engine"
 
 
 def test_validate_names_the_field(client):

@@ -175,6 +175,19 @@ def test_models_per_algorithm():
     assert estimate_for_config(pref | {"mode": "sft"})["mode"] == "sft"
 
 
+def test_engine_servers_leave_the_trainers_device():
+    colocated = estimate_for_config(_rl())
+    for placement in ("process", "remote"):
+        served = estimate_for_config(_rl(engine={"placement": placement, "urls": ["http://127.0.0.1:1"]}
+                                         if placement == "remote" else {"placement": placement}))
+        assert _roles(served) == {"actor": True}  # no KV cache on the trainer's device
+        kv = colocated["models"][-1]["bytes"]["kv_cache"]
+        assert colocated["devices"][0]["phase_bytes"] == {**served["devices"][0]["phase_bytes"], "rollout": kv}
+        assert served["devices"][0]["phase_bytes"]["rollout"] == 0
+        assert kv == 8 * 8 * (256 + 16) * 12_288  # 8 prompts x 8 samples x (prompt + max_tokens) x KV per token
+    assert _roles(estimate_for_config(_rl(engine={"placement": "thread"})))["engine"] is False
+
+
 def test_kv_cache_of_a_grpo_group_and_engine_reservation():
     cfg = _rl(generation={"group_size": 8, "max_tokens": 512}, controller={"prompts_per_step": 4},
               estimate={"prompt_tokens": 128})

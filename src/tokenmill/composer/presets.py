@@ -1,10 +1,11 @@
-"""Starting configs per hardware target and mode. Each is a complete, valid config (a test checks them all).
+"""Starting configs per hardware target and mode. Each is a complete, valid config that fits its own device
+by the memory estimate (tests check both).
 
-The sizes follow the memory model in `tokenmill.estimate` (bytes per parameter of full fine-tuning vs LoRA,
-activations with the token budget `micro_batch_tokens`): a laptop trains a 0.5B model on CPU in fp32, one
-24 GB GPU a 1.5B model with LoRA, one 80 GB GPU a 3B model in full, and an 8xH100 node a 7B model with the
-policy on one GPU and generation in separate engine servers. The model ids are Hugging Face hub names; any
-local folder of the same architecture works.
+The models follow the memory model in `tokenmill.estimate` (bytes per parameter of full fine-tuning vs LoRA):
+a laptop trains a 0.5B model on CPU in fp32, one 24 GB GPU a 1.5B model with LoRA, one 80 GB GPU a 3B model
+in full, and an 8xH100 node a 7B model with the policy on one GPU and generation in separate engine servers.
+The token budget of one forward pass is then sized by the estimate's budget solver (`_fit`). The model ids
+are Hugging Face hub names; any local folder of the same architecture works.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from tokenmill.composer.schema_ui import fixed_values
 from tokenmill.config.modes import MODES
+from tokenmill.estimate import estimate_for_config
 
 # (id, title, description, device memory GiB, devices, model, lora rank, device, dtype, token budget, scale)
 _TARGETS: list[dict[str, Any]] = [
@@ -32,9 +34,11 @@ _TARGETS: list[dict[str, Any]] = [
                     "activations.",
      "model": {"path": "Qwen/Qwen2.5-3B-Instruct", "device": "cuda:0", "dtype": "bfloat16"},
      "tokens": 16384, "scale": 4},
-    {"id": "node_8xh100", "title": "8xH100 node", "memory": 80, "devices": 8,
-     "description": "Qwen2.5-7B with LoRA (rank 64) trained on one GPU while 7 engine servers generate "
-                    "(RL: engine.placement process, one step off-policy).",
+    # tokenmill trains in one process on one device: the estimate is of the trainer's GPU
+    {"id": "node_8xh100", "title": "8xH100 node", "memory": 80, "devices": 1,
+     "description": "Qwen2.5-7B with LoRA (rank 64) trained on one GPU while 7 engine servers generate on the "
+                    "others (RL: engine.placement process, one step off-policy); the memory shown is the "
+                    "trainer's GPU.",
      "model": {"path": "Qwen/Qwen2.5-7B-Instruct", "device": "cuda:0", "dtype": "bfloat16",
                "lora": {"rank": 64, "alpha": 128.0}},
      "tokens": 16384, "scale": 8, "servers": 7},
@@ -78,6 +82,23 @@ def _reward_model(t: dict[str, Any]) -> dict[str, Any]:
 _BY_MODE = {"rl": _rl, "sft": _sft, "preference": _preference, "reward_model": _reward_model}
 
 
+def _fit(mode: str, config: dict[str, Any], memory_gib: float) -> dict[str, Any]:
+    """The config with its per-forward token budget set by the memory estimate's budget solver, so that the
+    preset, applied as is, fits its own device: RL and SFT get the solver's `micro_batch_tokens`; preference
+    and reward modelling (a step's pairs in one forward) the batch size it allows."""
+    result = estimate_for_config({**config, "mode": mode}, device_memory_gib=memory_gib)
+    budget = result["budget"]
+    if result["devices"][0]["fits"] or not budget["fits"]:
+        return config
+    if mode == "rl":
+        config["training"]["micro_batch_tokens"] = budget["suggested_micro_batch_tokens"]
+    elif mode == "sft":
+        config["micro_batch_tokens"] = budget["suggested_micro_batch_tokens"]
+    else:
+        config["batch_size"] = max(1, budget["micro_batch"] // 2)
+    return config
+
+
 def presets(mode: str = "rl") -> list[dict[str, Any]]:
     """The body of GET /api/presets?mode=..."""
     if mode not in MODES:
@@ -85,7 +106,7 @@ def presets(mode: str = "rl") -> list[dict[str, Any]]:
     out = []
     for t in _TARGETS:
         model = copy.deepcopy(t["model"])
-        config = {"model": model, **_BY_MODE[mode](t), **fixed_values(mode)}
+        config = _fit(mode, {"model": model, **_BY_MODE[mode](t), **fixed_values(mode)}, t["memory"])
         out.append({"id": t["id"], "title": t["title"], "description": t["description"], "mode": mode,
                     "config": config, "device_memory_gib": t["memory"], "num_devices": t["devices"]})
     return out

@@ -92,7 +92,9 @@ def _rl_fields(cfg: Any, opts: EstimateOptions, policy: ModelShape) -> dict[str,
             "reference": algo.kl_coef > 0, "critic": critic, "critic_lora_rank": critic_rank or 0,
             "reward_models": rewards, "micro_batch_tokens": cfg.training.micro_batch_tokens,
             "prompt_tokens": prompt, "completion_tokens": completion, "sequences_in_flight": in_flight,
-            "global_sequences": math.ceil(sequences / algo.mini_batches), "engine": opts.engine,
+            "global_sequences": math.ceil(sequences / algo.mini_batches),
+            # engine servers (placement process / remote) generate on other devices than the trainer's
+            "engine": opts.engine if cfg.engine.placement in ("colocated", "thread") else "none",
             "engine_memory_utilization": opts.engine_memory_utilization, "engine_sleep": opts.engine_sleep}
 
 
