@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import logging
 import queue
 import re
 import socket
@@ -46,8 +45,6 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.types import TokenmillError
-
-log = logging.getLogger("tokenmill.serving")
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -112,8 +109,7 @@ def install_openai_errors(app: FastAPI) -> None:
         return openai_error(400, f"invalid request: {summary}"[:2000], where(first) or None)
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error serving a request")
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:  # the server logs the traceback
         return openai_error(500, f"internal error: {type(exc).__name__}")
 
 
@@ -221,6 +217,13 @@ class Guard:
         self.app, self.token, self.allowed_hosts = app, token.encode() if token else None, allowed_hosts
         self.open_paths, self.cookie, self.error = frozenset(open_paths), cookie, error
         self.max_body_bytes = max_body_bytes
+
+    @classmethod
+    def install(cls, app: FastAPI, **options: Any) -> None:
+        """Put the guard in front of `app`. The options are checked now (a bad token raises ValueError here):
+        the app builds its middleware only when it first serves."""
+        cls(app, **options)
+        app.add_middleware(cls, **options)
 
     def _token_ok(self, headers: dict[bytes, bytes]) -> bool:
         assert self.token is not None

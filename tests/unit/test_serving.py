@@ -195,3 +195,14 @@ def test_env_serve_names_the_cli_flags_when_it_refuses_a_remote_bind(tmp_path):
                           check=False, capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "pass --allow-remote together with --token" in done.stderr and "allow_remote=True" not in done.stderr
+
+
+def test_an_empty_token_is_refused_when_the_app_is_made(tiny_model_path, tmp_path):
+    engine = ContinuousEngine.from_pretrained(tiny_model_path, max_batch=2)
+    try:
+        for make in (lambda: engine_app(engine, model_name="tiny", token=""), lambda: env_app(lambda: None, token=""),
+                     lambda: composer_app("", tmp_path)):
+            with pytest.raises(ValueError, match="non-empty"):
+                make()
+    finally:
+        engine.close()

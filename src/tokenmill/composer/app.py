@@ -113,9 +113,9 @@ def create_app(token: str, runs_dir: str | Path = "runs/composer", *, bind_host:
     app.state.previewer = Previewer()
     static = Path(static_dir) if static_dir is not None else STATIC_DIR
     # every route needs the token (the page too: it is set as a cookie by `/?token=`); refusals in our shape
-    app.add_middleware(serving.Guard, token=token, allowed_hosts=serving.host_set(serving.bind_names(bind_host)),
-                       open_paths=(), cookie=COOKIE, error=lambda status, message, _param: _error(status, message),
-                       max_body_bytes=max_body_bytes)
+    serving.Guard.install(app, token=token, allowed_hosts=serving.host_set(serving.bind_names(bind_host)),
+                          open_paths=(), cookie=COOKIE, error=lambda status, message, _param: _error(status, message),
+                          max_body_bytes=max_body_bytes)
     _errors(app)
     _page_routes(app, static)
     _config_routes(app)

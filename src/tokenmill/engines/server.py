@@ -249,8 +249,8 @@ def create_app(engine, *, model_name: str, token: str | None = None, extra_route
     """
     app = FastAPI(title="tokenmill engine server", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
-    app.add_middleware(serving.Guard, token=token, allowed_hosts=serving.host_set(allowed_hosts),
-                       max_body_bytes=max_body_bytes)
+    serving.Guard.install(app, token=token, allowed_hosts=serving.host_set(allowed_hosts),
+                          max_body_bytes=max_body_bytes)
     serving.install_openai_errors(app)
     completer = Completer(engine, model_name=model_name, request_timeout_s=request_timeout_s,
                           default_max_tokens=default_max_tokens, max_tokens_cap=max_tokens_cap, recorder=recorder)

@@ -241,8 +241,8 @@ def create_app(
     app = FastAPI(title="tokenmill environment server", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.episodes = episodes
-    app.add_middleware(serving.Guard, token=token, allowed_hosts=serving.host_set(allowed_hosts),
-                       max_body_bytes=max_body_bytes)
+    serving.Guard.install(app, token=token, allowed_hosts=serving.host_set(allowed_hosts),
+                          max_body_bytes=max_body_bytes)
     serving.install_openai_errors(app)
 
     @app.get("/health")
