@@ -131,3 +131,26 @@ def test_a_client_that_goes_away_cancels_its_plain_request(served):
         httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
     assert _wait_idle(engine) < 1.0
     assert engine.generated_tokens - before < 480
+
+
+def test_a_streamed_tool_call_arrives_whole_in_the_finish_chunk(tokenizer):
+    """With `tools`, text may turn out to be a tool call: token chunks carry ids only, the finish chunk the call."""
+    import json
+
+    from tokenmill.engines.streaming import Streamer, StreamSpec
+    from tokenmill.types import Completion, StopReason
+
+    text = 'ok<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    spec = StreamSpec(chat=True, model_name="tiny", prompts=[[5]], n=1, logprobs=False, tools=True, stops=(),
+                      include_usage=False)
+    streamer = Streamer(tokenizer, spec)
+    chunks = [json.loads(streamer.token(0, t, -0.5)[6:]) for t in ids]
+    assert all("content" not in c["choices"][0]["delta"] for c in chunks)
+    assert [c["choices"][0]["token_ids"] for c in chunks] == [[t] for t in ids]
+    done = Completion(tuple(ids), (-0.5,) * len(ids), StopReason.STOP, text)
+    [last] = json.loads(streamer.finish(0, done, [5], 3)[6:])["choices"]
+    assert last["finish_reason"] == "tool_calls" and last["delta"]["content"] == "ok"
+    [call] = last["delta"]["tool_calls"]
+    assert call["index"] == 0 and call["function"] == {"name": "add", "arguments": '{"a": 1}'}
+    assert last["prompt_token_ids"] == [5] and last["policy_version"] == 3
