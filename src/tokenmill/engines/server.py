@@ -113,9 +113,10 @@ class Completer:
         futures: list[RequestFuture] = []
         try:
             for i, prompt in enumerate(prompts):
-                on_token = None if feed is None else feed.for_prompt(i, params.n)
-                futures.append(self.engine.submit(prompt, params, seed=seed, on_token=on_token))
-                if feed is not None:
+                if feed is None:  # an engine that cannot stream still serves plain answers
+                    futures.append(self.engine.submit(prompt, params, seed=seed))
+                else:
+                    futures.append(self.engine.submit(prompt, params, seed=seed, on_token=feed.for_prompt(i, params.n)))
                     feed.watch(i, futures[-1])
         except ValueError as exc:  # the engine names the field ("prompt: ...", "n: ...")
             self._cancel(futures)
