@@ -67,7 +67,7 @@ LARGER = {"controller": {"prompts_per_step": 16}, "generation": {"group_size": 8
 
 @pytest.mark.slow
 def test_deterministic_mode_makes_a_larger_run_exact(tmp_path):
-    """~5 min on 2 cores."""
+    """~1 min on 2 cores."""
     model = build_tiny_model(tmp_path / "model")  # the quickstart's width: 128, 2 layers
     config = write_config(tmp_path / "uninterrupted", model, overrides=LARGER)
     done = run_to_end(config)
@@ -79,3 +79,15 @@ def test_deterministic_mode_makes_a_larger_run_exact(tmp_path):
     done = run_to_end(config, resume=True)
     assert done.returncode == 0, done.stderr[-3000:]
     _assert_equal(final_weights(tmp_path / "killed" / "run"), expected)
+
+
+@pytest.mark.slow
+def test_spawned_servers_die_with_a_killed_trainer(tmp_path, baseline):
+    """engine.placement process: the `tokenmill serve` processes go with the trainer (~40 s)."""
+    model, _ = baseline
+    config = write_config(tmp_path / "process", model, deterministic=False,
+                          overrides={"engine": {"placement": "process"}, "controller": {"max_staleness": 1}})
+    killed = run_and_kill(config, "after-checkpoint@1")
+    servers = [p for p, command in killed.commands.items() if "tokenmill.cli serve" in command]
+    assert len(servers) == 1 and len(killed.children) >= 2  # the server, and reward workers
+    assert killed.left_after_s == []

@@ -103,6 +103,7 @@ def alive(pid: int) -> bool:
 class Killed:
     point: str
     children: list[int]  # the trainer's descendants at the moment of the kill
+    commands: dict[int, str]  # their command lines
     left_after_s: list[int]  # those still alive `orphan_wait_s` later
     seconds: float
 
@@ -133,6 +134,7 @@ def run_and_kill(config: Path, point: str, *, timeout: float = 600, orphan_wait_
                 break
             time.sleep(0.02)
         children = descendants(proc.pid)
+        commands = {pid: _cmdline(pid) for pid in children}
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
@@ -142,7 +144,15 @@ def run_and_kill(config: Path, point: str, *, timeout: float = 600, orphan_wait_
     end = time.monotonic() + orphan_wait_s
     while time.monotonic() < end and any(alive(p) for p in children):
         time.sleep(0.05)
-    return Killed(point, children, [p for p in children if alive(p)], time.monotonic() - start)
+    return Killed(point, children, commands, [p for p in children if alive(p)], time.monotonic() - start)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def final_weights(out: Path) -> dict[str, torch.Tensor]:
