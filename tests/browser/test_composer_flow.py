@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+import yaml
 
 expect = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the dev extra)").expect
 
@@ -122,21 +123,29 @@ def _export(page, tmp_path, shots) -> None:
     with page.expect_response(lambda r: r.url.endswith("/api/yaml/export")) as answer:
         page.get_by_test_id("export-yaml").click()
     assert answer.value.status == 200, answer.value.text()
-    exported = answer.value.json()["yaml"]
+    exported, files = answer.value.json()["yaml"], answer.value.json()["files"]
     shown = page.get_by_test_id("yaml-output")
     shown.filter(has_text="controller").wait_for()
     assert shown.inner_text().strip() == exported.strip()
-    path = tmp_path / "rl.yaml"
-    path.write_text(shown.inner_text())
-    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "validate", str(path)], check=False,
-                          capture_output=True, text=True, timeout=120)
+    # the reward written in the Rewards page travels with the YAML, as a file beside it
+    assert [f["path"] for f in files] == ["rewards/length_reward.py"]
+    assert yaml.safe_load(exported)["rewards"][0]["function"] == "rewards/length_reward.py:length_reward"
+    button = page.get_by_test_id("export-file-rewards/length_reward.py")
+    assert button.get_attribute("data-content") == files[0]["content"]
+    (tmp_path / "rewards").mkdir()
+    (tmp_path / "rewards" / "length_reward.py").write_text(button.get_attribute("data-content"))
+    (tmp_path / "rl.yaml").write_text(shown.inner_text())
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "validate", "rl.yaml"], check=False,
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)  # imports the reward file
     assert done.returncode == 0, done.stdout + done.stderr
     assert "valid. 4 steps of 2 prompts x 2 samples" in done.stdout
+    assert page.get_by_test_id("yaml-stale").count() == 0
     # import the exported file back: the form shows the same values
     page.get_by_test_id("yaml-input").fill(exported.replace("steps: 4", "steps: 5"))
     page.get_by_test_id("import-yaml").click()
     page.get_by_test_id("yaml-message").filter(has_text="Imported").wait_for()
     expect(page.get_by_test_id("field-controller.steps")).to_have_value("5")
+    page.get_by_test_id("yaml-stale").wait_for()  # the shown export no longer matches the form
     _fill(page, "controller.steps", "4")
     page.get_by_test_id("validation-status").filter(has_text="valid").wait_for()
     _shot(page, shots, "compose")

@@ -132,6 +132,29 @@ def test_yaml_export_round_trips_and_the_cli_accepts_it(client, tmp_path):
     assert "7 steps of 8 prompts x 4 samples" in done.stdout
 
 
+def test_export_carries_the_pages_code_rewards_as_files(client, tmp_path):
+    code = "def short(prompts, completions, **kw):\n    return [-len(c) for c in completions]\n"
+    page = [{"name": "short", "code": code, "function": "short", "weight": 0.5}]
+    out = client.post("/api/yaml/export", json={"mode": "rl", "config": RL, "rewards": page}).json()
+    assert out["files"] == [{"path": "rewards/short.py", "content": code}]
+    tree = yaml.safe_load(out["yaml"])
+    assert tree["mode"] == "rl" and tree["rewards"] == [{"name": "short", "function": "rewards/short.py:short",
+                                                         "weight": 0.5}]
+    (tmp_path / "rewards").mkdir()
+    (tmp_path / "rewards" / "short.py").write_text(code)
+    (tmp_path / "rl.yaml").write_text(out["yaml"])
+    done = _cli("validate", "rl.yaml", cwd=tmp_path)  # run from the folder the files were saved in
+    assert done.returncode == 0, done.stderr
+    # imported back into the page that holds the code, the entry is not doubled
+    back = client.post("/api/yaml/import", json={"yaml": out["yaml"], "rewards": [{"name": "short",
+                                                                                  "function": "short"}]}).json()
+    assert back["errors"] == [] and back["config"]["rewards"] == []
+    elsewhere = client.post("/api/yaml/import", json={"yaml": out["yaml"]}).json()
+    assert [r["function"] for r in elsewhere["config"]["rewards"]] == ["rewards/short.py:short"]
+    bad = client.post("/api/yaml/export", json={"mode": "sft", "config": {}, "rewards": page})
+    assert bad.status_code == 422 and bad.json()["error"] == "rewards: only mode rl takes reward functions, not sft"
+
+
 @pytest.mark.parametrize("mode,config,key,value", [
     ("sft", {"model": {"path": "m"}, "data": {"task": "addition"}, "steps": 3, "packing": True}, "steps", 3),
     ("preference", {"model": {"path": "m"}, "data": {"task": "addition"}, "objective": "ipo"}, "objective", "ipo"),

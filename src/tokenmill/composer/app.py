@@ -62,9 +62,23 @@ class EstimateBody(ConfigBody):
     num_devices: int = Field(1, ge=1, le=4096)
 
 
+class ExportBody(ConfigBody):
+    rewards: list[configs.RewardCode] = Field(default_factory=list, max_length=32)
+
+
+class PageReward(BaseModel):
+    """A reward of the page, named only (its draft may still be unfinished)."""
+
+    name: str = Field("", max_length=200)
+    function: str = Field("", max_length=200)
+
+
 class ImportBody(_Body):
     yaml: str = Field(..., max_length=1_000_000)
     mode: str | None = None
+    rewards: list[PageReward] = Field(default_factory=list, max_length=32,
+                                      description="The page's code rewards (their exported entries are dropped "
+                                                  "from the imported config)")
 
 
 class PreviewBody(ConfigBody):
@@ -200,15 +214,25 @@ def _config_routes(app: FastAPI) -> None:
         return configs.diagram_for(_mode(body.mode), body.config)
 
     @app.post("/api/yaml/export")
-    def export(body: ConfigBody) -> dict[str, Any]:
-        cfg = _valid(body)
+    def export(body: ExportBody) -> dict[str, Any]:
+        """The YAML, and the page's code rewards as files beside it (`rewards/<name>.py`, referenced relative
+        to the folder the command runs in)."""
+        try:
+            entries = configs.code_reward_entries(_mode(body.mode), body.rewards, "rewards")
+        except ValueError as exc:
+            raise RunError(422, str(exc)) from None
+        given = body.config.get("rewards", [])
+        config = {**body.config, "rewards": [*given, *entries]} if entries and isinstance(given, list) else body.config
+        cfg = _valid(ConfigBody(mode=body.mode, config=config))
         name = configs.config_filename(body.mode)
-        return {"yaml": configs.export_yaml(body.mode, cfg), "filename": name,
+        files = [{"path": f"rewards/{r.name}.py", "content": r.code} for r in body.rewards]
+        return {"yaml": configs.export_yaml(body.mode, cfg), "filename": name, "files": files,
                 "command": configs.command_for(body.mode, name)}
 
     @app.post("/api/yaml/import")
     def import_(body: ImportBody) -> dict[str, Any]:
-        return configs.import_yaml(body.yaml, _mode(body.mode) if body.mode else None)
+        return configs.import_yaml(body.yaml, _mode(body.mode) if body.mode else None,
+                                   [(r.name, r.function) for r in body.rewards])
 
     @app.post("/api/estimate")
     def estimate(body: EstimateBody) -> dict[str, Any]:

@@ -31,6 +31,23 @@ class RewardCode(BaseModel):
     timeout_s: float = Field(10.0, gt=0, le=300, description="Seconds one batched call may take.")
 
 
+def code_reward_entries(mode: str, rewards: list[RewardCode], folder: str) -> list[dict[str, Any]]:
+    """The config's `rewards` entries for rewards written in the page, each saved as `<folder>/<name>.py` and
+    referenced as `<folder>/<name>.py:<function>`; ValueError naming the field when they cannot be."""
+    if rewards and mode != "rl":
+        raise ValueError(f"rewards: only mode rl takes reward functions, not {mode}")
+    names = [r.name for r in rewards]
+    if len(set(names)) != len(names):
+        raise ValueError(f"rewards: names must be unique, got {names}")
+    return [{"name": r.name, "function": code_reward_ref(folder, r.name, r.function), "weight": r.weight,
+             "per_sample": r.per_sample, "timeout_s": r.timeout_s} for r in rewards]
+
+
+def code_reward_ref(folder: str, name: str, function: str) -> str:
+    """How a config names a page's reward saved as `<folder>/<name>.py`."""
+    return f"{folder}/{name}.py:{function}"
+
+
 def error_list(text: str) -> list[dict[str, str]]:
     """`format_validation_error` lines ("a.b: message") as [{"path", "message"}]."""
     out = []
@@ -75,10 +92,12 @@ def export_yaml(mode: str, cfg: BaseModel) -> str:
     return header + yaml.safe_dump(tree, sort_keys=False, allow_unicode=True)
 
 
-def import_yaml(text: str, mode: str | None = None) -> dict[str, Any]:
+def import_yaml(text: str, mode: str | None = None,
+                page_rewards: list[tuple[str, str]] | None = None) -> dict[str, Any]:
     """{"mode", "config", "errors"}: the normalized config when valid, else the raw mapping and the errors.
     The mode is `mode`, else the file's `mode:`, else inferred from its sections (`config.modes`); an
-    `estimate:` section is for `tokenmill estimate` and is dropped here."""
+    `estimate:` section is for `tokenmill estimate` and is dropped here. Reward entries that export wrote
+    for the page's own code rewards, given as (name, function), are dropped: the page holds their code."""
     try:
         tree = load_yaml_text(text)  # the CLI's bounded reader: no alias bomb, no duplicate keys
     except ConfigError as exc:
@@ -94,6 +113,10 @@ def import_yaml(text: str, mode: str | None = None) -> dict[str, Any]:
         except ConfigError as exc:
             return {"mode": "rl", "config": tree, "errors": error_list(str(exc))}
     tree = {k: v for k, v in tree.items() if k not in EXTRA_KEYS}
+    if page_rewards and mode == "rl" and isinstance(tree.get("rewards"), list):
+        ours = {(name, code_reward_ref("rewards", name, function)) for name, function in page_rewards}
+        tree["rewards"] = [r for r in tree["rewards"]
+                           if not (isinstance(r, dict) and (r.get("name"), r.get("function")) in ours)]
     cfg, errors = validate(mode, tree)
     return {"mode": mode, "config": normalized(cfg) if cfg is not None else tree, "errors": errors}
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tokenmill.composer.configs import RewardCode, export_yaml, validate
+from tokenmill.composer.configs import RewardCode, code_reward_entries, export_yaml, validate
 from tokenmill.config.modes import MODES
 from tokenmill.types import TokenmillError
 
@@ -249,19 +249,15 @@ class RunManager:
         """The config to launch: code rewards written to `run_dir/rewards/` and referenced by file path,
         outputs pointed into the run folder. Raises RunError(422) naming the field if it is invalid."""
         tree = json.loads(json.dumps(config))  # a deep copy we may edit
-        if rewards:
-            if mode != "rl":
-                raise RunError(422, f"rewards: only mode rl takes reward functions, not {mode}")
-            names = [r.name for r in rewards]
-            if len(set(names)) != len(names):
-                raise RunError(422, f"rewards: names must be unique, got {names}")
+        try:
+            entries = code_reward_entries(mode, rewards, str(run_dir / "rewards"))
+        except ValueError as exc:
+            raise RunError(422, str(exc)) from None
+        if rewards and isinstance(tree.get("rewards", []), list):  # else the schema names the bad field
             (run_dir / "rewards").mkdir(parents=True, exist_ok=True)
-            tree.setdefault("rewards", [])
             for r in rewards:
-                file = run_dir / "rewards" / f"{r.name}.py"
-                file.write_text(r.code)
-                tree["rewards"].append({"name": r.name, "function": f"{file}:{r.function}", "weight": r.weight,
-                                        "per_sample": r.per_sample, "timeout_s": r.timeout_s})
+                (run_dir / "rewards" / f"{r.name}.py").write_text(r.code)
+            tree["rewards"] = [*tree.get("rewards", []), *entries]
         if mode == "rl":
             tree.setdefault("tracking", {})
             tree["tracking"] = {**tree["tracking"], "output_dir": str(run_dir), "console": "plain"}

@@ -50,6 +50,11 @@ export interface Validation {
   config?: Config;
 }
 
+export interface ExportedFile {
+  path: string;
+  content: string;
+}
+
 export interface RewardDraft {
   name: string;
   code: string;
@@ -168,10 +173,17 @@ export const api = {
   estimate: (mode: Mode, config: Config, device_memory_gib: number, num_devices: number) =>
     call<Record<string, unknown>>("POST", "/api/estimate", { mode, config, device_memory_gib, num_devices }),
   diagram: (mode: Mode, config: Config) => call<Diagram>("POST", "/api/diagram", { mode, config }),
-  exportYaml: (mode: Mode, config: Config) =>
-    call<{ yaml: string; filename: string; command: string }>("POST", "/api/yaml/export", { mode, config }),
-  importYaml: (yaml: string) =>
-    call<{ mode: Mode; config: Config; errors: FieldError[] }>("POST", "/api/yaml/import", { yaml }),
+  exportYaml: (mode: Mode, config: Config, rewards: RewardDraft[]) =>
+    call<{ yaml: string; filename: string; command: string; files: ExportedFile[] }>("POST", "/api/yaml/export", {
+      mode,
+      config,
+      ...(rewards.length ? { rewards } : {}),
+    }),
+  importYaml: (yaml: string, rewards: RewardDraft[]) =>
+    call<{ mode: Mode; config: Config; errors: FieldError[] }>("POST", "/api/yaml/import", {
+      yaml,
+      ...(rewards.length ? { rewards: rewards.map((r) => ({ name: r.name, function: r.function })) } : {}),
+    }),
   preview: (mode: Mode, config: Config, rewards: RewardDraft[], prompts: number, samples: number) =>
     call<Preview>("POST", "/api/rewards/preview", { mode, config, rewards, prompts, samples }),
   launch: (mode: Mode, config: Config, rewards?: RewardDraft[]) =>

@@ -2,7 +2,7 @@
 // YAML export (exactly what `tokenmill train` accepts) and import.
 import { useEffect, useState } from "preact/hooks";
 import { api, ApiError } from "../api";
-import type { Config, FieldError, Level, Mode, Preset, Schema, SchemaField } from "../api";
+import type { Config, ExportedFile, FieldError, Level, Mode, Preset, RewardDraft, Schema, SchemaField } from "../api";
 import { Field } from "../components/field";
 import { getPath, getState, setPath, update, useStore } from "../store";
 
@@ -179,24 +179,38 @@ function Fields({ schema, level, config, errors }: { schema: Schema; level: Leve
   );
 }
 
-function YamlPanel({ mode, config }: { mode: Mode; config: Config }) {
+function saveFile(name: string, text: string, type: string): void {
+  const url = URL.createObjectURL(new Blob([text], { type }));
+  const a = Object.assign(document.createElement("a"), { href: url, download: name });
+  a.click();
+  URL.revokeObjectURL(url);
+}
+
+function YamlPanel({ mode, config, rewards }: { mode: Mode; config: Config; rewards: RewardDraft[] }) {
   const [yaml, setYaml] = useState("");
   const [filename, setFilename] = useState(`${mode}.yaml`);
+  const [files, setFiles] = useState<ExportedFile[]>([]);
+  const [exportedFrom, setExportedFrom] = useState("");
   const [incoming, setIncoming] = useState("");
   const [message, setMessage] = useState<{ text: string; bad: boolean } | null>(null);
+  const codeRewards = mode === "rl" ? rewards : [];
+  const current = JSON.stringify([mode, config, codeRewards]);
   const doExport = async () => {
     try {
-      const out = await api.exportYaml(mode, config);
+      const out = await api.exportYaml(mode, config, codeRewards);
       setYaml(out.yaml);
       setFilename(out.filename || `${mode}.yaml`);
-      setMessage({ text: `Run it with: ${out.command}`, bad: false });
+      setFiles(out.files ?? []);
+      setExportedFrom(current);
+      const beside = out.files?.length ? ` (save the reward files beside ${out.filename} and run it from that folder)` : "";
+      setMessage({ text: `Run it with: ${out.command}${beside}`, bad: false });
     } catch (e) {
       setMessage({ text: (e as Error).message, bad: true });
     }
   };
   const doImport = async (text: string) => {
     try {
-      const out = await api.importYaml(text);
+      const out = await api.importYaml(text, rewards);
       update({ mode: out.mode, config: out.config, presetId: null });
       const errs = out.errors ?? [];
       setMessage({
@@ -207,12 +221,8 @@ function YamlPanel({ mode, config }: { mode: Mode; config: Config }) {
       setMessage({ text: (e as Error).message, bad: true });
     }
   };
-  const download = () => {
-    const url = URL.createObjectURL(new Blob([yaml], { type: "text/yaml" }));
-    const a = Object.assign(document.createElement("a"), { href: url, download: filename });
-    a.click();
-    URL.revokeObjectURL(url);
-  };
+  const download = () => saveFile(filename, yaml, "text/yaml");
+  const stale = yaml !== "" && exportedFrom !== current;
   return (
     <div class="yaml-panel">
       <div>
@@ -227,7 +237,25 @@ function YamlPanel({ mode, config }: { mode: Mode; config: Config }) {
             Copy
           </button>
         </div>
+        {stale && (
+          <div class="alert warn" data-testid="yaml-stale">
+            The config or the rewards changed since this export: export again.
+          </div>
+        )}
         <pre class="code" data-testid="yaml-output">{yaml || "Export to see the YAML that `tokenmill train` accepts."}</pre>
+        {files.length > 0 && (
+          <ul class="file-list" data-testid="export-files">
+            {files.map((f) => (
+              <li>
+                <span class="mono small">{f.path}</span>{" "}
+                <button class="btn small" data-testid={`export-file-${f.path}`} data-content={f.content}
+                  onClick={() => saveFile(f.path.split("/").pop() ?? f.path, f.content, "text/x-python")}>
+                  Download
+                </button>
+              </li>
+            ))}
+          </ul>
+        )}
       </div>
       <div>
         <div class="row">
@@ -324,7 +352,7 @@ export function ComposePage() {
       </div>
       <div class="card">
         <h2>YAML</h2>
-        <YamlPanel mode={s.mode} config={s.config} />
+        <YamlPanel mode={s.mode} config={s.config} rewards={s.rewards} />
       </div>
     </div>
   );
