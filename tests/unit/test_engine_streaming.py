@@ -6,6 +6,8 @@ import time
 
 import httpx
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from tokenmill.engines.continuous import ContinuousEngine
 from tokenmill.engines.server import create_app
@@ -15,10 +17,16 @@ from tokenmill.serving import start_in_thread
 openai = pytest.importorskip("openai")
 
 
+LONG = 50_000  # tokens a cancelled request would generate (minutes here): it must stop long before
+
+
 @pytest.fixture(scope="module")
-def served(tiny_model_path):
-    """(url, engine, recorder) of an open server in proxy mode (so /v1 and /proxy/<episode>/v1 both exist)."""
-    engine = ContinuousEngine.from_pretrained(tiny_model_path, max_batch=16)
+def served(tiny_model_path, tokenizer):
+    """(url, engine, recorder) of an open server in proxy mode (so /v1 and /proxy/<episode>/v1 both exist),
+    over a model whose context is long enough for a request that would run for minutes."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    model.config.max_position_embeddings = 2 * LONG
+    engine = ContinuousEngine(model, tokenizer, max_batch=16)
     recorder = EpisodeRecorder()
     server, _ = start_in_thread(create_app(engine, model_name="tiny", recorder=recorder))
     yield server.url, engine, recorder
@@ -111,26 +119,27 @@ def _wait_idle(engine, timeout_s: float = 2.0) -> float:
 def test_a_client_that_goes_away_cancels_its_streamed_request(served):
     url, engine, _ = served
     before = engine.generated_tokens
-    body = {"prompt": "1", "max_tokens": 480, "temperature": 0, "stream": True}
+    body = {"prompt": "1", "max_tokens": LONG, "temperature": 0, "stream": True}
     with httpx.Client(timeout=30) as client, client.stream("POST", f"{url}/v1/completions", json=body) as r:
         lines = r.iter_lines()
-        assert next(lines).startswith("data: {")
+        assert next(lines).startswith("data: {") and next(lines) == ""
+        assert next(lines).startswith("data: {")  # a second token: its row is in the running batch
         assert engine.stats()["running_rows"] == 1
     # the connection is closed: decoding stops at the engine's next step
     assert _wait_idle(engine) < 1.0
     generated = engine.generated_tokens - before
     time.sleep(0.2)
-    assert engine.generated_tokens - before == generated < 480
+    assert engine.generated_tokens - before == generated < LONG // 10
 
 
 def test_a_client_that_goes_away_cancels_its_plain_request(served):
     url, engine, _ = served
     before = engine.generated_tokens
-    body = {"prompt": "1", "max_tokens": 480, "temperature": 0}
+    body = {"prompt": "1", "max_tokens": LONG, "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+        httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
     assert _wait_idle(engine) < 1.0
-    assert engine.generated_tokens - before < 480
+    assert engine.generated_tokens - before < LONG // 10
 
 
 def test_a_streamed_tool_call_arrives_whole_in_the_finish_chunk(tokenizer):
