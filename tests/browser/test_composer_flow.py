@@ -248,3 +248,16 @@ def test_each_mode_shows_its_own_options(page, mode):
     assert (page.get_by_test_id("field-packing").count() == 1) == (mode == "sft")
     assert (page.get_by_test_id("field-objective").count() == 1) == (mode == "preference")
     assert page.problems == [], page.problems
+
+
+def test_an_imported_unknown_key_is_left_out_and_named(page):
+    """A YAML with a typo'd key imports as a valid config (the form could not show or remove the key); the
+    message names the key that was left out."""
+    page.get_by_test_id("yaml-input").fill("mode: rl\nmodel: {path: some/model, devcie: cpu}\n"
+                                           "data: {task: addition}\ncontroller: {steps: 6}\n")
+    page.get_by_test_id("import-yaml").click()
+    message = page.get_by_test_id("yaml-message")
+    message.filter(has_text="model.devcie").wait_for()
+    assert "unknown key, left out of the imported config" in message.inner_text()
+    expect(page.get_by_test_id("field-controller.steps")).to_have_value("6")
+    expect(page.get_by_test_id("validation-status")).to_have_text("valid")

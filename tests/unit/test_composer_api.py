@@ -168,8 +168,15 @@ def test_yaml_round_trip_other_modes(client, mode, config, key, value):
 
 def test_yaml_import_errors_are_data(client):
     assert client.post("/api/yaml/import", json={"yaml": "a: [1"}).json()["errors"][0]["path"] == "yaml"
-    r = client.post("/api/yaml/import", json={"yaml": "model: {path: m}\ndata: {task: addition}\nfoo: 1\n"}).json()
-    assert r["errors"] == [{"path": "foo", "message": "Extra inputs are not permitted (got 1)"}]
+    r = client.post("/api/yaml/import", json={"yaml": "model: {path: m, devcie: cpu}\ndata: {task: addition}\n"
+                                                      "foo: 1\n"}).json()
+    # keys the schema lacks are left out (the form could neither show nor remove them), and named
+    assert r["errors"] == [{"path": "model.devcie", "message": "unknown key, left out of the imported config"},
+                           {"path": "foo", "message": "unknown key, left out of the imported config"}]
+    assert r["config"]["model"]["path"] == "m" and "foo" not in r["config"] and "devcie" not in r["config"]["model"]
+    r = client.post("/api/yaml/import", json={"yaml": "model: {path: m}\ndata: {task: addition}\nfoo: 1\n"
+                                                      "generation: {group_size: 0}\n"}).json()
+    assert [e["path"] for e in r["errors"]] == ["foo", "generation.group_size"]  # other errors still come back
     r = client.post("/api/yaml/export", json={"mode": "rl", "config": {"model": {}}})
     assert r.status_code == 422 and r.json()["errors"][0]["path"] in ("model.path", "data")
 

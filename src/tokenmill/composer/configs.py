@@ -4,6 +4,7 @@ four-model diagram. Pure functions over the pydantic schema (no torch), so the C
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import yaml
@@ -118,7 +119,28 @@ def import_yaml(text: str, mode: str | None = None,
         tree["rewards"] = [r for r in tree["rewards"]
                            if not (isinstance(r, dict) and (r.get("name"), r.get("function")) in ours)]
     cfg, errors = validate(mode, tree)
+    unknown = [e["path"] for e in errors if e["message"].startswith(UNKNOWN_KEY)]
+    if unknown:  # the form cannot show (or remove) a key the schema lacks: drop it, and say so
+        tree = _without(tree, unknown)
+        cfg, errors = validate(mode, tree)
+        errors = [{"path": p, "message": "unknown key, left out of the imported config"} for p in unknown] + errors
     return {"mode": mode, "config": normalized(cfg) if cfg is not None else tree, "errors": errors}
+
+
+UNKNOWN_KEY = "Extra inputs are not permitted"
+
+
+def _without(tree: dict[str, Any], paths: list[str]) -> dict[str, Any]:
+    """A deep copy of `tree` without the dotted `paths` (list items by index: `rewards.0.fn`)."""
+    out = json.loads(json.dumps(tree))
+    for path in paths:
+        *parents, last = path.split(".")
+        node: Any = out
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) and part.isdigit() else node.get(part, {})
+        if isinstance(node, dict):
+            node.pop(last, None)
+    return out
 
 
 # ------------------------------------------------------------------------------------------ diagram
