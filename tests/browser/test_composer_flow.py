@@ -261,3 +261,29 @@ def test_an_imported_unknown_key_is_left_out_and_named(page):
     assert "unknown key, left out of the imported config" in message.inner_text()
     expect(page.get_by_test_id("field-controller.steps")).to_have_value("6")
     expect(page.get_by_test_id("validation-status")).to_have_text("valid")
+
+
+def test_a_launch_beyond_the_cap_shows_the_servers_reason_once(page, composer, tiny_model_path):
+    """With --max-runs 1 and a run going, Launch shows the 409's message exactly as the API words it (no
+    route prefix, nothing doubled)."""
+    import httpx
+
+    base, token, _ = composer
+    config = {"model": {"path": tiny_model_path}, "data": {"task": "addition", "num_eval": 0},
+              "controller": {"steps": 100000}}
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, trust_env=False, timeout=60) as c:
+        running = c.post("/api/runs", json={"mode": "rl", "config": config}).json()["id"]
+        try:
+            page.get_by_test_id("yaml-input").fill(yaml.safe_dump({"mode": "rl", **config}))
+            page.get_by_test_id("import-yaml").click()
+            expect(page.get_by_test_id("validation-status")).to_have_text("valid")
+            page.get_by_test_id("nav-watch").click()
+            with page.expect_response(lambda r: r.url.endswith("/api/runs") and r.request.method == "POST") as a:
+                page.get_by_test_id("launch-run").click()
+            assert a.value.status == 409
+            refused = a.value.json()
+            assert refused["running"] == [running] and refused["max_runs"] == 1
+            expect(page.get_by_test_id("launch-error")).to_have_text(refused["error"])
+            assert refused["error"].startswith("runs: 1 run(s) already running")
+        finally:
+            assert c.post(f"/api/runs/{running}/stop").json()["status"] == "stopped"

@@ -125,9 +125,11 @@ export interface RunStatus {
 }
 
 /** An error from the API, with the route and the server's message (never a bare "failed"). */
+// The server's message is shown as it is: it already names the field or route to blame (a route prefix
+// here would double it: "/api/estimate: /api/estimate: ...").
 export class ApiError extends Error {
   constructor(public route: string, public status: number, message: string, public body?: unknown) {
-    super(`${route}: ${message}`);
+    super(message);
   }
 }
 
@@ -153,7 +155,7 @@ async function call<T>(method: "GET" | "POST", route: string, body?: unknown): P
       body: body === undefined ? undefined : JSON.stringify(body),
     });
   } catch (err) {
-    throw new ApiError(route, 0, `server unreachable (${String(err)})`);
+    throw new ApiError(route, 0, `${route}: server unreachable (${String(err)})`);
   }
   const text = await res.text();
   let parsed: unknown = undefined;
