@@ -163,3 +163,30 @@ def test_a_streamed_tool_call_arrives_whole_in_the_finish_chunk(tokenizer):
     [call] = last["delta"]["tool_calls"]
     assert call["index"] == 0 and call["function"] == {"name": "add", "arguments": '{"a": 1}'}
     assert last["prompt_token_ids"] == [5] and last["policy_version"] == 3
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+def test_streamed_text_is_the_decoded_reply_cut_at_the_stop(tokenizer, incremental):
+    """Both ways of decoding a stream (tokenizers' DecodeStream, or the whole reply at each token) send exactly
+    the text the plain answer has: the reply decoded without special tokens, cut before the first stop string."""
+    import copy
+    import json
+
+    from tokenmill.engines.streaming import Streamer, StreamSpec
+    from tokenmill.types import Completion, StopReason
+
+    tok = copy.deepcopy(tokenizer)
+    tok.clean_up_tokenization_spaces = not incremental  # a tokenizer that rewrites spaces is decoded whole
+    reply = "<|user|>12+34= 46<|end|> and 7*8=56; done"
+    ids = tok(reply, add_special_tokens=False)["input_ids"]
+    for stops in ((), ("=5",), ("; d", "8=")):
+        spec = StreamSpec(chat=False, model_name="t", prompts=[[5]], n=1, logprobs=False, tools=False, stops=stops,
+                          include_usage=False)
+        streamer = Streamer(tok, spec)
+        assert (streamer.choices[0].decoder is not None) is incremental
+        chunks = [json.loads(streamer.token(0, t, 0.0)[6:]) for t in ids]
+        full = tok.decode(ids, skip_special_tokens=True)
+        cut = min([len(full)] + [full.find(s) for s in stops if s in full])
+        last = json.loads(streamer.finish(0, Completion(tuple(ids), (0.0,) * len(ids), StopReason.STOP,
+                                                        full[:cut]), [5], 0)[6:])
+        assert "".join(c["choices"][0]["text"] for c in [*chunks, last]) == full[:cut], stops

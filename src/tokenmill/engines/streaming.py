@@ -55,9 +55,23 @@ class TokenFeed:
 @dataclass
 class _Choice:
     tokens: list[int] = field(default_factory=list)
+    text: str = ""  # the text of `tokens`, when decoded incrementally
     sent: str = ""  # text sent so far
     offset: int = 0  # completions' text_offset of the next token
     started: bool = False
+    decoder: Any = None  # a `tokenizers` DecodeStream, when the tokenizer has one
+
+
+def _incremental(tokenizer) -> Any:
+    """A factory of `tokenizers.decoders.DecodeStream`s that decode exactly as `tokenizer.decode(ids,
+    skip_special_tokens=True)` does, or None (then the reply is decoded whole at each token, O(n) per token)."""
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:
+        return None
+    if getattr(tokenizer, "_tokenizer", None) is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None  # a slow tokenizer, or one whose decode rewrites spaces afterwards
+    return lambda: DecodeStream(skip_special_tokens=True)
 
 
 @dataclass
@@ -85,8 +99,15 @@ class Streamer:
         self.tokenizer, self.spec = tokenizer, spec
         self.head = wire.envelope("chatcmpl" if spec.chat else "cmpl",
                                   "chat.completion.chunk" if spec.chat else "text_completion", spec.model_name)
-        self.choices = [_Choice() for _ in range(len(spec.prompts) * spec.n)]
         self.hold = max((len(s) for s in spec.stops), default=1) - 1
+        make = _incremental(tokenizer)
+        self.choices = [_Choice(decoder=make() if make else None) for _ in range(len(spec.prompts) * spec.n)]
+
+    def _text(self, choice: _Choice, token: int) -> str:
+        if choice.decoder is None:
+            return self.tokenizer.decode(choice.tokens, skip_special_tokens=True)
+        choice.text += choice.decoder.step(self.tokenizer._tokenizer, token) or ""  # None: a character is incomplete
+        return choice.text
 
     def _chunk(self, index: int, text: str | None, token_ids: list[int], logprobs: list[float],
                finish: str | None = None, **more: Any) -> bytes:
@@ -111,8 +132,10 @@ class Streamer:
         choice.tokens.append(token)
         delta = None
         if not self.spec.tools:  # tool calls are parsed from the whole reply: its text comes at the end
-            text = self.tokenizer.decode(choice.tokens, skip_special_tokens=True)
-            end = min([len(text) - self.hold] + [at for s in self.spec.stops if (at := text.find(s)) >= 0])
+            text = self._text(choice, token)
+            # a stop string found now is the first: text before what was sent held none (the engine stops at one)
+            start = max(0, len(choice.sent) - self.hold - 1)
+            end = min([len(text) - self.hold] + [at for s in self.spec.stops if (at := text.find(s, start)) >= 0])
             safe = text[: max(0, end)].rstrip("\ufffd")
             if len(safe) > len(choice.sent) and safe.startswith(choice.sent):
                 delta, choice.sent = safe[len(choice.sent):], safe
