@@ -40,9 +40,9 @@ def build_tokenizer():
         eos_token="<|end|>",
         additional_special_tokens=SPECIAL_TOKENS[3:],
         clean_up_tokenization_spaces=False,
+        padding_side="left",  # a constructor argument is saved with the folder; an attribute set later is not
     )
     tok.chat_template = CHAT_TEMPLATE
-    tok.padding_side = "left"
     return tok
 
 
