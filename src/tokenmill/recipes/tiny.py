@@ -55,8 +55,11 @@ def build_tiny_model(
     intermediate_size: int | None = None,
     max_positions: int = 512,
     seed: int = 0,
+    tie_word_embeddings: bool = True,
 ) -> str:
-    """Write a random-init Qwen2 causal LM and the character tokenizer to `path`; return the path."""
+    """Write a random-init Llama causal LM and the character tokenizer to `path`; return the path.
+    `tie_word_embeddings=False` gives the output head its own copy of the embedding matrix (same logits; the
+    two then train apart), which engines that cannot reload a tied head in place need (vLLM on CPU)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -69,13 +72,16 @@ def build_tiny_model(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         bos_token_id=None,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if not tie_word_embeddings:  # the head starts as the embedding (as a tied model's), then trains apart
+        with torch.no_grad():
+            model.lm_head.weight.copy_(model.get_input_embeddings().weight)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     path = Path(path)

