@@ -1,0 +1,131 @@
+"""The process group of a multi-process run (torchrun, or one spawned by a test or by Ray) and the few
+rank-aware pieces the loop needs: who logs, how a step's prompts are shared out, how per-rank state is kept.
+
+With one process (no torchrun, no group) every helper answers as rank 0 of 1, so code that calls them runs
+unchanged in a single process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tokenmill.engines.hf import HFEngine
+from tokenmill.types import ConfigError, Group
+
+# A collective that waits longer than this raises instead of hanging: long enough for rank 0's held-out
+# evaluation and export (the other ranks wait for it at the next collective), short enough to end a job
+# whose peer died without closing its sockets.
+DEFAULT_TIMEOUT_S = 1800
+
+
+def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, init_method: str | None = None,
+                     rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """Join (or reuse) the default process group: gloo on CPU, NCCL with CUDA. Without `init_method` the
+    torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) says where; return (rank, world)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if init_method is None and "RANK" not in os.environ:
+        raise ConfigError(
+            "training.backend: fsdp2 needs a process group: launch with torchrun "
+            "(torchrun --standalone --nproc_per_node N -m tokenmill train cfg.yaml)"
+        )
+    backend = "gloo"
+    if torch.cuda.is_available():
+        backend = "nccl"
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    """Rank 0: the one that logs, evaluates, writes checkpoints' full weights and the final export."""
+    return rank() == 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank (a collective)."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def max_over_ranks(value: int) -> int:
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+class ShardedRollout:
+    """Each rank plays its contiguous share of a step's rows (group ids stay those of one process), then
+    every rank receives all the groups, in row order, so the update sees the global batch everywhere.
+    The metrics are rank 0's."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def rollout(self, rows: Sequence[dict[str, Any]], version: int, first_group: int = 0
+                ) -> tuple[list[Group], dict[str, float]]:
+        r, n = rank(), world()
+        lo, hi = len(rows) * r // n, len(rows) * (r + 1) // n
+        groups: list[Group] = []
+        info: dict[str, float] = {}
+        if hi > lo:
+            groups, info = self.inner.rollout(list(rows[lo:hi]), version=version, first_group=first_group + lo)
+        parts = gather_objects((groups, info))
+        return [g for part, _ in parts for g in part], parts[0][1]
+
+
+class RankedEngine(HFEngine):
+    """An in-process engine on one rank: its sampling RNG is seeded per rank (the ranks sample different
+    completions) and a checkpoint keeps every rank's RNG, so a resumed run draws the same streams."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ranks": gather_objects(super().state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ranks = state.get("ranks")
+        super().load_state_dict(ranks[rank() % len(ranks)] if ranks else state)
+
+
+class QuietLogger:
+    """The metrics logger of ranks other than 0: rank 0 writes metrics, samples and messages for the run."""
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        pass
+
+    def log_samples(self, step: int, records: list[dict[str, Any]]) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,243 @@
+"""FSDP2 training backend: every rank trains a shard of the model with exactly `LocalBackend`'s update code.
+
+    >>> init_distributed()                                   # torchrun's environment     # doctest: +SKIP
+    >>> backend = ShardedBackend(model, learning_rate=1e-5, total_steps=100,
+    ...                          checkpoint_dir="out/checkpoints/shards")             # doctest: +SKIP
+    >>> backend.forward_backward(global_batch, loss_fn)      # on every rank, same batch  # doctest: +SKIP
+
+Every rank receives the same *global* batch and trains on its part of it:
+
+- whole prompt groups go to a rank (so shared-prompt packing keeps working), balanced by token count;
+- the loss weights were computed over the global batch (`token_weights` before the split), so each rank's
+  loss is its share of one global sum, and gradients are SUMMED across ranks (FSDP2 averages by default;
+  averaging would divide the update by the world size);
+- FSDP2 all-gathers parameters in every forward and reduce-scatters gradients in every backward, so every
+  rank must run the same number of micro-batches: a rank with fewer runs zero-weight ones (zero gradient),
+  or the collectives stop pairing up and the job hangs;
+- `clip_grad_norm_` over the sharded gradients uses the global norm; the optimiser (fused AdamW where it
+  can) steps each rank's shard.
+
+Checkpoints are sharded (`torch.distributed.checkpoint`: each rank writes its own part, and a later run may
+load them with another world size). Full weights are gathered one parameter at a time (`weights()`), so the
+peak extra memory is one full tensor.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from tokenmill.training.base import BatchLoss
+from tokenmill.training.batch import Batch
+from tokenmill.training.dist import barrier, gather_objects, is_main, max_over_ranks, rank, world
+from tokenmill.training.local import LocalBackend
+from tokenmill.training.packing import plan_rows, prompt_segments, sequence_segments
+from tokenmill.types import TokenmillError
+
+SHARDS_PREFIX = "optim-step-"
+
+
+class ShardedCheckpointError(TokenmillError):
+    """A sharded checkpoint cannot be written or read (no directory given, or its shards are gone)."""
+
+
+def shard_model(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2 in place: each decoder layer is its own unit (gathered only while it runs), then the root (the
+    embeddings and head). Gradients are summed across ranks (see the module docstring)."""
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (world(),))
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # gloo has no PREMUL_SUM, which a divide factor of 1 would otherwise use; SUM works everywhere
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks: the children of the `ModuleList` named `layers` (Llama, Qwen, Mistral...),
+    `h` (GPT-2) or `blocks`, wherever a wrapper (peft, a value head) put it."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "h", "blocks"):
+            return list(module)
+    return []
+
+
+def rank_rows(batch: Batch, ranks: int) -> list[list[int]]:
+    """Rows of `batch` for each rank: whole prompt groups (rows with the same prompt stay together), the
+    largest first to the least-loaded rank (by tokens); each rank's rows in batch order (longest first)."""
+    if batch.prompt_lens_B is not None:
+        segments = [rows for _, rows in prompt_segments(batch)]
+    else:
+        segments = [[b] for b in range(batch.size)]
+    lengths = batch.lengths_B.tolist()
+    cost = [sum(lengths[b] for b in rows) for rows in segments]
+    load = [0] * ranks
+    out: list[list[int]] = [[] for _ in range(ranks)]
+    for i in sorted(range(len(segments)), key=lambda i: -cost[i]):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        out[r] += segments[i]
+        load[r] += cost[i]
+    return [sorted(rows) for rows in out]
+
+
+def micro_batch_count(batch: Batch | None, token_budget: int, *, share_prompts: bool, pack_sequences: bool) -> int:
+    """How many forward passes `micro_token_stats` makes over `batch`, without running the model (the same
+    choice of packing and the same greedy sizing as `micro_packs` / `Batch.micro_batches`)."""
+    if batch is None:
+        return 0
+    segments = None
+    if pack_sequences:
+        segments = sequence_segments(batch)
+    elif share_prompts and batch.prompt_lens_B is not None:
+        segments = prompt_segments(batch)
+        segments = segments if len(segments) < batch.size else None
+    if segments is None:
+        widths = batch.lengths_B.tolist()  # sorted longest first, like the rows
+    else:
+        lengths = batch.lengths_B.tolist()
+        rows = plan_rows(batch, token_budget, segments)
+        widths = sorted((len(p) + sum(lengths[b] - len(p) for b in m) for p, m in rows), reverse=True)
+    count, start = 0, 0
+    while start < len(widths):
+        stop = start + 1
+        while stop < len(widths) and (stop + 1 - start) * widths[start] <= token_budget:
+            stop += 1
+        count, start = count + 1, stop
+    return count
+
+
+def _dummy(batch: Batch) -> Batch:
+    """One row of `batch` with zero loss weights: one forward/backward with the collectives of a real
+    micro-batch and exactly zero gradient."""
+    row = batch.select([batch.size - 1])
+    return replace(row, weights_B_T=torch.zeros_like(row.weights_B_T))
+
+
+class ShardedBackend:
+    """`TrainBackend` over an FSDP2-sharded module; call every verb on every rank with the same global batch.
+
+    `model` is a full (unsharded) module, identical on every rank; it is sharded in place. `checkpoint_dir`
+    (on a filesystem every rank sees) holds the sharded checkpoints that `state_dict()` writes; the newest
+    `keep` of them are kept."""
+
+    def __init__(self, model: torch.nn.Module, *, checkpoint_dir: str | Path | None = None, keep: int = 3,
+                 **local_kwargs: Any) -> None:
+        self.model = shard_model(model)
+        self.local = LocalBackend(self.model, **local_kwargs)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.keep = keep
+
+    # ------------------------------------------------------------------------------------------ training
+    def _mine(self, batch: Batch) -> Batch | None:
+        rows = rank_rows(batch, world())[rank()]
+        return batch.select(rows) if rows else None
+
+    def _padding(self, local: Batch | None, *, train: bool) -> int:
+        """Zero-weight micro-batches this rank runs so that every rank runs as many as the busiest one."""
+        count = micro_batch_count(
+            local, self.local.micro_batch_tokens, share_prompts=self.local.share_prompts,
+            pack_sequences=self.local.pack_sequences and train,
+        )
+        return max_over_ranks(count) - count
+
+    def forward_backward(self, batch: Batch, loss_fn: BatchLoss, entropy_coef: float = 0.0) -> dict[str, float]:
+        """This rank's share of the global batch, padded to the group's micro-batch count; the metrics summed
+        over all ranks (what `LocalBackend` returns for the whole batch)."""
+        local = self._mine(batch)
+        padding = self._padding(local, train=True)
+        totals = self.local.forward_backward(local, loss_fn, entropy_coef) if local is not None else {}
+        dummy = _dummy(batch)
+        for _ in range(padding):
+            self.local.forward_backward(dummy, loss_fn, entropy_coef)  # its metrics are zero: dropped
+        summed: dict[str, float] = {}
+        for part in gather_objects(totals):
+            for k, v in part.items():
+                summed[k] = summed.get(k, 0.0) + v
+        return summed
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Logprobs of the global batch: each rank computes its rows, then every rank gets all of them."""
+        rows = rank_rows(batch, world())[rank()]
+        local = batch.select(rows) if rows else None
+        padding = self._padding(local, train=False)
+        part = self.local.forward(local) if local is not None else None
+        dummy = _dummy(batch)
+        for _ in range(padding):
+            self.local.forward(dummy)
+        out = torch.zeros_like(batch.old_logprobs_B_T)
+        for their_rows, their_part in gather_objects((rows, part)):
+            if their_part is not None:
+                out[their_rows, : their_part.shape[1]] = their_part
+        return out
+
+    def optim_step(self) -> dict[str, float]:
+        return self.local.optim_step()
+
+    # ------------------------------------------------------------------------------------------- weights
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full trained parameters by name, gathered one at a time (a collective: every rank must consume
+        the whole iterator, in order). Each rank receives them, so each can refresh its own engine."""
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                data = p.detach()
+                yield name, data.full_tensor() if isinstance(data, DTensor) else data
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight, full and on the CPU, on rank 0 (empty elsewhere; a collective): for an export."""
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    # ---------------------------------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Writes this rank's shard of the weights and optimiser state under `checkpoint_dir` (a collective)
+        and returns what finds it again: the folder's name and the LR schedule."""
+        if self.checkpoint_dir is None:
+            raise ShardedCheckpointError("a sharded checkpoint needs the backend's checkpoint_dir")
+        name = f"{SHARDS_PREFIX}{self.local.scheduler.last_epoch:08d}"
+        model_sd, optim_sd = get_state_dict(self.model, self.local.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(self.checkpoint_dir / name))
+        barrier()  # every shard is on disk before anyone records or prunes
+        if is_main():
+            self._prune()
+        return {"shards": name, "world_size": world(), "scheduler": self.local.scheduler.state_dict()}
+
+    def _prune(self) -> None:
+        # one more than the checkpoints kept: a checkpoint is committed only after its shards are written
+        found = sorted(p for p in self.checkpoint_dir.glob(f"{SHARDS_PREFIX}*") if p.is_dir())
+        for stale in found[: max(0, len(found) - self.keep)]:
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Read the shards `state` names into the sharded weights and optimiser (any world size)."""
+        if self.checkpoint_dir is None:
+            raise ShardedCheckpointError("a sharded checkpoint needs the backend's checkpoint_dir")
+        path = self.checkpoint_dir / state["shards"]
+        if not (path / ".metadata").is_file():
+            raise ShardedCheckpointError(f"sharded checkpoint {path} is missing (its .metadata is not there)")
+        model_sd, optim_sd = get_state_dict(self.model, self.local.optimizer)
+        loaded = {"model": model_sd, "optim": optim_sd}
+        dcp.load(loaded, checkpoint_id=str(path))
+        set_state_dict(self.model, self.local.optimizer, model_state_dict=loaded["model"],
+                       optim_state_dict=loaded["optim"])
+        self.local.scheduler.load_state_dict(state["scheduler"])
+        if dist.is_initialized():
+            barrier()
