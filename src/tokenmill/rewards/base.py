@@ -14,7 +14,13 @@ With `per_sample=True` (chosen explicitly, never guessed) the function scores on
 `fn(prompt, completion, **that row's values)`, the same arguments with one row's values.
 
 Every call is timed out, and whatever a function does wrong (raise, hang, return the wrong length, NaN,
-a string) becomes a failed score (`RewardResult(None, error=...)`) that is counted and logged.
+a string, a numeric string) becomes a failed score (`RewardResult(None, error=...)`) that is counted and
+logged. A batch that fails as a whole is narrowed down so that only the samples that cause it fail: after a
+raise the batch is split in halves, recursively; after a wrong-length answer or a timeout the samples are
+scored one at a time, and a batch spends at most `MAX_TIMEOUTS` timeouts (a sample that hangs costs the
+timeout once more, not a failed batch); once a batch has timed out, the function is called one sample at a
+time from then on, so a later hang costs one timeout. Error texts name the line of the user's code that raised, or the
+function's own definition.
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ from tokenmill.types import RewardResult
 
 # arguments that are not one value per sample (per-sample calls pass them as they are)
 _SHARED = ("trainer_state", "log_extra", "log_metric")
+# timeouts one batch may spend (the batched call's, then the samples' while retrying one at a time): one
+# sample that hangs costs two, and a function that hangs on everything costs three, not one per sample
+MAX_TIMEOUTS = 3
 
 
 @dataclass
@@ -189,6 +198,8 @@ class _WorkerCall:
 def _check_value(v: Any) -> RewardResult:
     if v is None:
         return RewardResult(None)
+    if isinstance(v, (str, bytes)):  # "1" is refused, not read as 1.0: a string is most often a bug upstream
+        return RewardResult(None, f"returned the string {v!r:.60}, not a number (return float(...) if meant)")
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         try:
             v = float(v)  # numpy / torch scalars
@@ -197,6 +208,34 @@ def _check_value(v: Any) -> RewardResult:
     if math.isnan(v) or math.isinf(v):
         return RewardResult(None, f"non-finite value {v}")
     return RewardResult(float(v))
+
+
+def defined_at(fn: Callable[..., Any]) -> str:
+    """'name (file:line)' of a function's definition (through functools.partial; a callable instance's
+    `__call__`), for error texts; just the name when Python cannot tell."""
+    target = fn
+    while isinstance(target, functools.partial):
+        target = target.func
+    if not (inspect.isfunction(target) or inspect.ismethod(target)):
+        target = type(target).__call__  # a callable instance: its class's method
+    code = getattr(inspect.unwrap(target), "__code__", None)
+    name = callable_name(fn)
+    return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else name
+
+
+@dataclass
+class _Failed:
+    """A call that produced no usable list: why, and whether it ran out of time."""
+
+    reason: str
+    timed_out: bool = False
+    wrong_length: bool = False
+
+
+def _subset(kwargs: dict[str, Any], idx: list[int], n: int) -> dict[str, Any]:
+    """The arguments of the samples `idx`: every per-sample list indexed, shared arguments as they are."""
+    return {k: v if k in _SHARED or not isinstance(v, (list, tuple)) or len(v) != n else [v[i] for i in idx]
+            for k, v in kwargs.items()}
 
 
 class FunctionReward:
@@ -218,6 +257,8 @@ class FunctionReward:
         self.timeout_s = timeout_s
         self.per_sample = per_sample
         self.last_log = CallLog()
+        self.one_at_a_time = False  # set once a batched call times out
+        self._timeouts = 0
         self._call = make_caller(_WorkerCall(fn, per_sample), isolation)
 
     def __call__(
@@ -237,15 +278,72 @@ class FunctionReward:
             kwargs["completion_ids"] = [list(ids) for ids in completion_ids]
         kwargs["trainer_state"] = state if state is not None else RewardState()
         self.last_log = CallLog()
+        self._timeouts = 0
+        results: list[RewardResult | None] = [None] * n
+        if self.one_at_a_time and n > 1:
+            self._singly(kwargs, list(range(n)), n, results)
+        else:
+            self._narrow(kwargs, list(range(n)), n, results)
+        return [r if r is not None else RewardResult(None, "not scored") for r in results]
+
+    def _attempt(self, kwargs: dict[str, Any], size: int) -> list[RewardResult] | _Failed:
+        """One call on `size` samples: their results, or why the call as a whole failed."""
         try:
-            out, self.last_log = self._call(kwargs, timeout=self.timeout_s)  # one dict: any column name is safe
-        except (CallTimeout, CallFailed) as exc:
-            return [RewardResult(None, str(exc))] * n
+            out, log = self._call(kwargs, timeout=self.timeout_s)  # one dict: any column name is safe
+        except CallTimeout as exc:
+            self._timeouts += 1
+            return _Failed(str(exc), timed_out=True)
+        except CallFailed as exc:
+            return _Failed(str(exc))
         if not isinstance(out, Sequence) or isinstance(out, (str, bytes)):
-            return [RewardResult(None, f"returned {type(out).__name__}, expected a list")] * n
-        if len(out) != n:
-            return [RewardResult(None, f"returned {len(out)} values for {n} completions")] * n
+            return _Failed(f"returned {type(out).__name__}, expected a list")
+        if len(out) != size:
+            return _Failed(f"returned {len(out)} values for {size} completions", wrong_length=True)
+        for name, values in log.extra.items():
+            self.last_log.extra.setdefault(name, []).extend(values)
+        for name, values in log.metrics.items():
+            self.last_log.metrics.setdefault(name, []).extend(values)
         return [_check_value(v) for v in out]
+
+    def _narrow(self, kwargs: dict[str, Any], idx: list[int], n: int, results: list[RewardResult | None]) -> None:
+        """Score the samples `idx`; when the call fails as a whole, find the samples that make it fail: halves
+        after a raise, one sample at a time after a wrong length or a timeout (within MAX_TIMEOUTS). A function
+        that is right alone but wrong in every batch fails all of them (it does not score each completion)."""
+        got = self._attempt(kwargs if len(idx) == n else _subset(kwargs, idx, n), len(idx))
+        if isinstance(got, list):
+            for i, result in zip(idx, got, strict=True):
+                results[i] = result
+            return
+        if len(idx) == 1:
+            results[idx[0]] = RewardResult(None, self._located(got.reason))
+            return
+        if got.timed_out:
+            self.one_at_a_time = True  # from now on: a sample that hangs costs its own timeout, not the batch's
+        if not got.timed_out and not got.wrong_length:
+            half = len(idx) // 2
+            self._narrow(kwargs, idx[:half], n, results)
+            self._narrow(kwargs, idx[half:], n, results)
+            return
+        self._singly(kwargs, idx, n, results)
+        if got.wrong_length and all(results[i].error is None for i in idx):  # type: ignore[union-attr]
+            # right alone, wrong in a batch: the function does not return one value per completion
+            for i in idx:
+                results[i] = RewardResult(None, self._located(got.reason))
+
+    def _singly(self, kwargs: dict[str, Any], idx: list[int], n: int, results: list[RewardResult | None]) -> None:
+        """Score the samples `idx` one call each, while the batch has timeouts left to spend."""
+        for i in idx:
+            if self._timeouts >= MAX_TIMEOUTS:
+                results[i] = RewardResult(None, self._located(
+                    f"not scored: {MAX_TIMEOUTS} calls of this batch got no result within {self.timeout_s:g}s"))
+            else:
+                self._narrow(kwargs, [i], n, results)
+
+    def _located(self, reason: str) -> str:
+        """The reason, naming the function's definition unless it already points into the function's file."""
+        where = defined_at(self.fn)
+        file = where.rpartition("(")[2].rpartition(":")[0]
+        return reason if file and f"{file}:" in reason else f"{reason}; {where}"
 
     def close(self) -> None:
         self._call.close()

@@ -16,8 +16,10 @@ import concurrent.futures
 import contextlib
 import multiprocessing as mp
 import os
+import sysconfig
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from tokenmill.sandbox.lifetime import die_with_parent
@@ -32,9 +34,19 @@ class CallFailed(TokenmillError):
     """The function raised; the message carries its exception type, text and last frame."""
 
 
+_OURS = str(Path(__file__).resolve().parents[1])  # the tokenmill package
+_LIBRARIES = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
+
+
 def _describe(exc: BaseException) -> str:
+    """'Type: message at file:line', the line being the user's: the deepest frame outside tokenmill and
+    installed libraries (a ValueError from json.loads points at the reward's call of it), else the deepest
+    outside tokenmill, else the deepest."""
     frames = traceback.extract_tb(exc.__traceback__)
-    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    theirs = [f for f in frames if not f.filename.startswith(_OURS)]
+    own = [f for f in theirs if not f.filename.startswith(_LIBRARIES)]
+    frame = (own or theirs or frames or [None])[-1]
+    where = f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
     return f"{type(exc).__name__}: {exc}{where}"
 
 

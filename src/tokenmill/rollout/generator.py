@@ -85,7 +85,9 @@ class Generator:
                 for k, values in columns.items():
                     values.append(row[k])
         sampled = [list(c.token_ids) for group in completions for c in group]  # TRL's completion_ids
-        totals, details = self.rewards.score(prompts, texts, columns, completion_ids=sampled, step=version)
+        group_ids = [g for g, group in enumerate(completions) for _ in group]  # a failed score is imputed per group
+        totals, details = self.rewards.score(prompts, texts, columns, completion_ids=sampled, step=version,
+                                             group_ids=group_ids)
         groups, k = [], 0
         for g, (row, ids, group) in enumerate(zip(rows, prompt_ids, completions, strict=True)):
             samples = []

@@ -70,6 +70,15 @@ def active() -> EventLog | None:
     return ref() if ref is not None else None
 
 
+def emit(event: str, **fields: Any) -> None:
+    """Append `{"event": event, **fields, "t": now}` (a no-op when no run logger is active): what a run
+    reports besides stages, e.g. a reward function's failures, so they are kept with the run even when the
+    console is off."""
+    log = active()
+    if log is not None:
+        log.write({"event": event, **fields, "t": round(time.time(), 4)})
+
+
 def emit_stage(name: str, step: int | None, side: str | None = None) -> None:
     """Record that `step` entered stage `name` (a no-op when no run logger is active)."""
     log = active()
