@@ -306,9 +306,10 @@ class EngineConfig(Section):
     )
     urls: list[str] = Field(default_factory=list, description="Server base URLs (engine.placement remote).")
     num_servers: int = Field(1, ge=1, description="Servers spawned by engine.placement process.")
-    sync: Literal["inprocess", "files", "broadcast"] | None = Field(
+    sync: Literal["inprocess", "files", "broadcast", "vllm"] | None = Field(
         None, description="How weights reach the engine: inprocess (colocated, thread), files (safetensors "
-        "folder + HTTP notify) or broadcast (torch.distributed); default: inprocess in-process, files otherwise."
+        "folder + HTTP notify), broadcast (torch.distributed) or vllm (vLLM servers at engine.urls: safetensors "
+        "folder + reload through vLLM's dev-mode routes); default: inprocess in-process, files otherwise."
     )
     token: str | None = Field(None, description="Bearer token for the servers (default: $TOKENMILL_SERVE_TOKEN).")
     timeout_s: float = Field(120.0, gt=0, description="Seconds one engine request or weight update may take.")
@@ -437,6 +438,8 @@ def _check_async(cfg: RLConfig) -> None:
                          f"{eng.weight_sync!r} is for process / remote placements")
     if not in_process and eng.weight_sync == "inprocess":
         raise ValueError(f"engine.sync: inprocess cannot reach a {eng.placement} engine; use files or broadcast")
+    if eng.weight_sync == "vllm" and eng.placement != "remote":
+        raise ValueError(f"engine.sync: vllm is for vLLM servers at engine.urls (placement remote), not {eng.placement}")
     if ctl.partial_rollouts and eng.placement != "thread":
         raise ValueError("controller.partial_rollouts: interrupting in-flight generations is implemented for "
                          "engine.placement thread")

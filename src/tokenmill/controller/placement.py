@@ -212,6 +212,11 @@ def _weight_sync(cfg, urls: list[str], token: str | None, scratch: Path):
     survive = len(urls) > 1
     if cfg.engine.weight_sync == "files":
         return FileSync(urls, scratch / "weights", token=token, timeout_s=cfg.engine.timeout_s, drop_failed=survive)
+    if cfg.engine.weight_sync == "vllm":  # vLLM's own reload routes (tokenmill.engines.vllm)
+        from tokenmill.engines.vllm import VLLMReloadSync
+
+        return VLLMReloadSync(urls, scratch / "weights", token=token, timeout_s=cfg.engine.timeout_s,
+                              drop_failed=survive)
     return BroadcastSync(urls, token=token, timeout_s=cfg.engine.timeout_s, drop_failed=survive)
 
 

@@ -1,0 +1,42 @@
+"""`engine.sync: vllm` (no server needed): only for remote placements, and it builds the vLLM reload sync."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.config import RLConfig, load_config
+from tokenmill.types import ConfigError
+
+
+@pytest.mark.parametrize("placement", ["process", "thread", "colocated"])
+def test_vllm_sync_needs_remote_servers(placement):
+    with pytest.raises(ConfigError) as err:
+        load_config(RLConfig, {"model": {"path": "m"}, "data": {"task": "addition"}},
+                    {"engine.placement": placement, "engine.sync": "vllm"})
+    assert str(err.value).startswith("engine.sync"), str(err.value)
+
+
+def test_vllm_sync_is_the_reload_sync(tmp_path):
+    from tokenmill.controller.placement import _weight_sync
+    from tokenmill.engines.vllm import VLLMReloadSync
+
+    cfg = load_config(RLConfig, {"model": {"path": "m"}, "data": {"task": "addition"}},
+                      {"engine.placement": "remote", "engine.urls": ["http://127.0.0.1:9", "http://127.0.0.1:10"],
+                       "engine.sync": "vllm", "engine.timeout_s": 7})
+    sync = _weight_sync(cfg, list(cfg.engine.urls), None, tmp_path)
+    try:
+        assert isinstance(sync, VLLMReloadSync)
+        assert sync.servers.urls == ["http://127.0.0.1:9", "http://127.0.0.1:10"]
+        assert sync.folder == (tmp_path / "weights").resolve() and sync.drop_failed  # two servers: survive one
+    finally:
+        sync.close()
+
+
+def test_server_command_names_what_remote_engine_needs():
+    from tokenmill.engines import vllm
+
+    cmd = vllm.server_command("/venv/bin/python", "/m", port=8123)
+    flags = dict(zip(cmd[3::2], cmd[4::2]))  # after: python -m MODULE
+    assert cmd[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert flags["--served-model-name"] == "tokenmill" and flags["--logprobs-mode"] == "processed_logprobs"
+    assert flags["--host"] == "127.0.0.1" and flags["--port"] == "8123" and flags["--dtype"] == "float32"
