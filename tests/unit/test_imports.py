@@ -122,3 +122,56 @@ def test_import_strings_are_resolved_in_one_place():
             if attr in ("import_module", "spec_from_file_location") and attr not in allowed.get(path, set()):
                 found.append(f"{path.relative_to(package)}:{node.lineno} {attr}")
     assert not found, "resolve import strings with tokenmill.config.imports.resolve:\n" + "\n".join(found)
+
+
+REWARDS_MODULE = '''
+def hot_reward(completions, **kwargs):
+    return [0.25 for _ in completions]
+'''
+
+
+def _tokenmill(cwd, *args: str):
+    """The CLI as the installed command runs it: the current directory is not on sys.path (-P), no PYTHONPATH."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-P", "-m", "tokenmill.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_module_specs_resolve_from_the_current_directory_in_validate_and_train(tmp_path, tiny_model_path):
+    import yaml
+
+    (tmp_path / "hotcold.py").write_text(HOT_COLD)
+    (tmp_path / "hotrewards.py").write_text(REWARDS_MODULE)
+    tasks = [{"prompt": "hot-cold", "secret": 3 + i % 5} for i in range(4)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in tasks))
+    cfg = {
+        "model": {"path": tiny_model_path, "device": "cpu"},
+        "data": {"path": "rows.jsonl", "num_eval": 0},
+        "env": {"name": "hotcold:HotCold", "max_turns": 1, "max_episode_tokens": 64},
+        "rewards": [{"function": "hotrewards:hot_reward"}],
+        "generation": {"group_size": 2, "max_tokens": 2},
+        "controller": {"steps": 1, "prompts_per_step": 2},
+        "tracking": {"output_dir": "run", "console": "none"},
+        "checkpoint": {"every": 0, "save_final": False},
+    }
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    done = _tokenmill(tmp_path, "validate", "cfg.yaml")
+    assert done.returncode == 0, done.stderr
+    assert "cfg.yaml: valid." in done.stdout
+    # the file form too, as rewards take it
+    (tmp_path / "file.yaml").write_text(yaml.safe_dump(cfg | {"env": cfg["env"] | {"name": "hotcold.py:HotCold"}}))
+    assert _tokenmill(tmp_path, "validate", "file.yaml").returncode == 0
+    # a module that is not there is still refused by validate, naming the field
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(cfg | {"env": cfg["env"] | {"name": "nothere:HotCold"}}))
+    bad = _tokenmill(tmp_path, "validate", "bad.yaml")
+    assert bad.returncode == 2
+    assert "env.name: cannot import module 'nothere': ModuleNotFoundError: No module named 'nothere'" in bad.stderr
+    done = _tokenmill(tmp_path, "train", "cfg.yaml")
+    assert done.returncode == 0, done.stderr[-2000:]
+    [row] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+             if "reward/mean" in line]
+    assert row["agent/failed_episodes"] == 0

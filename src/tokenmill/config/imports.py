@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -33,8 +34,17 @@ def resolve(spec: str, field: str) -> Any:
 
 
 def _import(module_name: str, field: str) -> ModuleType:
+    """Import a module; one that is not found is looked for in the current directory too, as `python -m`
+    finds it (the `tokenmill` command's sys.path holds only its own folder), so 'hotcold:HotCold' next to
+    the config works without PYTHONPATH. The directory goes last: it never shadows an installed package."""
     try:
         return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        cwd = os.getcwd()
+        if exc.name != module_name.partition(".")[0] or cwd in sys.path or "" in sys.path:
+            raise ConfigError(f"{field}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
+        sys.path.append(cwd)
+        return _import(module_name, field)
     except Exception as exc:  # noqa: BLE001 - any failure of user code at import is a config problem to report
         raise ConfigError(f"{field}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
 
