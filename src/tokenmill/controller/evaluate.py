@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
+from tokenmill.envs.metrics import episode_metrics, succeeded
 from tokenmill.rollout.generator import Generator
 from tokenmill.types import Group, Sample, StopReason
 
@@ -27,7 +28,9 @@ def rollout_metrics(groups: list[Group]) -> tuple[dict[str, Any], list[str]]:
     valid = [s.reward for s in samples if not math.isnan(s.reward)]
     m["reward/mean"], m["reward/std"] = _mean_std(valid)
     m["reward/unscored"] = len(samples) - len(valid)
-    m["accuracy"] = sum(r >= ACCURACY_THRESHOLD for r in valid) / max(1, len(samples))
+    # an environment's info["solved"] where it reports one, else a total of 1.0
+    m["accuracy"] = sum(succeeded(s, ACCURACY_THRESHOLD) for s in samples) / max(1, len(samples))
+    m |= episode_metrics(samples)  # env/turns, env/solved, env/<info key>
     names = samples[0].rewards.keys() if samples else []
     errors: Counter[str] = Counter()
     for name in names:
@@ -89,7 +92,8 @@ def evaluate(
 
 def evaluate_agent(agent, rows, max_rows: int) -> dict[str, float]:
     """Held-out episodes, one per row: greedy, and sampled as in training. accuracy is the share of episodes
-    whose return reaches 1.0 (solved); failed episodes count as unsolved."""
+    the environment reports solved (`info["solved"]`; without it, whose return reaches 1.0); failed episodes
+    count as unsolved. The environment's info numbers are logged as eval/[sampled_]env/<key>."""
     rows = [rows[i] for i in range(min(len(rows), max_rows))]
     out: dict[str, float] = {"eval/rows": len(rows)}
     for tag, params in (("", replace(agent.params, n=1, greedy=True)), ("sampled_", None)):
@@ -97,6 +101,8 @@ def evaluate_agent(agent, rows, max_rows: int) -> dict[str, float]:
         returns = [s.reward for g in groups for s in g.samples]
         valid = [r for r in returns if not math.isnan(r)]
         out[f"eval/{tag}reward_mean"] = statistics.fmean(valid) if valid else math.nan
-        out[f"eval/{tag}accuracy"] = sum(r >= ACCURACY_THRESHOLD for r in valid) / max(1, len(returns))
-        out[f"eval/{tag}turns_mean"] = statistics.fmean(s.row["turns"] for g in groups for s in g.samples)
+        samples = [s for g in groups for s in g.samples]
+        out[f"eval/{tag}accuracy"] = sum(succeeded(s, ACCURACY_THRESHOLD) for s in samples) / max(1, len(returns))
+        out[f"eval/{tag}turns_mean"] = statistics.fmean(s.row["turns"] for s in samples)
+        out |= episode_metrics(samples, prefix=f"eval/{tag}env/")
     return out
