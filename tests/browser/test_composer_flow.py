@@ -287,3 +287,16 @@ def test_a_launch_beyond_the_cap_shows_the_servers_reason_once(page, composer, t
             assert refused["error"].startswith("runs: 1 run(s) already running")
         finally:
             assert c.post(f"/api/runs/{running}/stop").json()["status"] == "stopped"
+
+
+def test_a_reload_keeps_the_composed_config_and_the_reward_code(page):
+    _fill(page, "controller.steps", "7")
+    page.get_by_test_id("nav-rewards").click()
+    page.get_by_test_id("reward-name-0").fill("kept_reward")
+    _set_code(page, 0, "# written before the reload\ndef kept_reward(completions, **kw):\n    return [1.0] * len(completions)\n")
+    expect(page.get_by_test_id("reward-editor-0").locator(".cm-content")).to_contain_text("# written before the reload")
+    page.reload()
+    expect(page.get_by_test_id("reward-name-0")).to_have_value("kept_reward")  # the hash kept the page
+    expect(page.get_by_test_id("reward-editor-0").locator(".cm-content")).to_contain_text("# written before the reload")
+    page.get_by_test_id("nav-compose").click()
+    expect(page.get_by_test_id("field-controller.steps")).to_have_value("7")

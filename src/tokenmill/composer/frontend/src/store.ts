@@ -27,7 +27,7 @@ export function newReward(index: number): RewardDraft {
   return { name, function: name, weight: 1, code: REWARD_TEMPLATE.replace("my_reward", name) };
 }
 
-let state: State = {
+const INITIAL: State = {
   page: "compose",
   mode: "rl",
   level: "simple",
@@ -38,6 +38,32 @@ let state: State = {
   rewards: [newReward(0)],
   runId: null,
 };
+
+// What is being composed survives a reload: kept in this browser's localStorage (never sent anywhere).
+// Where the user is (page, run) lives in the URL's hash instead.
+const SAVED_KEY = "tokenmill.composer.draft.v1";
+const SAVED: (keyof State)[] = ["mode", "level", "config", "presetId", "deviceMemoryGib", "numDevices", "rewards"];
+
+function restored(): State {
+  try {
+    const saved = JSON.parse(localStorage.getItem(SAVED_KEY) ?? "null");
+    if (!saved || typeof saved !== "object") return INITIAL;
+    const kept = Object.fromEntries(SAVED.filter((k) => k in saved).map((k) => [k, saved[k]]));
+    return { ...INITIAL, ...kept };
+  } catch {
+    return INITIAL; // unreadable or blocked storage: start fresh
+  }
+}
+
+function save(s: State): void {
+  try {
+    localStorage.setItem(SAVED_KEY, JSON.stringify(Object.fromEntries(SAVED.map((k) => [k, s[k]]))));
+  } catch {
+    // storage full or blocked: the draft lives until the reload, as before
+  }
+}
+
+let state: State = restored();
 const listeners = new Set<() => void>();
 
 export function getState(): State {
@@ -46,6 +72,7 @@ export function getState(): State {
 
 export function update(patch: Partial<State>): void {
   state = { ...state, ...patch };
+  if (SAVED.some((k) => k in patch)) save(state);
   listeners.forEach((fn) => fn());
 }
 
