@@ -80,11 +80,9 @@ class EndpointPool:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self.endpoints = [
-            Endpoint(u.rstrip("/"), httpx.Client(base_url=u.rstrip("/"), headers=headers, timeout=timeout,
-                                                 limits=limits))
-            for u in urls
-        ]
+        self._client_args = {"headers": headers, "timeout": timeout, "limits": limits}
+        self.endpoints = [Endpoint(u.rstrip("/"), httpx.Client(base_url=u.rstrip("/"), **self._client_args))
+                          for u in urls]
         self.retries, self.backoff_s, self.cooldown_s = retries, backoff_s, cooldown_s
         self._lock = threading.Lock()
         self._turn = 0
@@ -172,6 +170,18 @@ class EndpointPool:
                 ep.down_until = 0.0
             status[ep.url] = ok
         return status
+
+    def replace(self, old_url: str, new_url: str) -> None:
+        """Swap a server for its replacement (a restarted replica): requests in flight to the old one finish or
+        fail over as usual; new requests may go to the new one at once."""
+        fresh = Endpoint(new_url.rstrip("/"), httpx.Client(base_url=new_url.rstrip("/"), **self._client_args))
+        with self._lock:
+            urls = [e.url for e in self.endpoints]
+            if old_url.rstrip("/") not in urls:
+                raise ValueError(f"{old_url} is not one of this pool's servers ({', '.join(urls)})")
+            i = urls.index(old_url.rstrip("/"))
+            # the old client is left open: a request still in flight on it fails over instead of raising
+            self.endpoints = [*self.endpoints[:i], fresh, *self.endpoints[i + 1:]]
 
     def stats(self) -> dict[str, dict[str, Any]]:
         now = time.monotonic()

@@ -1,0 +1,186 @@
+"""Engine servers (`tokenmill serve`) as Ray actors, reached through the usual `RemoteEngine`, replaced when
+one dies.
+
+Each replica is one actor that starts one `tokenmill serve` process on its node and reports the URL. The
+server binds the node's address: 127.0.0.1 on a local cluster; on a multi-node cluster the node's address,
+which `tokenmill serve` only accepts with a bearer token (`engine.token` or $TOKENMILL_SERVE_TOKEN). The
+server dies with its actor (parent-death signal), so killing either ends the replica.
+
+`EngineFleet.check()` (or the `watch` thread) asks every replica whether its server still runs, with a limit;
+a dead one is replaced by a new actor, and the pool (`EndpointPool.replace`) and a files weight sync get the
+new URL. Meanwhile the pool sends requests to the live replicas (its own failover). The new replica starts
+from `model_dir`; `on_replace(url)` lets the caller push the current weights to it before the next rollout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.controller.ray.cluster import LOOPBACK, ClusterError, RayCluster, import_ray
+
+log = logging.getLogger("tokenmill.controller.ray")
+
+
+class EngineServerActor:
+    """The body of one replica actor (wrapped with `ray.remote` by `EngineFleet`)."""
+
+    def __init__(self, model_dir: str, *, seed: int, device: str, threads: int, timeout_s: float,
+                 token: str | None) -> None:
+        import ray
+        from tokenmill.sandbox.lifetime import preexec_die_with_parent
+        from tokenmill.serving import wait_for_port
+
+        host = ray.util.get_node_ip_address()
+        cmd = [sys.executable, "-m", "tokenmill.cli", "serve", model_dir, "--port", "0", "--host", host,
+               "--seed", str(seed), "--device", device]
+        env = dict(os.environ)
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        if host != LOOPBACK:
+            if not token:
+                raise ClusterError(f"engine replica on node {host}: a server reachable from other nodes needs a "
+                                   "bearer token (engine.token or $TOKENMILL_SERVE_TOKEN)")
+            cmd.append("--allow-remote")
+        if token:
+            env["TOKENMILL_SERVE_TOKEN"] = token  # in the environment, not on a command line others can read
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=preexec_die_with_parent())  # noqa: PLW1509
+        try:
+            port = wait_for_port(self.proc, timeout_s=timeout_s)
+        except (TimeoutError, ChildProcessError) as exc:
+            self.proc.kill()
+            raise ClusterError(f"engine replica: `tokenmill serve` {exc}") from None
+        self.url = f"http://{host}:{port}"
+        self.node_id = ray.get_runtime_context().get_node_id()
+
+    def info(self) -> dict[str, Any]:
+        return {"url": self.url, "server_pid": self.proc.pid, "actor_pid": os.getpid(), "node_id": self.node_id}
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@dataclass
+class Replica:
+    actor: Any
+    url: str
+    server_pid: int
+    actor_pid: int
+    node_id: str
+
+
+class EngineFleet:
+    """`replicas` engine server actors of `cpus`/`gpus` each; `urls` for a `RemoteEngine`."""
+
+    def __init__(self, cluster: RayCluster, model_dir: str, replicas: int, *, cpus: float = 1, gpus: float = 0,
+                 seed: int = 0, device: str = "cpu", threads: int = 0, start_timeout_s: float = 180.0,
+                 token: str | None = None, check_timeout_s: float = 10.0) -> None:
+        self.cluster, self.model_dir = cluster, model_dir
+        self.cpus, self.gpus, self.seed, self.device, self.threads = cpus, gpus, seed, device, threads
+        self.start_timeout_s, self.token, self.check_timeout_s = start_timeout_s, token, check_timeout_s
+        self.engine = None  # a RemoteEngine whose pool (and sync) follow replacements: `attach`
+        self.on_replace: Callable[[str], None] | None = None
+        self.restarts = 0
+        self._started = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self.replicas: list[Replica] = self._start(replicas)
+
+    @property
+    def urls(self) -> list[str]:
+        return [r.url for r in self.replicas]
+
+    def _start(self, count: int) -> list[Replica]:
+        ray = import_ray()
+        cls = ray.remote(EngineServerActor).options(num_cpus=self.cpus, num_gpus=self.gpus, max_restarts=0)
+        actors = []
+        for _ in range(count):
+            actors.append(cls.remote(self.model_dir, seed=self.seed + self._started, device=self.device,
+                                     threads=self.threads, timeout_s=self.start_timeout_s, token=self.token))
+            self._started += 1
+        try:
+            infos = self.cluster.get([a.info.remote() for a in actors], timeout_s=self.start_timeout_s + 30,
+                                     what=f"starting {count} engine replica(s)")
+        except BaseException:
+            for a in actors:
+                ray.kill(a, no_restart=True)
+            raise
+        return [Replica(a, **i) for a, i in zip(actors, infos)]
+
+    def attach(self, engine) -> None:
+        """Follow replacements in `engine` (a `RemoteEngine` over `self.urls`): its pool and files sync."""
+        self.engine = engine
+
+    def _is_alive(self, replica: Replica) -> bool:
+        ray = import_ray()
+        try:
+            return bool(ray.get(replica.actor.alive.remote(), timeout=self.check_timeout_s))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+
+    def check(self) -> list[str]:
+        """Replace every replica whose server or actor is gone; the new URLs (logged)."""
+        with self._lock:
+            new_urls = []
+            for i, replica in enumerate(list(self.replicas)):
+                if self._is_alive(replica):
+                    continue
+                ray = import_ray()
+                ray.kill(replica.actor, no_restart=True)
+                [fresh] = self._start(1)
+                self.replicas[i] = fresh
+                self.restarts += 1
+                log.warning("engine replica %s died; replaced by %s (restart %d)", replica.url, fresh.url,
+                            self.restarts)
+                self._rewire(replica.url, fresh.url)
+                new_urls.append(fresh.url)
+            return new_urls
+
+    def _rewire(self, old: str, new: str) -> None:
+        if self.engine is not None:
+            self.engine.pool.replace(old, new)
+            servers = getattr(self.engine.sync, "servers", None)  # files sync: a list of URLs to load from
+            if servers is not None:
+                servers.urls = [u for u in servers.urls if u != old] + [new]
+        if self.on_replace is not None:
+            self.on_replace(new)
+
+    def watch(self, interval_s: float = 2.0) -> None:
+        """Check every `interval_s` seconds in a background thread until `close`."""
+        def loop() -> None:
+            while not self._stop.wait(interval_s):
+                try:
+                    self.check()
+                except Exception:  # a failed replacement is retried at the next check
+                    log.exception("engine replica check failed")
+
+        self._watcher = threading.Thread(target=loop, name="tokenmill-engine-watch", daemon=True)
+        self._watcher.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=self.check_timeout_s + self.start_timeout_s)
+        ray = import_ray()
+        stops = [r.actor.stop.remote() for r in self.replicas]
+        try:
+            ray.get(stops, timeout=15)
+        except (ray.exceptions.RayError, TimeoutError) as exc:  # a dead replica: nothing to stop
+            log.info("engine replicas: stop: %s", exc)
+        for r in self.replicas:
+            ray.kill(r.actor, no_restart=True)
