@@ -259,6 +259,11 @@ class TrainingConfig(Section):
         "killed and resumed ends with exactly the weights of an uninterrupted one (slower; see "
         "docs/reliability.md)."
     )
+    backend: Literal["local", "fsdp2"] = Field(
+        "local", description="local: one process trains the whole model. fsdp2: every torchrun rank trains a "
+        "shard of it (FSDP2) on its share of each step's prompt groups and samples its share of the prompts; "
+        "launch with torchrun (see docs/scale-out.md)."
+    )
 
 
 class ControllerConfig(Section):
@@ -409,6 +414,10 @@ class RLConfig(Section):
         if self.algorithm.kl_in_reward and self.algorithm.advantage != "gae":
             raise ValueError("algorithm.kl_in_reward: only PPO (algorithm.advantage 'gae') has per-token rewards")
         _check_async(self)
+        if self.training.backend == "fsdp2" and (self.engine.placement != "colocated" or self.proxy is not None
+                                                 or self.model.lora.rank > 0):
+            raise ValueError("training.backend: fsdp2 runs with engine.placement colocated (each rank samples "
+                             "its share of the prompts), without proxy and without model.lora")
         if self.proxy is not None and (self.engine.placement != "colocated" or self.controller.max_staleness):
             raise ValueError("proxy: proxy mode serves the policy itself (the agent plays while the trainer trains, "
                              "one version behind); leave engine.placement colocated and controller.max_staleness 0")

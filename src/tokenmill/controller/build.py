@@ -178,20 +178,36 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     random.seed(cfg.training.seed)
     train_rows, eval_rows, task_reward = build_datasets(cfg, dataset)
     reward_set = build_rewards(cfg, rewards, task_reward)
+    sharded = cfg.training.backend == "fsdp2"
+    if sharded:  # join the torchrun group first: with CUDA that picks this rank's GPU
+        from tokenmill.training import dist
+        from tokenmill.training.sharded import ShardedBackend
+
+        dist.init_distributed()
     device = resolve_device(cfg.model.device)
     amp = autocast_dtype(cfg.model, device)
     model, tokenizer = load_policy(cfg.model, device)
     gen = cfg.generation
     # colocated, in-process: the engine samples from the trainer's own module, so weight sync is free
-    engine = HFEngine(model, tokenizer, seed=cfg.training.seed, autocast_dtype=amp)
+    # (fsdp2: each rank's engine samples from a full copy, refreshed from the shards after every update)
+    engine = (dist.RankedEngine if sharded else HFEngine)(
+        model, tokenizer, seed=cfg.training.seed + (dist.rank() if sharded else 0), autocast_dtype=amp
+    )
     tr = cfg.training
     optimizer_steps = cfg.controller.steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches
-    backend = LocalBackend(
-        model, learning_rate=tr.learning_rate, total_steps=optimizer_steps, weight_decay=tr.weight_decay,
-        betas=tr.betas, warmup_steps=tr.warmup_steps, lr_schedule=tr.lr_schedule,
-        max_grad_norm=tr.max_grad_norm, micro_batch_tokens=tr.micro_batch_tokens,
-        temperature=gen.temperature, autocast_dtype=amp, share_prompts=tr.share_prompts,
-    )
+    train: dict[str, Any] = {
+        "learning_rate": tr.learning_rate, "total_steps": optimizer_steps, "weight_decay": tr.weight_decay,
+        "betas": tr.betas, "warmup_steps": tr.warmup_steps, "lr_schedule": tr.lr_schedule,
+        "max_grad_norm": tr.max_grad_norm, "micro_batch_tokens": tr.micro_batch_tokens,
+        "temperature": gen.temperature, "autocast_dtype": amp, "share_prompts": tr.share_prompts,
+    }
+    if sharded:
+        backend: TrainBackend = ShardedBackend(
+            copy.deepcopy(model), checkpoint_dir=Path(cfg.tracking.output_dir) / "checkpoints" / "shards",
+            keep=cfg.checkpoint.keep_last + 1, **train,
+        )
+    else:
+        backend = LocalBackend(model, **train)
     reference = None
     if cfg.algorithm.kl_coef > 0:
         lora = cfg.model.lora.rank > 0  # the base is the policy with its adapters off: no copy
@@ -212,14 +228,20 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     tk = cfg.tracking
-    logger = MetricsLogger(
-        out, cfg.controller.steps, console=tk.console, log_every=tk.log_every, tensorboard=tk.tensorboard,
-        wandb=tk.wandb, wandb_project=tk.wandb_project, run_config=cfg.model_dump(mode="json"),
-    )
+    actor: Rollout = agent or generator
+    if sharded:  # each rank plays its share of the prompts; rank 0 alone logs and evaluates
+        actor = dist.ShardedRollout(actor)
+    if sharded and not dist.is_main():
+        logger, eval_rows = dist.QuietLogger(), None
+    else:
+        logger = MetricsLogger(
+            out, cfg.controller.steps, console=tk.console, log_every=tk.log_every, tensorboard=tk.tensorboard,
+            wandb=tk.wandb, wandb_project=tk.wandb_project, run_config=cfg.model_dump(mode="json"),
+        )
     return Run(
         cfg=cfg, model=model, tokenizer=tokenizer, engine=engine,
         generator=generator, backend=backend, reference=reference, critic=critic, agent=agent,
-        actor=agent or generator,
+        actor=actor,
         source=PromptSource(train_rows, seed=cfg.training.seed, shuffle=cfg.data.shuffle),
         eval_rows=eval_rows, logger=logger, update_rng=random.Random(cfg.training.seed + 1), output_dir=out,
     )

@@ -16,6 +16,7 @@ from tokenmill.controller.feeds import Feed, rollout_feed
 from tokenmill.rewards.watch import RewardFailureWatch
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.critic import gae_advantages
+from tokenmill.training.dist import barrier, is_main
 from tokenmill.training.update import policy_update, value_update
 from tokenmill.types import Group, Sample
 
@@ -71,7 +72,7 @@ def run_rl(run: Run) -> dict[str, Any]:
     trained = start < end
     if cfg.checkpoint.save_final and trained:
         save(run, end, feed)
-    if owed or (cfg.checkpoint.save_final and trained):
+    if (owed or (cfg.checkpoint.save_final and trained)) and is_main():
         export_atomic(run.model, run.tokenizer, run.output_dir / "final")
     if run.eval_rows is not None and (trained or owed):
         result["eval_after"] = held_out(run)
@@ -193,7 +194,10 @@ def save(run: Run, step: int, feed: Feed) -> None:
     }
     if run.critic is not None:
         state["critic"] = run.critic.state_dict()
-    save_checkpoint(run.output_dir / "checkpoints", step, run.model, state, keep_last=run.cfg.checkpoint.keep_last)
+    if is_main():  # one writer of the folder (with fsdp2 every rank wrote its shards in state_dict above)
+        save_checkpoint(run.output_dir / "checkpoints", step, run.model, state,
+                        keep_last=run.cfg.checkpoint.keep_last)
+    barrier()
 
 
 def resume(run: Run) -> tuple[int, dict]:

@@ -39,8 +39,9 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, init_method: str | No
     if torch.cuda.is_available():
         backend = "nccl"
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    given = {"init_method": init_method, "rank": rank, "world_size": world_size}
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                            **{k: v for k, v in given.items() if v is not None})
     return dist.get_rank(), dist.get_world_size()
 
 
