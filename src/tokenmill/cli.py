@@ -1,4 +1,4 @@
-"""`tokenmill quickstart | train | sft | eval | validate | preference | env serve | composer | serve`.
+"""`tokenmill quickstart | train | sft | eval | validate | preference | env serve | composer | serve | vllm`.
 
 Config errors print one line per bad field and exit with status 2, never a traceback.
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 from tokenmill.types import ConfigError, TokenmillError
 
-CONFIG_COMMANDS = {"train", "sft", "eval", "validate", "preference"}
-LIGHT_COMMANDS = {"validate"}  # load no model: transformers / datasets stay unimported (validate answers in < 1 s)
+CONFIG_COMMANDS = {"train", "sft", "eval", "validate", "preference", "plan"}
+LIGHT_COMMANDS = {"validate", "plan"}  # load no model: transformers / datasets stay unimported (validate answers in < 1 s)
 MAX_LINE = 600  # characters of one error line shown (a message quoting a huge value is cut)
 
 
@@ -24,6 +24,19 @@ def _rl_config(path: str | None, overrides: list[str]):
     from tokenmill.config import RLConfig, load_config, parse_overrides
 
     return load_config(RLConfig, path, parse_overrides(overrides))
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """`tokenmill plan CONFIG`: where `cluster:` puts each trainer rank and engine replica; starts nothing."""
+    from tokenmill.controller.ray.plan import make_plan
+
+    cfg = _rl_config(args.config, args.overrides)
+    if cfg.cluster.backend != "ray":
+        print("cluster: local (one process, or the ranks torchrun starts); set cluster.backend: ray to place "
+              "ranks and engines on a Ray cluster")
+        return 0
+    print("\n".join(make_plan(cfg.cluster).lines()))
+    return 0
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -65,7 +78,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     cfg = load_config(SFTConfig, args.config, parse_overrides(args.overrides))
     check_model_and_data(cfg.model, cfg.data.path, cfg.data.split)
     if cfg.data.task:
-        rows, _, _ = task_splits(cfg.data.task, cfg.data.num_train, cfg.data.num_eval, seed=cfg.seed,
+        rows, _, _ = task_splits(cfg.data.task, cfg.data.num_train, cfg.data.held_out_rows, seed=cfg.seed,
                                  **cfg.data.task_kwargs)
     else:
         rows = load_rows(cfg.data.path, cfg.data.split)
@@ -239,6 +252,12 @@ def cmd_composer(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_vllm(args: argparse.Namespace) -> int:
+    from tokenmill.engines.vllm import serve_command
+
+    return serve_command(args)
+
+
 @functools.cache  # built once per process: argparse's setup costs more than validating a config
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__.split("\n")[0])
@@ -256,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("sft", cmd_sft, "supervised fine-tuning from a YAML config"),
         ("eval", cmd_eval, "greedy evaluation of a model on a config's data"),
         ("validate", cmd_validate, "check a config without loading anything"),
+        ("plan", cmd_plan, "print where a config's trainer ranks and engines run (starts nothing)"),
         ("preference", cmd_preference, "DPO / IPO / SimPO or a reward model on preference pairs"),
     ]:
         p = sub.add_parser(name, help=text,
@@ -295,6 +315,18 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
     srv.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (413 beyond)")
     srv.set_defaults(fn=cmd_serve)
+    vl = sub.add_parser("vllm", help="start a vLLM server for a model folder (vLLM in its own cached venv)")
+    vl.add_argument("model_dir", help="a Hugging Face model folder")
+    vl.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    vl.add_argument("--port", type=int, default=8000)
+    vl.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host (dev-mode routes!)")
+    vl.add_argument("--venv", default=None, help="vLLM's venv (default: ~/.cache/tokenmill/vllm-<version>)")
+    vl.add_argument("--install-only", action="store_true", help="build the venv, print its python, exit")
+    vl.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (default: the model's)")
+    vl.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache on CPU in GiB")
+    vl.add_argument("--no-prefix-cache", action="store_true", help="turn vLLM's prefix caching off")
+    vl.add_argument("--timeout-s", type=float, default=300.0, help="longest wait for the server to be ready")
+    vl.set_defaults(fn=cmd_vllm)
     comp = sub.add_parser("composer", help="web UI: compose a config, preview rewards, launch and watch runs")
     comp.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     comp.add_argument("--port", type=int, default=8600, help="port (0 picks a free one)")

@@ -24,12 +24,14 @@ cache (`/reset_prefix_cache`: cached KV blocks were computed with the old weight
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,13 +130,15 @@ def ensure_venv(venv: Path | None = None, version: str = VERSION, *, log: Path |
 
 # ================================================================================================ server
 def server_command(python: Path | str, model: str, *, host: str = "127.0.0.1", port: int = 8000,
-                   max_model_len: int = 512, dtype: str = "float32", seed: int = 0,
+                   max_model_len: int | None = 512, dtype: str = "float32", seed: int = 0,
                    extra: list[str] | None = None) -> list[str]:
-    """argv of a vLLM OpenAI server for the model folder `model` that RemoteEngine can sample from."""
+    """argv of a vLLM OpenAI server for the model folder `model` that RemoteEngine can sample from
+    (`max_model_len` None: the model's own context length)."""
+    length = ["--max-model-len", str(max_model_len)] if max_model_len else []
     return [
         str(python), "-m", SERVER_MODULE, "--model", str(model), "--host", host, "--port", str(port),
         "--served-model-name", SERVED_MODEL_NAME, "--logprobs-mode", LOGPROBS_MODE, "--dtype", dtype,
-        "--max-model-len", str(max_model_len), "--seed", str(seed),
+        "--seed", str(seed), *length,
         # eager: torch.compile's warm-up costs ~16 s of start-up and buys nothing for small models on CPU
         "--enforce-eager", *(extra or []),
     ]
@@ -186,15 +190,18 @@ class VLLMServer:
 
 def start_server(python: Path | str, model: str, *, port: int, host: str = "127.0.0.1", log: Path | None = None,
                  timeout_s: float = 240.0, kv_cache_gib: int = 1, weight_routes: bool = True,
-                 extra: list[str] | None = None) -> VLLMServer:
+                 max_model_len: int | None = 512, extra: list[str] | None = None) -> VLLMServer:
     """Start a vLLM server in its own process group and wait (at most `timeout_s`) until `/health` answers
     200; on timeout or an early exit the group is killed and `VLLMError` quotes the log's end."""
-    log = Path(log) if log is not None else Path(model).parent / f"vllm-{port}.log"
+    log = Path(log) if log is not None else Path(tempfile.gettempdir()) / f"tokenmill-vllm-{port}.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(server_command(python, model, host=host, port=port, extra=extra),
+        proc = subprocess.Popen(server_command(python, model, host=host, port=port, max_model_len=max_model_len,
+                                               extra=extra),
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=server_env(kv_cache_gib=kv_cache_gib, weight_routes=weight_routes),
-                                start_new_session=True)
+                                # its own group (stop() ends all of vLLM's processes); a caller killed with
+                                # -9 sends the API server SIGTERM, which shuts its engine processes down
+                                start_new_session=True, preexec_fn=_terminate_with_parent())  # noqa: PLW1509
     server = VLLMServer(f"http://{host}:{port}", proc, log)
     try:
         wait_healthy(server, timeout_s)
@@ -202,6 +209,24 @@ def start_server(python: Path | str, model: str, *, port: int, host: str = "127.
         server.stop(timeout_s=10)
         raise
     return server
+
+
+def _terminate_with_parent():
+    """A `preexec_fn`: the kernel sends the server SIGTERM when its parent dies. SIGTERM, not SIGKILL: only a
+    server that shuts down itself also ends its engine-core and worker processes (they outlive a killed one)."""
+    parent = os.getpid()
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: stop() and the process group still end the server
+        prctl = None
+
+    def preexec() -> None:
+        if prctl is not None:
+            prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the prctl
+            os._exit(1)
+
+    return preexec
 
 
 def wait_healthy(server: VLLMServer, timeout_s: float) -> None:
@@ -269,3 +294,36 @@ class VLLMReloadSync:
 
     def close(self) -> None:
         self.servers.close()
+
+
+# ================================================================================================ CLI
+def serve_command(args: Any) -> int:
+    """`tokenmill vllm MODEL_DIR`: build the venv when missing, start the server, wait until Ctrl-C."""
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.allow_remote:
+        raise VLLMError(f"--host {args.host}: the server runs with vLLM's dev-mode routes (weights, "
+                        "/collective_rpc); bind loopback, or pass --allow-remote on a trusted network")
+    venv = Path(args.venv).expanduser() if args.venv else default_venv()
+    if not (venv / READY_MARKER).exists():
+        print(f"building {PACKAGE}=={VERSION} into {venv} (a few minutes, about 3.5 GB)", flush=True)
+    python = ensure_venv(venv)
+    if args.install_only:
+        print(python)
+        return 0
+    extra = ["--no-enable-prefix-caching"] if args.no_prefix_cache else []
+    server = start_server(python, str(Path(args.model_dir).resolve()), port=args.port, host=args.host,
+                          timeout_s=args.timeout_s, kv_cache_gib=args.kv_cache_gib,
+                          max_model_len=args.max_model_len, extra=extra)
+    print(f"vLLM ready at {server.url} (log: {server.log})\n"
+          f"config: engine: {{placement: remote, urls: [{server.url}], sync: vllm}}", flush=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the server as Ctrl-C does
+    try:
+        server.process.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
