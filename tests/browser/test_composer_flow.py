@@ -320,3 +320,29 @@ def test_no_page_scrolls_sideways_on_a_phone(browser, composer, name):
         assert widths[2] >= 360, widths  # the page gets the screen, not what a 220 px sidebar leaves
     finally:
         context.close()
+
+
+def test_a_rewards_timeout_is_set_in_the_page(page, tiny_model_path):
+    """The timeout of a page's reward is an input; a reward that spins is cut at the one typed, and the
+    preview request carries it."""
+    page.get_by_test_id("yaml-input").fill(yaml.safe_dump({
+        "mode": "rl", "model": {"path": tiny_model_path}, "data": {"task": "addition"},
+        "generation": {"max_tokens": 4}}))
+    page.get_by_test_id("import-yaml").click()
+    expect(page.get_by_test_id("validation-status")).to_have_text("valid")
+    page.get_by_test_id("nav-rewards").click()
+    page.get_by_test_id("reward-name-0").fill("spin")
+    page.get_by_test_id("reward-function-0").fill("spin")
+    _set_code(page, 0, "def spin(prompts, completions, **kw):\n    while True:\n        pass\n")
+    expect(page.get_by_test_id("reward-timeout-0")).to_have_value("10")
+    page.get_by_test_id("reward-timeout-0").fill("1.5")
+    page.get_by_test_id("reward-timeout-0").press("Tab")
+    page.get_by_test_id("preview-prompts").fill("1")
+    page.get_by_test_id("preview-samples").fill("2")
+    with page.expect_response(lambda r: r.url.endswith("/api/rewards/preview"), timeout=120_000) as answer:
+        page.get_by_test_id("preview-run").click()
+    assert answer.value.request.post_data_json["rewards"][0]["timeout_s"] == 1.5
+    out = answer.value.json()
+    spin = next(r for r in out["rewards"] if r["name"] == "spin")
+    assert spin["error"].startswith("no result within 1.5s (worker killed)") and spin["seconds"] < 10
+    expect(page.get_by_test_id("score-0-spin")).to_have_attribute("data-error", spin["error"])

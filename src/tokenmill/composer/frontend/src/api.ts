@@ -60,6 +60,7 @@ export interface RewardDraft {
   code: string;
   function: string;
   weight: number;
+  timeout_s?: number; // seconds one call may take (the server's default, 10, when unset)
 }
 
 export interface PreviewSample {

@@ -49,6 +49,24 @@ function RewardCard({ reward, index, total }: { reward: RewardDraft; index: numb
           <span class="mono weight">{reward.weight.toFixed(2)}</span>
           <span class="muted small">{share.toFixed(0)}%</span>
         </label>
+        <label class="inline" title="Seconds one call may take; past it the worker is killed and the samples get an error.">
+          <span class="muted small">timeout s</span>
+          <input
+            class="input narrow"
+            type="number"
+            min={0.1}
+            max={300}
+            step={1}
+            aria-label={`timeout in seconds of reward ${reward.name}`}
+            data-testid={`reward-timeout-${index}`}
+            value={reward.timeout_s ?? 10}
+            onChange={(e) => {
+              // out of range is sent as typed: the server's answer names the field and its limits
+              const seconds = Number((e.target as HTMLInputElement).value);
+              if (Number.isFinite(seconds)) setReward(index, { timeout_s: seconds });
+            }}
+          />
+        </label>
         <button
           class="btn ghost"
           data-testid={`reward-remove-${index}`}
