@@ -15,8 +15,8 @@ from typing import Any
 
 from tokenmill.types import ConfigError, TokenmillError
 
-CONFIG_COMMANDS = {"train", "sft", "eval", "validate", "preference"}
-LIGHT_COMMANDS = {"validate"}  # load no model: transformers / datasets stay unimported (validate answers in < 1 s)
+CONFIG_COMMANDS = {"train", "sft", "eval", "validate", "preference", "plan"}
+LIGHT_COMMANDS = {"validate", "plan"}  # load no model: transformers / datasets stay unimported (validate answers in < 1 s)
 MAX_LINE = 600  # characters of one error line shown (a message quoting a huge value is cut)
 
 
@@ -24,6 +24,19 @@ def _rl_config(path: str | None, overrides: list[str]):
     from tokenmill.config import RLConfig, load_config, parse_overrides
 
     return load_config(RLConfig, path, parse_overrides(overrides))
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """`tokenmill plan CONFIG`: where `cluster:` puts each trainer rank and engine replica; starts nothing."""
+    from tokenmill.controller.ray.plan import make_plan
+
+    cfg = _rl_config(args.config, args.overrides)
+    if cfg.cluster.backend != "ray":
+        print("cluster: local (one process, or the ranks torchrun starts); set cluster.backend: ray to place "
+              "ranks and engines on a Ray cluster")
+        return 0
+    print("\n".join(make_plan(cfg.cluster).lines()))
+    return 0
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -262,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("sft", cmd_sft, "supervised fine-tuning from a YAML config"),
         ("eval", cmd_eval, "greedy evaluation of a model on a config's data"),
         ("validate", cmd_validate, "check a config without loading anything"),
+        ("plan", cmd_plan, "print where a config's trainer ranks and engines run (starts nothing)"),
         ("preference", cmd_preference, "DPO / IPO / SimPO or a reward model on preference pairs"),
     ]:
         p = sub.add_parser(name, help=text,

@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
+from tokenmill.config.cluster import ClusterConfig
 from tokenmill.config.section import DEVICE, MAX_GROUP, MAX_SEQUENCES, MAX_TOKENS, Section
 
 UnitFloat = Annotated[float, Field(ge=0.0, lt=1.0)]
@@ -382,6 +383,8 @@ class RLConfig(Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Engine placement and weight sync.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig,
+                                   description="Trainer ranks and engine replicas on a Ray cluster (`tokenmill plan`).")
     proxy: ProxyConfig | None = Field(None, description="Train on episodes of an external OpenAI-API agent program.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
