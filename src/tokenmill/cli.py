@@ -78,7 +78,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     cfg = load_config(SFTConfig, args.config, parse_overrides(args.overrides))
     check_model_and_data(cfg.model, cfg.data.path, cfg.data.split)
     if cfg.data.task:
-        rows, _, _ = task_splits(cfg.data.task, cfg.data.num_train, cfg.data.num_eval, seed=cfg.seed,
+        rows, _, _ = task_splits(cfg.data.task, cfg.data.num_train, cfg.data.held_out_rows, seed=cfg.seed,
                                  **cfg.data.task_kwargs)
     else:
         rows = load_rows(cfg.data.path, cfg.data.split)

@@ -305,6 +305,13 @@ def check_run(cfg: RLConfig, rewards: list[Any] | None = None, dataset: Any = No
         problems.append(str(exc))
     if columns is not None:
         problems.extend(_column_problems(cfg, columns, functions))
+    if cfg.data.eval_path is not None:  # held-out rows are scored by the same rewards: the same columns
+        try:
+            held = dataset_columns(cfg.data.eval_path, cfg.data.split, field="data.eval_path")
+        except ConfigError as exc:
+            problems.append(str(exc))
+        else:
+            problems.extend(f"data.eval_path: {p}" for p in _column_problems(cfg, held, functions) if held is not None)
     if problems:
         raise ConfigError("\n".join(problems))
     return notes

@@ -14,6 +14,7 @@ from tokenmill.config.cluster import ClusterConfig
 from tokenmill.config.section import DEVICE, MAX_GROUP, MAX_SEQUENCES, MAX_TOKENS, Section
 
 UnitFloat = Annotated[float, Field(ge=0.0, lt=1.0)]
+TASK_EVAL_ROWS = 1000  # held-out rows a built-in task generates unless data.num_eval says otherwise
 
 
 class LoRAConfig(Section):
@@ -55,7 +56,14 @@ class DataConfig(Section):
     split: str = Field("train", description="Split to read when `path` is a dataset name or folder.")
     prompt_column: str = Field("prompt", description="Column holding the prompt (a string or chat messages).")
     num_train: int = Field(20000, ge=1, description="Rows generated for a built-in task's training set.")
-    num_eval: int = Field(1000, ge=0, description="Held-out rows for greedy evaluation (0 = no eval).")
+    num_eval: int | None = Field(
+        None, ge=0, description="Held-out rows for greedy evaluation (0 = none). A built-in task generates them "
+        f"(default {TASK_EVAL_ROWS}); a dataset (`path`) has them split off, seeded by training.seed (default 0)."
+    )
+    eval_path: str | None = Field(
+        None, description="Held-out rows in a dataset of their own (the forms `path` takes), evaluated with the "
+        "run's rewards or environment; for a `path` dataset, instead of `num_eval`."
+    )
     task_kwargs: dict = Field(default_factory=dict, description="Arguments for the built-in task generator.")
     task_reward_weight: float = Field(
         1.0, ge=0.0, description="Weight of the built-in task's verifier in the total reward; 0 keeps it as a "
@@ -63,10 +71,21 @@ class DataConfig(Section):
     )
     shuffle: bool = Field(True, description="Shuffle rows each epoch (seeded; resumes exactly).")
 
+    @property
+    def held_out_rows(self) -> int:
+        """Rows held out for evaluation: `num_eval`, or its default for the source (a task's, else none)."""
+        return self.num_eval if self.num_eval is not None else TASK_EVAL_ROWS if self.task is not None else 0
+
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
         if (self.task is None) == (self.path is None):
             raise ValueError("set exactly one of data.task or data.path")
+        if self.eval_path is not None and self.path is None:
+            raise ValueError("data.eval_path is for a dataset given by data.path (a built-in task makes its own "
+                             "held-out rows)")
+        if self.eval_path is not None and self.num_eval:
+            raise ValueError("set one of data.eval_path or data.num_eval (held-out rows come from a file or are "
+                             "split off data.path, not both)")
         from tokenmill.data.registry import task_names  # the one task registry (imported late: no cycle)
 
         tasks = task_names()

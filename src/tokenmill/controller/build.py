@@ -18,7 +18,7 @@ import yaml
 
 from tokenmill.config.imports import resolve
 from tokenmill.config.schema import LoRAConfig, ModelConfig, RewardFunctionConfig, RLConfig
-from tokenmill.data.prompts import PromptSource, load_rows
+from tokenmill.data.prompts import PromptSource, load_rows, split_held_out
 from tokenmill.engines.base import InferenceEngine
 from tokenmill.engines.hf import HFEngine
 from tokenmill.rewards.base import FunctionReward
@@ -99,22 +99,28 @@ def build_rewards(cfg: RLConfig, extra: list[Callable[..., Any]] | None = None, 
 
 
 def build_datasets(cfg: RLConfig, dataset=None):
-    """(train rows, eval rows or None, the task's reward function or None)."""
+    """(train rows, eval rows or None, the task's reward function or None). Held-out rows: a task's own, or
+    `data.num_eval` rows split off the dataset (a passed-in one only when num_eval is set), or `data.eval_path`."""
     from tokenmill.data.registry import task_splits
 
-    if dataset is not None:
-        return dataset, None, None
-    if cfg.data.task is not None:  # a row task brings its verifier; an env task's episodes are the reward
-        return task_splits(
-            cfg.data.task, cfg.data.num_train, cfg.data.num_eval, seed=cfg.training.seed, **cfg.data.task_kwargs
-        )
-    rows = load_rows(cfg.data.path, cfg.data.split)
-    if cfg.data.prompt_column not in rows.column_names:
-        raise ConfigError(
-            f"data.prompt_column: column {cfg.data.prompt_column!r} not in the dataset "
-            f"(columns: {', '.join(rows.column_names)})"
-        )
-    return rows, None, None
+    data = cfg.data
+    if dataset is None and data.task is not None:  # a row task brings its verifier; an env task's episodes are the reward
+        return task_splits(data.task, data.num_train, data.held_out_rows, seed=cfg.training.seed, **data.task_kwargs)
+    if dataset is None:
+        dataset = _with_prompts(load_rows(data.path, data.split), data.prompt_column, "data.path")
+    rows, held = split_held_out(dataset, data.num_eval or 0, seed=cfg.training.seed)
+    if data.eval_path is not None:
+        held = _with_prompts(load_rows(data.eval_path, data.split, "data.eval_path"), data.prompt_column,
+                             "data.eval_path")
+    return rows, held, None
+
+
+def _with_prompts(rows, column: str, field: str):
+    if column not in rows.column_names:
+        at = "" if field == "data.path" else f" at {field}"
+        raise ConfigError(f"data.prompt_column: column {column!r} not in the dataset{at} "
+                          f"(columns: {', '.join(rows.column_names)})")
+    return rows
 
 
 def load_policy(cfg: ModelConfig, device: torch.device):

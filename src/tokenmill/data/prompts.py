@@ -9,25 +9,42 @@ from typing import Any
 from tokenmill.types import ConfigError
 
 
-def load_rows(path: str, split: str = "train"):
-    """A local json/jsonl/csv/parquet file, a `save_to_disk` folder, or a `datasets` hub name."""
+def load_rows(path: str, split: str = "train", field: str = "data.path"):
+    """A local json/jsonl/csv/parquet file, a `save_to_disk` folder, or a `datasets` hub name (errors name
+    `field`)."""
     import datasets
 
     p = Path(path)
     if p.is_file():
         kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(p.suffix)
         if kind is None:
-            raise ConfigError(f"data.path: unsupported file type {p.suffix!r} (json, jsonl, csv, parquet)")
+            raise ConfigError(f"{field}: unsupported file type {p.suffix!r} (json, jsonl, csv, parquet)")
         try:
             return datasets.load_dataset(kind, data_files=str(p), split="train")
         except Exception as exc:  # noqa: BLE001 - a broken row deep in the file: one line, not a traceback
             cause = exc.__cause__ or exc
-            raise ConfigError(f"data.path: cannot read {path!r}: {type(cause).__name__}: {str(cause)[:200]}") from None
+            raise ConfigError(f"{field}: cannot read {path!r}: {type(cause).__name__}: {str(cause)[:200]}") from None
     if p.is_dir() and (p / "dataset_info.json").exists():
         return datasets.load_from_disk(str(p))
     if p.is_dir() and (p / split / "dataset_info.json").exists():
         return datasets.load_from_disk(str(p / split))
     return datasets.load_dataset(path, split=split)
+
+
+def split_held_out(rows, n: int, seed: int = 0, field: str = "data.num_eval"):
+    """(training rows, `n` held-out rows): a seeded draw of `n` rows, the rest kept in their order. `rows` is a
+    `datasets.Dataset` or a list of row dicts; at least one row must be left to train on."""
+    if n <= 0:
+        return rows, None
+    if n >= len(rows):
+        raise ConfigError(f"{field}: {n} held-out rows leave none of the dataset's {len(rows)} to train on")
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    held = sorted(order[:n])
+    kept = sorted(order[n:])
+    if hasattr(rows, "select"):  # a datasets.Dataset
+        return rows.select(kept), rows.select(held)
+    return [rows[i] for i in kept], [rows[i] for i in held]
 
 
 class PromptSource:
