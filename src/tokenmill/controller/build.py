@@ -93,7 +93,7 @@ def build_rewards(cfg: RLConfig, extra: list[Callable[..., Any]] | None = None, 
     if not rewards and cfg.env is None:
         raise ConfigError("rewards: give at least one reward (or an env, whose episodes' returns are the reward)")
     try:
-        return RewardSet(rewards)
+        return RewardSet(rewards, max_steps=cfg.controller.steps)
     except ValueError as exc:
         raise ConfigError(f"rewards: {exc}") from None
 

@@ -141,7 +141,7 @@ def log_step(run: Run, step: int, groups: list[Group], step_metrics: dict[str, A
     """Write the step's metrics (rollout, sampling, training, timing, an evaluation when due) and samples."""
     cfg, log = run.cfg, run.logger
     metrics, errors = rollout_metrics(groups)
-    metrics |= step_metrics | timer.report()
+    metrics |= step_metrics | timer.report() | run.generator.rewards.drain_metrics()  # TRL's log_metric
     metrics["throughput/e2e_tok_s"] = timer.tokens.get("generate", 0) / metrics["timing_s/step"]
     for e in errors:
         log.message(f"step {step}: {e}")
