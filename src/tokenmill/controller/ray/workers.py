@@ -1,0 +1,215 @@
+"""Trainer ranks as Ray actors: one `ShardedBackend` rank per actor, on the bundles of one placement group,
+driven by the driver with the same global batch; torn down and rebuilt from the last sharded checkpoint when a
+rank dies.
+
+Why the whole group and not one rank: a torch.distributed group cannot take a restarted member back (the
+survivors' sockets to the dead peer are broken), so a failure of any rank ends the group. The driver sees it
+within a second or so (the dead actor's calls fail at once, the survivors' collectives fail on the reset
+connection, and every wait has `cluster.call_timeout_s` as its limit), kills every rank, starts a new group on
+the same placement group, loads the last checkpoint and goes on; at most `max_restarts` times, each logged. A
+run never goes on with fewer ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.controller.ray.cluster import LOOPBACK, ClusterError, RayCluster, import_ray
+
+log = logging.getLogger("tokenmill.controller.ray")
+
+
+class RankFailure(ClusterError):
+    """A trainer rank died or a call on the group failed or ran out of time: the group is unusable."""
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What each rank builds: the model folder (same weights on every rank; the seed fixes any fresh heads),
+    where the sharded checkpoints go (a filesystem every node sees), and `LocalBackend`'s keyword arguments."""
+
+    model_path: str
+    checkpoint_dir: str
+    seed: int = 0
+    backend_kwargs: dict[str, Any] = field(default_factory=dict)
+    pg_timeout_s: float = 300.0  # a collective waiting longer than this raises in the rank
+
+
+class TrainerRankActor:
+    """The body of one rank actor (wrapped with `ray.remote` by `WorkerGroup`)."""
+
+    def rendezvous(self) -> str:
+        """rank 0: a TCP address on this node for the group's store (a free port, bound for a moment to find)."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        return f"tcp://{host}:{port}"
+
+    def setup(self, spec: BackendSpec, init_method: str, rank: int, world: int) -> dict[str, Any]:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        import ray
+        from tokenmill.training.dist import init_distributed
+        from tokenmill.training.sharded import ShardedBackend
+
+        if ray.util.get_node_ip_address() == LOOPBACK:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pairs on loopback, like the cluster
+        torch.set_num_threads(1)
+        init_distributed(spec.pg_timeout_s, init_method=init_method, rank=rank, world_size=world)
+        torch.manual_seed(spec.seed)
+        model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32)
+        self.backend = ShardedBackend(model, checkpoint_dir=spec.checkpoint_dir, **spec.backend_kwargs)
+        return {"rank": rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    def update(self, samples, algo, pad_id: int, max_tokens: int, seed: int) -> dict[str, float]:
+        """`policy_update` on the global batch (the backend trains this rank's share)."""
+        from tokenmill.training.update import policy_update
+
+        return policy_update(samples, self.backend, algo, pad_id=pad_id, max_tokens=max_tokens,
+                             rng=random.Random(seed))
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.backend, method)(*args)
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    pid: int
+    node_id: str
+
+
+class WorkerGroup:
+    """`ranks` trainer-rank actors on one placement group (`strategy` over the nodes, one bundle per rank)."""
+
+    def __init__(self, cluster: RayCluster, spec: BackendSpec, ranks: int, *, cpus_per_rank: int = 1,
+                 gpus_per_rank: int = 0, strategy: str = "PACK", start_timeout_s: float = 300.0) -> None:
+        ray = import_ray()
+        from ray.util.placement_group import placement_group
+
+        self.cluster, self.spec, self.world = cluster, spec, ranks
+        self.gpus_per_rank, self.start_timeout_s = gpus_per_rank, start_timeout_s
+        bundle = {"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
+        self.pg = placement_group([dict(bundle) for _ in range(ranks)], strategy=strategy)
+        try:
+            ray.get(self.pg.ready(), timeout=start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(self.pg)
+            raise ClusterError(f"cluster: {ranks} trainer bundles of {bundle} ({strategy}) were not placed within "
+                               f"{start_timeout_s:g} s: the cluster lacks the resources") from None
+        self.actors: list[Any] = []
+        self.ranks: list[RankInfo] = []
+        self.generation = 0  # how many times the group was (re)built
+        self._spawn()
+
+    def _spawn(self) -> None:
+        ray = import_ray()
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        cls = ray.remote(TrainerRankActor)
+        self.actors = [cls.options(
+            num_cpus=0, num_gpus=self.gpus_per_rank, max_restarts=0,  # the bundle holds the CPUs
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
+                                                                 placement_group_bundle_index=r),
+        ).remote() for r in range(self.world)]
+        t0 = time.monotonic()
+        try:
+            address = self.cluster.get(self.actors[0].rendezvous.remote(), timeout_s=self.start_timeout_s,
+                                       what="trainer rank 0 rendezvous")
+            infos = self.cluster.get([a.setup.remote(self.spec, address, r, self.world)
+                                      for r, a in enumerate(self.actors)],
+                                     timeout_s=self.start_timeout_s, what=f"starting {self.world} trainer ranks")
+        except Exception:
+            self.kill()
+            raise
+        self.ranks = [RankInfo(**i) for i in infos]
+        self.generation += 1
+        log.info("trainer group %d up in %.1f s: %s", self.generation, time.monotonic() - t0,
+                 ", ".join(f"rank {i.rank} pid {i.pid}" for i in self.ranks))
+
+    def _gather(self, refs: list, what: str) -> list[Any]:
+        """Every rank's answer; the first failure (a dead actor, an error, the time limit) raises at once."""
+        ray = import_ray()
+        pending, by_ref = list(refs), {r: i for i, r in enumerate(refs)}
+        deadline = time.monotonic() + self.cluster.call_timeout_s
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                raise RankFailure(f"{what}: no answer within {self.cluster.call_timeout_s:g} s "
+                                  "(cluster.call_timeout_s)")
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayError as exc:
+                rank = by_ref[done[0]]
+                raise RankFailure(f"{what}: trainer rank {rank} failed: {type(exc).__name__}: "
+                                  f"{str(exc).splitlines()[0][:300]}") from None
+        return ray.get(list(refs))
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """`backend.<method>(*args)` on every rank (a collective); every rank's answer."""
+        return self._gather([a.call.remote(method, *args) for a in self.actors], f"trainer {method}")
+
+    def update(self, samples: Sequence, algo, *, pad_id: int, max_tokens: int, seed: int) -> dict[str, float]:
+        """One `policy_update` on the global batch; the metrics (the same on every rank)."""
+        ray = import_ray()
+        ref = ray.put(list(samples))  # one copy in the object store, read by every rank
+        return self._gather([a.update.remote(ref, algo, pad_id, max_tokens, seed) for a in self.actors],
+                            "trainer update")[0]
+
+    def kill(self) -> None:
+        ray = import_ray()
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self.actors = []
+
+    def rebuild(self) -> None:
+        """A new group on the same placement group (the same nodes and devices)."""
+        self.kill()
+        self._spawn()
+
+    def close(self) -> None:
+        ray = import_ray()
+        self.kill()
+        ray.util.remove_placement_group(self.pg)
+
+
+def train_with_restarts(group: WorkerGroup, steps: int, step_fn: Callable[[WorkerGroup, int], Any], *,
+                        checkpoint_every: int, max_restarts: int) -> dict[str, Any]:
+    """Run `step_fn(group, step)` for steps 0..steps-1, saving a sharded checkpoint every `checkpoint_every`
+    steps; when a rank fails, rebuild the group, load the last checkpoint (or start over when there is none)
+    and go on from there, at most `max_restarts` times. Returns what happened (restarts, their steps)."""
+    saved: tuple[int, Any] | None = None
+    restarts: list[dict[str, Any]] = []
+    step = 0
+    while step < steps:
+        try:
+            step_fn(group, step)
+            step += 1
+            if step % checkpoint_every == 0 or step == steps:
+                saved = (step, group.call("state_dict")[0])
+        except RankFailure as exc:
+            if len(restarts) >= max_restarts:
+                raise RankFailure(f"{exc}; gave up after {max_restarts} restart(s) (cluster.max_restarts)") from None
+            t0 = time.monotonic()
+            group.rebuild()
+            resume = 0
+            if saved is not None:
+                resume, state = saved
+                group.call("load_state_dict", state)
+            restarts.append({"failed_at": step, "resumed_from": resume, "error": str(exc),
+                             "seconds": round(time.monotonic() - t0, 2)})
+            log.warning("trainer rank failed at step %d (%s); group rebuilt (restart %d of at most %d), resuming "
+                        "from step %d", step, exc, len(restarts), max_restarts, resume)
+            step = resume
+    return {"steps": steps, "restarts": restarts}
