@@ -316,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (413 beyond)")
     srv.set_defaults(fn=cmd_serve)
     vl = sub.add_parser("vllm", help="start a vLLM server for a model folder (vLLM in its own cached venv)")
-    vl.add_argument("model_dir", help="a Hugging Face model folder")
+    vl.add_argument("model_dir", nargs="?", default=None, help="a Hugging Face model folder")
     vl.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     vl.add_argument("--port", type=int, default=8000)
     vl.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host (dev-mode routes!)")

@@ -309,6 +309,8 @@ def serve_command(args: Any) -> int:
     if args.install_only:
         print(python)
         return 0
+    if not args.model_dir:
+        raise VLLMError("vllm: name the model folder to serve (or pass --install-only)")
     extra = ["--no-enable-prefix-caching"] if args.no_prefix_cache else []
     server = start_server(python, str(Path(args.model_dir).resolve()), port=args.port, host=args.host,
                           timeout_s=args.timeout_s, kv_cache_gib=args.kv_cache_gib,
