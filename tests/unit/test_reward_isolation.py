@@ -154,3 +154,31 @@ def test_failures_are_kept_in_the_run_folder_naming_the_users_line(tmp_path, tin
     [failed] = [e for e in events if e["event"] == "reward_failed"]
     assert (failed["reward"], failed["failed"], failed["samples"], failed["version"]) == ("flaky", 2, 4, 0)
     assert failed["errors"] == [{"error": f"KeyError: 'no answer for BAD' at {__file__}:{line}", "samples": 2}]
+
+
+def correct(completions, answer, **kwargs):
+    return [1.0 if c == a else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+
+def format_ok(completions, **kwargs):
+    if "x" in completions:
+        raise ValueError("cannot parse x")
+    return [0.5 if c.isdigit() else 0.0 for c in completions]
+
+
+def test_the_generator_imputes_a_failed_score_within_each_prompts_group(tokenizer):
+    from tokenmill.rollout.generator import Generator, encode_prompts
+    from tokenmill.types import Completion, SamplingParams, StopReason
+
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+    texts = [["3", "x", "2"], ["a", "4", "b"]]  # 'x' is wrong and its format reward fails
+    completions = [[Completion(tuple(tokenizer(t, add_special_tokens=False)["input_ids"]), (0.0,) * len(t),
+                               StopReason.STOP, t) for t in group] for group in texts]
+    rewards = RewardSet([FunctionReward(correct, isolation="thread"), FunctionReward(format_ok, isolation="thread")])
+    generator = Generator(None, tokenizer, rewards, SamplingParams(n=3))
+    groups = generator.score(rows, encode_prompts(tokenizer, [r["prompt"] for r in rows]), completions, version=0)
+    # 'x' gets format = mean(0.5, 0.5) of its own group (not 0.3, the batch's), so it ties with '3'
+    assert [s.reward for s in groups[0].samples] == [0.5, 0.5, 1.5]
+    assert [s.reward for s in groups[1].samples] == [0.0, 1.5, 0.0]
+    assert groups[0].samples[1].rewards == {"correct": 0.0, "format_ok": None}
+    assert groups[0].samples[1].reward_errors["format_ok"].startswith("ValueError: cannot parse x at ")
