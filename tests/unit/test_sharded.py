@@ -12,7 +12,7 @@ import torch
 from tokenmill.algorithms import token_weights
 from tokenmill.config import AlgorithmConfig
 from tokenmill.training import LocalBackend, collate
-from tokenmill.training.local import micro_token_stats
+from tokenmill.training.local import ReferenceModel, micro_token_stats
 from tokenmill.training.sharded import micro_batch_count, rank_rows
 from tokenmill.training.update import _batch_loss, policy_update
 from tokenmill.types import Sample, StopReason
@@ -59,7 +59,7 @@ def _worker(rank: int, world: int, tmp: str, model_path: str) -> None:
     import torch.distributed as dist
 
     from tokenmill.training.dist import init_distributed
-    from tokenmill.training.sharded import ShardedBackend
+    from tokenmill.training.sharded import ShardedBackend, ShardedReference
 
     torch.set_num_threads(1)
     init_distributed(init_method=f"file://{tmp}/store", rank=rank, world_size=world, timeout_s=120)
@@ -74,6 +74,9 @@ def _worker(rank: int, world: int, tmp: str, model_path: str) -> None:
         out["counts"].append(micro_batch_count(mine, 40, share_prompts=True, pack_sequences=False))
     probe = collate(_samples(99, vocab), [1.0] * 14, pad_id=0)
     out["forward"] = backend.forward(probe)
+    reference = ShardedReference(_model(model_path), temperature=1.0, token_budget=40)
+    out["reference"] = reference.forward(probe)
+    out["reference_one_group"] = reference.forward(probe.select(rank_rows(probe, 2)[0]))  # rank 1: no rows
     one_group = collate(_samples(98, vocab)[:6], [0.1] * 6, pad_id=0)  # one group: rank 1 has no rows
     out["one_group"] = backend.forward_backward(one_group, _batch_loss("ppo_clip", ALGO))
     backend.local.optimizer.zero_grad(set_to_none=True)
@@ -128,6 +131,13 @@ def test_matches_local_backend_step_by_step(two_ranks):
     probe = collate(_samples(99, vocab), [1.0] * 14, pad_id=0)
     torch.testing.assert_close(r0["forward"], local.forward(probe), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(r1["forward"], r0["forward"], rtol=0, atol=0)
+    # the sharded reference (a fresh copy of the initial weights) gives the unsharded one's logprobs
+    want_ref = ReferenceModel(_model(path), temperature=1.0, token_budget=40).forward(probe)
+    torch.testing.assert_close(r0["reference"], want_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(r1["reference"], r0["reference"], rtol=0, atol=0)
+    group = probe.select(rank_rows(probe, 2)[0])
+    torch.testing.assert_close(r0["reference_one_group"], want_ref[rank_rows(probe, 2)[0]][:, : group.input_ids_B_T.shape[1]],
+                               rtol=1e-5, atol=1e-6)
     one_group = collate(_samples(98, vocab)[:6], [0.1] * 6, pad_id=0)
     _close(r0["one_group"], local.forward_backward(one_group, _batch_loss("ppo_clip", ALGO)))
     local.optimizer.zero_grad(set_to_none=True)

@@ -187,7 +187,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     sharded = cfg.training.backend == "fsdp2"
     if sharded:  # join the torchrun group first: with CUDA that picks this rank's GPU
         from tokenmill.training import dist
-        from tokenmill.training.sharded import ShardedBackend
+        from tokenmill.training.sharded import ShardedBackend, ShardedReference
 
         dist.init_distributed()
     device = resolve_device(cfg.model.device)
@@ -215,7 +215,10 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     else:
         backend = LocalBackend(model, **train)
     reference = None
-    if cfg.algorithm.kl_coef > 0:
+    if cfg.algorithm.kl_coef > 0 and sharded:  # a frozen copy, sharded like the trainer
+        reference = ShardedReference(copy.deepcopy(model), temperature=gen.temperature,
+                                     token_budget=tr.micro_batch_tokens, share_prompts=tr.share_prompts)
+    elif cfg.algorithm.kl_coef > 0:
         lora = cfg.model.lora.rank > 0  # the base is the policy with its adapters off: no copy
         reference = ReferenceModel(
             model if lora else copy.deepcopy(model), temperature=gen.temperature,

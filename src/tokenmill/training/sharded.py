@@ -25,7 +25,7 @@ peak extra memory is one full tensor.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from tokenmill.training.base import BatchLoss
 from tokenmill.training.batch import Batch
 from tokenmill.training.dist import barrier, gather_objects, is_main, max_over_ranks, rank, world
-from tokenmill.training.local import LocalBackend
+from tokenmill.training.local import LocalBackend, ReferenceModel
 from tokenmill.training.packing import plan_rows, prompt_segments, sequence_segments
 from tokenmill.types import TokenmillError
 
@@ -133,6 +133,38 @@ def _dummy(batch: Batch) -> Batch:
     return replace(row, weights_B_T=torch.zeros_like(row.weights_B_T))
 
 
+def split_logprobs(batch: Batch, logprobs: Callable[[Batch], torch.Tensor], token_budget: int,
+                   share_prompts: bool) -> torch.Tensor:
+    """`logprobs` (a no-grad forward over an FSDP2 module) of the global `batch`: each rank runs its rows, padded
+    to the group's micro-batch count, and every rank receives all the rows."""
+    rows = rank_rows(batch, world())[rank()]
+    local = batch.select(rows) if rows else None
+    count = micro_batch_count(local, token_budget, share_prompts=share_prompts, pack_sequences=False)
+    padding = max_over_ranks(count) - count
+    part = logprobs(local) if local is not None else None
+    dummy = _dummy(batch)
+    for _ in range(padding):
+        logprobs(dummy)
+    out = torch.zeros_like(batch.old_logprobs_B_T)
+    for their_rows, their_part in gather_objects((rows, part)):
+        if their_part is not None:
+            out[their_rows, : their_part.shape[1]] = their_part
+    return out
+
+
+class ShardedReference(ReferenceModel):
+    """The frozen initial policy for the KL term, sharded like the trainer (1/N of its weights per rank); each
+    rank computes the reference logprobs of its rows of the global batch. Call on every rank."""
+
+    def __init__(self, model: torch.nn.Module, *, temperature: float, token_budget: int,
+                 share_prompts: bool = True) -> None:
+        super().__init__(shard_model(model.requires_grad_(False)), temperature=temperature,
+                         token_budget=token_budget, share_prompts=share_prompts)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return split_logprobs(batch, self._logprobs, self.token_budget, self.share_prompts)
+
+
 class ShardedBackend:
     """`TrainBackend` over an FSDP2-sharded module; call every verb on every rank with the same global batch.
 
@@ -177,18 +209,7 @@ class ShardedBackend:
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logprobs of the global batch: each rank computes its rows, then every rank gets all of them."""
-        rows = rank_rows(batch, world())[rank()]
-        local = batch.select(rows) if rows else None
-        padding = self._padding(local, train=False)
-        part = self.local.forward(local) if local is not None else None
-        dummy = _dummy(batch)
-        for _ in range(padding):
-            self.local.forward(dummy)
-        out = torch.zeros_like(batch.old_logprobs_B_T)
-        for their_rows, their_part in gather_objects((rows, part)):
-            if their_part is not None:
-                out[their_rows, : their_part.shape[1]] = their_part
-        return out
+        return split_logprobs(batch, self.local.forward, self.local.micro_batch_tokens, self.local.share_prompts)
 
     def optim_step(self) -> dict[str, float]:
         return self.local.optim_step()
