@@ -125,8 +125,10 @@ def test_infinite_loop_reward_is_cut_by_the_timeout(server, tiny_model_path):
     by_name = {x["name"]: x for x in out["rewards"]}
     for name in ("spin", "spin_at_import"):
         assert "no result within 1s" in by_name[name]["error"]
-        assert 0.9 <= by_name[name]["seconds"] < 2.5  # cut at the timeout, not later
-    assert elapsed < 30  # model load + sampling + two 1 s timeouts
+        # cut at the timeout, not later: a batch that times out is narrowed, with at most three timed-out calls
+        assert 0.9 <= by_name[name]["seconds"] < 3 * 1.0 + 1.5
+    assert by_name["spin"]["error"].endswith("; spin (<reward spin>:1)")  # the page's code, not tokenmill's
+    assert elapsed < 30  # model load + sampling + the timeouts
     assert len(out["samples"]) == 4
     for s in out["samples"]:
         assert s["scores"]["spin"] is None and "no result within" in s["errors"]["spin"]

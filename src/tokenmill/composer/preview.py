@@ -58,6 +58,23 @@ def code_reward_worker(code: str, function: str, per_sample: bool, filename: str
             loaded["fn"] = _filtered_call(fn, per_sample)
         return loaded["fn"](prompts, completions, **columns)
 
+    return _as_defined(call, code, function, filename)
+
+
+def _as_defined(call: Callable[..., Any], code: str, function: str, filename: str) -> Callable[..., Any]:
+    """`call` named after the user's function, and `__wrapped__` by a stand-in defined at that function's
+    line of the page's code: error texts (`rewards.base.defined_at`) then point at `<reward x>:line`, not at
+    this wrapper. The stand-in takes every keyword, as `call` does (`inspect.signature` follows
+    `__wrapped__`). The line is read from the syntax tree; nothing of the user's code runs here."""
+    import ast
+
+    tree = ast.parse(code, filename)
+    line = next((n.lineno for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and n.name == function), 1)
+    stand_in: dict[str, Any] = {}
+    exec(compile("\n" * (line - 1) + f"def {function}(**columns): pass", filename, "exec"), stand_in)  # noqa: S102
+    call.__name__ = call.__qualname__ = function
+    call.__wrapped__ = stand_in[function]  # type: ignore[attr-defined]
     return call
 
 
@@ -288,11 +305,11 @@ def _report(groups: list[Any], infos: list[dict[str, Any]], errors: list[str],
         out_groups.append({"group": g.group_id, "prompt": g.samples[0].prompt,
                            "mean": statistics.fmean(valid) if valid else None, "std": std,
                            "zero_variance": len(set(valid)) <= 1})
-    for info in infos:  # one error per reward when every sample of it failed the same way
+    for info in infos:  # one error per reward when every sample of it failed: the first sample's
         if info["error"] is None:
-            failed = {smp["errors"].get(info["name"]) for smp in out_samples}
-            if len(failed) == 1 and None not in failed:
-                info["error"] = failed.pop()
+            failed = [smp["errors"].get(info["name"]) for smp in out_samples]
+            if failed and None not in failed:
+                info["error"] = failed[0]
     zero = sum(g["zero_variance"] for g in out_groups) / max(1, len(out_groups))
     return {"samples": out_samples, "rewards": infos, "groups": out_groups, "zero_variance_fraction": zero,
             "errors": errors, "seconds": seconds}
