@@ -11,7 +11,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 
-def test_a_killed_replica_is_routed_around_then_replaced(ray_cluster, tiny_model_path):
+def test_a_killed_replica_is_routed_around_then_replaced(ray_cluster, tiny_model_path, listening_sockets):
     from tokenmill.controller.ray.engines import EngineFleet
     from tokenmill.engines.openai import RemoteEngine
     from tokenmill.types import SamplingParams
@@ -26,6 +26,9 @@ def test_a_killed_replica_is_routed_around_then_replaced(ray_cluster, tiny_model
         first = [r.url for r in fleet.replicas]
         assert len(set(first)) == 2 and all(u.startswith("http://127.0.0.1:") for u in first)
         assert [len(g) for g in engine.generate([[5, 6, 7]] * 4, params)] == [2, 2, 2, 2]
+        sockets = listening_sockets()
+        assert {r.server_pid for r in fleet.replicas} <= {pid for pid, *_ in sockets}
+        assert [s for s in sockets if s[2] != "127.0.0.1"] == []
 
         os.kill(fleet.replicas[0].server_pid, signal.SIGKILL)
         # the run keeps stepping on the live replica while the dead one is still listed

@@ -8,6 +8,10 @@ within a second or so (the dead actor's calls fail at once, the survivors' colle
 connection, and every wait has `cluster.call_timeout_s` as its limit), kills every rank, starts a new group on
 the same placement group, loads the last checkpoint and goes on; at most `max_restarts` times, each logged. A
 run never goes on with fewer ranks.
+
+The ranks meet through a file in the checkpoint folder (torch's FileStore), so the group opens no rendezvous
+port; their gloo/NCCL connections use the interface `GLOO_SOCKET_IFNAME` / `NCCL_SOCKET_IFNAME` name (loopback
+on a local cluster).
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ from __future__ import annotations
 import logging
 import os
 import random
-import socket
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tokenmill.controller.ray.cluster import LOOPBACK, ClusterError, RayCluster, import_ray
@@ -44,16 +49,6 @@ class BackendSpec:
 
 class TrainerRankActor:
     """The body of one rank actor (wrapped with `ray.remote` by `WorkerGroup`)."""
-
-    def rendezvous(self) -> str:
-        """rank 0: a TCP address on this node for the group's store (a free port, bound for a moment to find)."""
-        import ray
-
-        host = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        return f"tcp://{host}:{port}"
 
     def setup(self, spec: BackendSpec, init_method: str, rank: int, world: int) -> dict[str, Any]:
         import torch
@@ -123,10 +118,13 @@ class WorkerGroup:
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                                  placement_group_bundle_index=r),
         ).remote() for r in range(self.world)]
+        # the ranks meet through a file on the checkpoint filesystem, which every node sees anyway: no
+        # rendezvous port (torch's TCPStore would listen on every interface, with no way to bind it)
+        meet = Path(self.spec.checkpoint_dir) / ".rendezvous"
+        meet.mkdir(parents=True, exist_ok=True)
+        address = f"file://{meet.resolve()}/group-{self.generation + 1}-{uuid.uuid4().hex}"
         t0 = time.monotonic()
         try:
-            address = self.cluster.get(self.actors[0].rendezvous.remote(), timeout_s=self.start_timeout_s,
-                                       what="trainer rank 0 rendezvous")
             infos = self.cluster.get([a.setup.remote(self.spec, address, r, self.world)
                                       for r, a in enumerate(self.actors)],
                                      timeout_s=self.start_timeout_s, what=f"starting {self.world} trainer ranks")
@@ -141,7 +139,7 @@ class WorkerGroup:
     def _gather(self, refs: list, what: str) -> list[Any]:
         """Every rank's answer; the first failure (a dead actor, an error, the time limit) raises at once."""
         ray = import_ray()
-        pending, by_ref = list(refs), {r: i for i, r in enumerate(refs)}
+        pending = list(refs)
         deadline = time.monotonic() + self.cluster.call_timeout_s
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
@@ -150,11 +148,27 @@ class WorkerGroup:
                                   "(cluster.call_timeout_s)")
             try:
                 ray.get(done[0])
-            except ray.exceptions.RayError as exc:
-                rank = by_ref[done[0]]
-                raise RankFailure(f"{what}: trainer rank {rank} failed: {type(exc).__name__}: "
-                                  f"{str(exc).splitlines()[0][:300]}") from None
+            except ray.exceptions.RayError:
+                raise RankFailure(f"{what}: {self._diagnose(refs)}") from None
         return ray.get(list(refs))
+
+    def _diagnose(self, refs: list, settle_s: float = 2.0) -> str:
+        """Which ranks failed and how, the dead ones first: a dead rank makes the survivors' collectives fail
+        too, and either error may arrive first."""
+        ray = import_ray()
+        ray.wait(refs, num_returns=len(refs), timeout=settle_s)
+        dead, failed = [], []
+        for rank, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError as exc:
+                dead.append(f"trainer rank {rank} died ({type(exc).__name__})")
+            except ray.exceptions.GetTimeoutError:
+                continue
+            except ray.exceptions.RayError as exc:
+                cause = getattr(exc, "cause", None) or exc
+                failed.append(f"trainer rank {rank} failed: {type(cause).__name__}: {str(cause).splitlines()[0][:200]}")
+        return "; ".join(dead + failed) or "a trainer rank failed"
 
     def call(self, method: str, *args: Any) -> list[Any]:
         """`backend.<method>(*args)` on every rank (a collective); every rank's answer."""
