@@ -65,3 +65,27 @@ def test_a_run_reports_the_environments_success_and_info(tmp_path, tiny_model_pa
     assert metrics["accuracy"] == 1.0  # was 0.0: the return 0.5 is below 1.0, though every episode was solved
     assert (metrics["env/solved"], metrics["env/turns"], metrics["env/cost"]) == (1.0, 1.0, 0.5)
     assert "env/note" not in metrics
+
+
+def always_formatted(completions, **kwargs):
+    return [1.0 for _ in completions]
+
+
+def test_a_tasks_verifier_defines_training_accuracy_not_the_total(tmp_path, tiny_model_path):
+    import json
+
+    import tokenmill
+
+    cfg = {
+        "model": {"path": tiny_model_path, "device": "cpu"},
+        "data": {"task": "addition", "num_train": 16, "num_eval": 0},
+        "generation": {"group_size": 4, "max_tokens": 2},
+        "controller": {"steps": 1, "prompts_per_step": 4},
+        "tracking": {"output_dir": str(tmp_path / "run"), "console": "none", "log_samples": 16},
+        "checkpoint": {"every": 0, "save_final": False},
+    }
+    metrics = tokenmill.train(cfg, rewards=[always_formatted])["last_metrics"]
+    samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 16 and all(s["reward"] >= 1.0 for s in samples)  # every total reaches 1.0 ...
+    solved = sum(s["rewards"]["addition"] == 1.0 for s in samples) / 16
+    assert metrics["accuracy"] == solved and solved < 1.0  # ... but only the verifier's 1.0 is a success

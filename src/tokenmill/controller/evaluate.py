@@ -21,15 +21,24 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.pstdev(values) if len(values) > 1 else 0.0)
 
 
-def rollout_metrics(groups: list[Group]) -> tuple[dict[str, Any], list[str]]:
-    """Reward (total and per function), accuracy, lengths, stop reasons; plus distinct reward errors."""
+def _success(sample: Sample, accuracy_reward: str | None) -> bool:
+    """A built-in task's verifier scoring 1.0 where the sample has one, else the env's word or a total of 1.0."""
+    if accuracy_reward is not None and accuracy_reward in sample.rewards:
+        value = sample.rewards[accuracy_reward]
+        return value is not None and value >= ACCURACY_THRESHOLD
+    return succeeded(sample, ACCURACY_THRESHOLD)
+
+
+def rollout_metrics(groups: list[Group], accuracy_reward: str | None = None) -> tuple[dict[str, Any], list[str]]:
+    """Reward (total and per function), accuracy, lengths, stop reasons; plus distinct reward errors. accuracy:
+    the share of samples `accuracy_reward` (a built-in task's verifier) scores 1.0; without one, of episodes the
+    environment reports solved, or of totals reaching 1.0."""
     samples = [s for g in groups for s in g.samples]
     m: dict[str, Any] = {}
     valid = [s.reward for s in samples if not math.isnan(s.reward)]
     m["reward/mean"], m["reward/std"] = _mean_std(valid)
     m["reward/unscored"] = len(samples) - len(valid)
-    # an environment's info["solved"] where it reports one, else a total of 1.0
-    m["accuracy"] = sum(succeeded(s, ACCURACY_THRESHOLD) for s in samples) / max(1, len(samples))
+    m["accuracy"] = sum(_success(s, accuracy_reward) for s in samples) / max(1, len(samples))
     m |= episode_metrics(samples)  # env/turns, env/solved, env/<info key>
     names = samples[0].rewards.keys() if samples else []
     errors: Counter[str] = Counter()

@@ -140,7 +140,7 @@ def update(run: Run, step: int, samples: list[Sample]) -> dict[str, float]:
 def log_step(run: Run, step: int, groups: list[Group], step_metrics: dict[str, Any], timer) -> dict[str, Any]:
     """Write the step's metrics (rollout, sampling, training, timing, an evaluation when due) and samples."""
     cfg, log = run.cfg, run.logger
-    metrics, errors = rollout_metrics(groups)
+    metrics, errors = rollout_metrics(groups, accuracy_reward=cfg.data.task)  # a task's verifier, if any
     metrics |= step_metrics | timer.report() | run.generator.rewards.drain_metrics()  # TRL's log_metric
     metrics["throughput/e2e_tok_s"] = timer.tokens.get("generate", 0) / metrics["timing_s/step"]
     for e in errors:
