@@ -46,7 +46,7 @@ def model_path(tmp_path_factory):
                             tie_word_embeddings=False)
 
 
-def _uninterrupted(model_path: str) -> dict[str, torch.Tensor]:
+def _uninterrupted(model_path: str, steps: int = STEPS):
     from transformers import AutoModelForCausalLM
 
     from tokenmill.training import LocalBackend
@@ -55,16 +55,24 @@ def _uninterrupted(model_path: str) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     local = LocalBackend(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), **KWARGS)
     vocab = local.model.config.vocab_size
-    for step in range(STEPS):
-        policy_update(_samples(step, vocab), local, ALGO, pad_id=0, max_tokens=12, rng=random.Random(step))
-    return {k: v.detach().clone() for k, v in local.model.state_dict().items()}
+    metrics = None
+    for step in range(steps):
+        metrics = policy_update(_samples(step, vocab), local, ALGO, pad_id=0, max_tokens=12, rng=random.Random(step))
+    return {k: v.detach().clone() for k, v in local.model.state_dict().items()}, metrics
 
 
 def test_a_killed_rank_is_detected_and_the_group_resumes_exactly(ray_cluster, model_path, tmp_path,
                                                                  listening_sockets):
     from tokenmill.config.cluster import ClusterConfig
     from tokenmill.controller.ray.plan import make_plan
-    from tokenmill.controller.ray.workers import BackendSpec, RankFailure, WorkerGroup, train_with_restarts
+    from tokenmill.controller.ray.workers import (
+        BackendSpec,
+        RankFailure,
+        RayBackend,
+        WorkerGroup,
+        train_with_restarts,
+    )
+    from tokenmill.training.update import policy_update
 
     plan = make_plan(ClusterConfig(backend="ray", nodes=2, cpus_per_node=3, trainer_ranks=2,
                                    strategy="STRICT_SPREAD"))
@@ -97,13 +105,18 @@ def test_a_killed_rank_is_detected_and_the_group_resumes_exactly(ray_cluster, mo
         assert report["restarts"][0]["error"].startswith("trainer update: trainer rank 1 died (ActorDiedError)")
         assert group.generation == 2 and not set(first_pids) & {r.pid for r in group.ranks}
         full = group.call("full_state_dict")[0]
+        # one more step with policy_update on the driver, through the TrainBackend verbs
+        backend = RayBackend(group)
+        driver_metrics = policy_update(_samples(STEPS, vocab), backend, ALGO, pad_id=0, max_tokens=12,
+                                       rng=random.Random(STEPS))
+        after = dict(backend.weights())
         sockets = listening_sockets()  # the ranks' gloo pairs and store included
         assert {pid for pid, *_ in sockets} >= {r.pid for r in group.ranks}
         assert [s for s in sockets if s[2] != "127.0.0.1"] == []
         print(f"\nrank kill detected in {killed['detected_s']:.2f} s; restart took {report['restarts'][0]['seconds']} s")
     finally:
         group.close()
-    want = _uninterrupted(model_path)
+    want, _ = _uninterrupted(model_path)
     assert sorted(full) == sorted(want)
     for name, tensor in want.items():
         torch.testing.assert_close(full[name], tensor, rtol=0, atol=1e-5, msg=name)
@@ -111,3 +124,9 @@ def test_a_killed_rank_is_detected_and_the_group_resumes_exactly(ray_cluster, mo
 
     start = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
     assert max((want[n] - start[n]).abs().max().item() for n in want) > 1e-3  # 4 steps moved the weights
+    want_next, want_metrics = _uninterrupted(model_path, STEPS + 1)
+    assert driver_metrics.keys() == want_metrics.keys()
+    for k, v in want_metrics.items():
+        assert driver_metrics[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+    for name, tensor in want_next.items():
+        torch.testing.assert_close(after[name], tensor, rtol=0, atol=1e-5, msg=name)

@@ -198,6 +198,34 @@ class WorkerGroup:
         ray.util.remove_placement_group(self.pg)
 
 
+class RayBackend:
+    """The `TrainBackend` verbs on the driver, each one run on every rank of `group` with the same global batch
+    (the ranks split it); so `policy_update` and anything else written against the protocol runs unchanged
+    in the driver. A failed rank raises `RankFailure` from the verb that saw it."""
+
+    def __init__(self, group: WorkerGroup) -> None:
+        self.group = group
+
+    def forward_backward(self, batch, loss_fn, entropy_coef: float = 0.0) -> dict[str, float]:
+        return self.group.call("forward_backward", batch, loss_fn, entropy_coef)[0]
+
+    def forward(self, batch):
+        return self.group.call("forward", batch)[0]
+
+    def optim_step(self) -> dict[str, float]:
+        return self.group.call("optim_step")[0]
+
+    def weights(self):
+        """The full weights, gathered on rank 0 and sent here whole (held once in this process)."""
+        yield from self.group.call("full_state_dict")[0].items()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.group.call("state_dict")[0]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.group.call("load_state_dict", state)
+
+
 def train_with_restarts(group: WorkerGroup, steps: int, step_fn: Callable[[WorkerGroup, int], Any], *,
                         checkpoint_every: int, max_restarts: int) -> dict[str, Any]:
     """Run `step_fn(group, step)` for steps 0..steps-1, saving a sharded checkpoint every `checkpoint_every`
