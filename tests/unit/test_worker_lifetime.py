@@ -96,3 +96,22 @@ def test_spawned_program_dies_with_a_killed_parent(tmp_path):
             parent.kill()
         if "child" in locals() and _alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_a_reward_worker_ignores_ctrl_c_meant_for_its_trainer():
+    """Ctrl-C reaches the whole foreground process group; the trainer handles it, the worker must not die
+    (or print a KeyboardInterrupt traceback) on its own."""
+    from tokenmill.rewards.base import FunctionReward
+
+    def score(prompts, completions, **_):
+        return [float(len(c)) for c in completions]
+
+    reward = FunctionReward(score, isolation="process")
+    try:
+        assert reward(["p"], ["abc"], {})[0].value == 3.0
+        os.kill(reward._call._proc.pid, signal.SIGINT)
+        time.sleep(0.3)
+        assert reward._call._proc.is_alive()
+        assert reward(["p"], ["abcd"], {})[0].value == 4.0
+    finally:
+        reward.close()

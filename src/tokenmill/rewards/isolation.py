@@ -16,6 +16,7 @@ import concurrent.futures
 import contextlib
 import multiprocessing as mp
 import os
+import signal
 import sysconfig
 import traceback
 from collections.abc import Callable
@@ -52,6 +53,9 @@ def _describe(exc: BaseException) -> str:
 
 def _serve(fn: Callable[..., Any], conn, parent_end, parent_pid: int) -> None:
     die_with_parent(parent_pid)
+    # Ctrl-C in a terminal reaches the whole process group: the trainer handles it and closes its workers,
+    # so a worker ignores it instead of printing a KeyboardInterrupt traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent_end.close()  # else this worker holds both ends and never sees EOF when the parent dies
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     while True:
