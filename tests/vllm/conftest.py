@@ -3,7 +3,8 @@
 The venv is built once per machine under `~/.cache/tokenmill/vllm-<version>` (or `$TOKENMILL_VLLM_VENV`) and
 reused; the tests are skipped only when the package cannot be installed at all (`TOKENMILL_VLLM=0` skips them
 on purpose). The server serves an untied tiny model (vLLM on CPU cannot reload a tied output head in place)
-with head_dim 32 (the smallest its CPU attention kernels take) and is killed, process group and all, at the end.
+with head_dim 32 (the smallest its CPU attention kernels take), takes LoRA adapters at run time, and is
+killed, process group and all, at the end.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import pytest
 import torch
 
 from tokenmill.engines import vllm
+
+LORA_RANK = 8  # the largest LoRA rank the session's server accepts (tests/vllm/test_lora.py)
 
 
 def _free_port() -> int:
@@ -46,7 +49,8 @@ def vllm_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def vllm_server(vllm_python, vllm_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm-log") / "server.log"
-    server = vllm.start_server(vllm_python, vllm_model, port=_free_port(), log=log, timeout_s=300.0)
+    server = vllm.start_server(vllm_python, vllm_model, port=_free_port(), log=log, timeout_s=300.0,
+                               lora_rank=LORA_RANK)
     yield server
     server.stop()
 

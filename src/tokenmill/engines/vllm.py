@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -39,7 +40,7 @@ from typing import Any
 
 import httpx
 
-from tokenmill.sync.base import NamedTensors
+from tokenmill.sync.base import NamedTensors, WeightSyncError
 from tokenmill.sync.files import write_folder
 from tokenmill.sync.http import PushFailed, Servers, collect
 from tokenmill.types import TokenmillError
@@ -68,6 +69,9 @@ RELOAD_METHOD = "reload_weights"  # worker method: reload the model's weights fr
 RESET_PREFIX_CACHE = "/reset_prefix_cache"
 UPDATE_WEIGHT_VERSION = "/update_weight_version"
 WEIGHT_INFO = "/weight_info"  # answers {"weight_version": ...}
+LOAD_LORA_ADAPTER = "/v1/load_lora_adapter"  # {lora_name, lora_path, load_inplace}
+LORA_RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # serves /v1/load_lora_adapter
+LORA_ADAPTER_NAME = "tokenmill-lora"  # the model name requests sample the adapter under
 
 
 class VLLMError(TokenmillError, RuntimeError):
@@ -144,7 +148,7 @@ def server_command(python: Path | str, model: str, *, host: str = "127.0.0.1", p
     ]
 
 
-def server_env(*, kv_cache_gib: int = 1, weight_routes: bool = True) -> dict[str, str]:
+def server_env(*, kv_cache_gib: int = 1, weight_routes: bool = True, lora: bool = False) -> dict[str, str]:
     """The environment the server needs: offline, no usage reporting, a bounded CPU KV cache and (for weight
     updates) dev mode. Never the trainer's venv on PATH-dependent variables."""
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
@@ -152,7 +156,14 @@ def server_env(*, kv_cache_gib: int = 1, weight_routes: bool = True) -> dict[str
                 "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
     if weight_routes:
         env[DEV_MODE_ENV] = "1"
+    if lora:
+        env[LORA_RUNTIME_ENV] = "1"
     return env
+
+
+def lora_flags(max_rank: int) -> list[str]:
+    """Server flags for sampling with LoRA adapters loaded at run time (`VLLMLoRASync`)."""
+    return ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", "1"]
 
 
 @dataclass
@@ -190,15 +201,18 @@ class VLLMServer:
 
 def start_server(python: Path | str, model: str, *, port: int, host: str = "127.0.0.1", log: Path | None = None,
                  timeout_s: float = 240.0, kv_cache_gib: int = 1, weight_routes: bool = True,
-                 max_model_len: int | None = 512, extra: list[str] | None = None) -> VLLMServer:
+                 max_model_len: int | None = 512, lora_rank: int = 0, extra: list[str] | None = None) -> VLLMServer:
     """Start a vLLM server in its own process group and wait (at most `timeout_s`) until `/health` answers
-    200; on timeout or an early exit the group is killed and `VLLMError` quotes the log's end."""
+    200; on timeout or an early exit the group is killed and `VLLMError` quotes the log's end. `lora_rank` > 0:
+    LoRA adapters up to that rank can be loaded at run time."""
+    extra = [*(lora_flags(lora_rank) if lora_rank else []), *(extra or [])]
     log = Path(log) if log is not None else Path(tempfile.gettempdir()) / f"tokenmill-vllm-{port}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(server_command(python, model, host=host, port=port, max_model_len=max_model_len,
                                                extra=extra),
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=server_env(kv_cache_gib=kv_cache_gib, weight_routes=weight_routes),
+                                env=server_env(kv_cache_gib=kv_cache_gib, weight_routes=weight_routes,
+                                               lora=lora_rank > 0),
                                 # its own group (stop() ends all of vLLM's processes); a caller killed with
                                 # -9 sends the API server SIGTERM, which shuts its engine processes down
                                 start_new_session=True, preexec_fn=_terminate_with_parent())  # noqa: PLW1509
@@ -291,6 +305,79 @@ class VLLMReloadSync:
         finally:
             self.servers.post(url, RESUME, {})
         return answer
+
+    def close(self) -> None:
+        self.servers.close()
+
+
+class VLLMLoRASync:
+    """`WeightSync` of LoRA adapters into vLLM servers started with `lora_rank` (`--enable-lora`,
+    `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`) and dev mode: the server keeps the base model, and each push sends only
+    the adapters (kilobytes to megabytes, not the model). `push` takes a LoRA trainer's `backend.weights()`
+    (peft names: `...q_proj.lora_A.default.weight`), writes a peft adapter folder (`adapter_config.json` from
+    `peft_config`, `adapter_model.safetensors`) and has every server load it under `adapter_name` (in place
+    after the first push), then drops the prefix cache. Requests sample with the adapter when they name it:
+    `RemoteEngine(urls, model=adapter_name)`."""
+
+    def __init__(self, urls: list[str], folder: str | os.PathLike, peft_config: Any, *,
+                 adapter_name: str = LORA_ADAPTER_NAME, token: str | None = None, timeout_s: float = 300.0,
+                 drop_failed: bool = False) -> None:
+        self.servers = Servers(urls, token=token, timeout_s=timeout_s)
+        self.folder = Path(folder).resolve()
+        self.peft_config, self.adapter_name, self.drop_failed = peft_config, adapter_name, drop_failed
+        self.loaded: set[str] = set()  # servers holding the adapter (the next load replaces it in place)
+        self.last: Path | None = None
+
+    def push(self, named_tensors: NamedTensors, version: int) -> None:
+        path = self._write(named_tensors, self.folder / f"v{version:08d}")
+        try:
+            collect([self.servers.pool.submit(self._load, url, path) for url in self.servers.urls])
+        except PushFailed as e:
+            if not (self.drop_failed and e.unreachable and e.only_unreachable):
+                raise
+            self.servers.drop(e.unreachable)
+        finally:
+            if self.last is not None and self.last != path:
+                shutil.rmtree(self.last, ignore_errors=True)
+            self.last = path
+
+    def _write(self, named_tensors: NamedTensors, folder: Path) -> Path:
+        from safetensors.torch import save_file
+
+        tensors = {}
+        for name, t in named_tensors:
+            if ".lora_" not in name:
+                raise WeightSyncError(f"tensor {name!r} is not a LoRA adapter weight: VLLMLoRASync sends adapters "
+                                      "only (push the trainer's backend.weights() of a LoRA run)")
+            # peft's saved names drop the adapter's own name (lora_A.default.weight -> lora_A.weight)
+            for tag in (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B."):
+                name = re.sub(re.escape(tag) + r"[^.]+\.(weight)$", tag + r"\1", name)
+            tensors[name] = t.detach().to("cpu").contiguous()
+        if not tensors:
+            raise WeightSyncError("named_tensors: no LoRA adapter weights to push")
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+        try:
+            self.peft_config.save_pretrained(str(tmp))
+            save_file(tensors, str(tmp / "adapter_model.safetensors"))
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(tmp, folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return folder
+
+    def _load(self, url: str, path: Path) -> dict[str, Any]:
+        self.servers.post(url, PAUSE, {})
+        try:
+            self.servers.post(url, LOAD_LORA_ADAPTER, {"lora_name": self.adapter_name, "lora_path": str(path),
+                                                       "load_inplace": url in self.loaded})
+            self.loaded.add(url)
+            # no KV block computed with the old adapter may be reused (0.32 keeps them apart already; cheap)
+            self.servers.post(url, RESET_PREFIX_CACHE, {})
+        finally:
+            self.servers.post(url, RESUME, {})
+        return {}
 
     def close(self) -> None:
         self.servers.close()
