@@ -28,7 +28,7 @@ def _rl_config(path: str | None, overrides: list[str]):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """`tokenmill plan CONFIG`: where `cluster:` puts each trainer rank and engine replica; starts nothing."""
-    from tokenmill.controller.ray.plan import make_plan
+    from tokenmill.config.cluster import make_plan
 
     cfg = _rl_config(args.config, args.overrides)
     if cfg.cluster.backend != "ray":

@@ -8,6 +8,7 @@ path as `cluster.address: host:port`. Skipped where Ray is not installed (`pip i
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -42,6 +43,7 @@ def ray_cluster():
     finally:
         cluster.close()
         nodes.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture

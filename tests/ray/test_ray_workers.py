@@ -63,8 +63,7 @@ def _uninterrupted(model_path: str, steps: int = STEPS):
 
 def test_a_killed_rank_is_detected_and_the_group_resumes_exactly(ray_cluster, model_path, tmp_path,
                                                                  listening_sockets):
-    from tokenmill.config.cluster import ClusterConfig
-    from tokenmill.controller.ray.plan import make_plan
+    from tokenmill.config.cluster import ClusterConfig, make_plan
     from tokenmill.controller.ray.workers import (
         BackendSpec,
         RankFailure,
