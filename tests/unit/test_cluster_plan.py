@@ -90,3 +90,24 @@ def test_train_refuses_a_ray_cluster_rather_than_training_in_one_process(tmp_pat
     err = capsys.readouterr().err
     assert "cluster.backend: ray places ranks and engines from Python" in err
     assert "`tokenmill train` does not drive Ray yet" in err
+
+
+def test_the_memory_estimate_shows_the_placement_and_shards_over_the_ranks():
+    from tokenmill.estimate import estimate_for_config
+
+    cluster = {"backend": "ray", "nodes": 2, "cpus_per_node": 4, "gpus_per_node": 2, "trainer_ranks": 2,
+               "engine_replicas": 2}
+    base = {"model": {"path": "Qwen/Qwen2.5-0.5B"}, "data": {"task": "addition"}}
+    placed = estimate_for_config({**base, "cluster": cluster})
+    alone = estimate_for_config(base)
+    assert "placement" not in alone
+    assert (placed["settings"]["num_devices"], placed["settings"]["sharding"]) == (2, "fsdp")
+    assert placed["placement"] == {
+        "nodes": 2, "trainer_ranks": 2, "engine_replicas": 2, "colocate": False,
+        "trainer_devices": ["node 0 cuda:0", "node 0 cuda:1"], "engine_devices": ["node 1 cuda:0", "node 1 cuda:1"],
+        "lines": placed["placement"]["lines"],
+    }
+    assert placed["placement"]["lines"][4] == "  node 0  trainer rank 0     cuda:0         CPU 1"
+    # the trainer's weights, gradients and optimiser state are split over the 2 ranks (not what stays whole)
+    ratio = placed["devices"][0]["persistent_bytes"] / alone["devices"][0]["persistent_bytes"]
+    assert 0.5 < ratio < 0.7

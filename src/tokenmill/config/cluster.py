@@ -137,6 +137,15 @@ class Plan:
     def trainer_nodes(self) -> list[int]:
         return [s.node for s in self.slots if s.role == "trainer"]
 
+    def summary(self) -> dict:
+        """Devices per role, ranks and replicas, and the printed lines (the memory estimate shows them)."""
+        def devices(role: str) -> list[str]:
+            return [f"node {s.node} {s.device}" for s in self.slots if s.role == role]
+
+        return {"nodes": self.cfg.nodes, "trainer_ranks": self.cfg.trainer_ranks,
+                "engine_replicas": self.cfg.engine_replicas, "colocate": self.cfg.colocate,
+                "trainer_devices": devices("trainer"), "engine_devices": devices("engine"), "lines": self.lines()}
+
     def lines(self) -> list[str]:
         c = self.cfg
         where = {None: "start a local cluster on 127.0.0.1 (no dashboard)", "auto": "join the cluster on this "

@@ -111,6 +111,8 @@ def plan_from_config(
     cfg = load_config(MODES[mode].schema, {**config, "mode": mode})  # checks and drops mode / estimate
     policy = _shape(cfg.model.path, "model.path")
     devices = num_devices if num_devices != 1 else opts.num_devices
+    if mode == "rl" and cfg.cluster.backend == "ray" and devices == 1:  # the trainer is sharded over its ranks
+        devices = cfg.cluster.trainer_ranks
     memory_gib = device_memory_gib if device_memory_gib is not None else opts.device_memory_gib
     on_cpu = cfg.model.device == "cpu"
     precision = opts.precision
@@ -148,4 +150,10 @@ def estimate_for_config(
     plan, notes = plan_from_config(config, device_memory_gib=device_memory_gib, num_devices=num_devices)
     est = estimate(plan)
     est.warnings[:0] = notes
-    return to_dict(est, solve_budget(plan), recommend_backend(plan))
+    result = to_dict(est, solve_budget(plan), recommend_backend(plan))
+    cluster = config.get("cluster") if plan.mode == "rl" else None
+    if isinstance(cluster, dict) and cluster.get("backend") == "ray":  # validated above with the whole config
+        from tokenmill.config.cluster import ClusterConfig, make_plan
+
+        result["placement"] = make_plan(ClusterConfig(**cluster)).summary()
+    return result

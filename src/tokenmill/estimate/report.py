@@ -72,6 +72,8 @@ def render(result: dict[str, Any]) -> None:
         console.print(f"[yellow]warning:[/] {warning}")
     rec = result["recommendation"]
     console.print(f"recommendation: {rec['backend']} - {rec['reason']}")
+    for line in result.get("placement", {}).get("lines", []):  # cluster.backend ray: where each role runs
+        console.print(line, markup=False, highlight=False)
     b = result["budget"]
     if b is not None and b["fits"]:
         console.print(f"budget: up to {b['max_tokens']:,} tokens per micro-batch -> {b['micro_batch']} sequence(s) "
