@@ -69,3 +69,43 @@ def test_lora_pushes_sample_as_the_merged_model(vllm_server, vllm_model, hf_mode
     model_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
     assert (adapter / "adapter_model.safetensors").stat().st_size < model_bytes / 4  # adapters, not the model
     assert not (tmp_path / "adapters" / "v00000001").exists()
+
+
+def _digit_share(prompts, completions, **_):
+    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+
+
+def test_a_lora_grpo_run_pushes_adapters_and_vllm_ends_on_the_trained_model(vllm_server, vllm_model, hf_model,
+                                                                            tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    import tokenmill
+
+    out = tmp_path / "run"
+    cfg = {
+        "model": {"path": vllm_model, "lora": {"rank": 4, "alpha": 8.0}},
+        "data": {"task": "addition", "num_train": 200, "num_eval": 0},
+        "generation": {"group_size": 4, "max_tokens": 6},
+        "algorithm": {"ppo_epochs": 1, "mini_batches": 1},
+        "training": {"learning_rate": 5e-2, "seed": 3},
+        "controller": {"steps": 3, "prompts_per_step": 4},
+        "engine": {"placement": "remote", "urls": [vllm_server.url], "sync": "vllm", "timeout_s": 60},
+        "tracking": {"output_dir": str(out), "console": "none"},
+        "checkpoint": {"every": 0, "save_final": True},
+    }
+    tokenmill.train(cfg, rewards=[_digit_share])
+    trained = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()  # merged export
+    lora = RemoteEngine([vllm_server.url], pad_id=0, model=vllm.LORA_ADAPTER_NAME)
+    plain = RemoteEngine([vllm_server.url], pad_id=0)
+    prompts = [[10, 11, 12, 13], [20, 30, 40], [50, 8, 9, 60, 61]]
+    try:
+        on_trained, on_start, base_kept = _worst(lora, trained, prompts), _worst(lora, hf_model, prompts), \
+            _worst(plain, hf_model, prompts)
+    finally:
+        lora.close()
+        plain.close()
+    assert on_trained <= 1e-4, f"vLLM's adapter is {on_trained:.3g} from the trained (merged) model"
+    assert on_start > 1e-3, f"the run did not move the adapters (vLLM {on_start:.3g} from the start)"
+    assert base_kept <= 1e-4  # the base model on the server was never replaced
+    # the last adapter stays where vLLM reads it from (the older ones are removed)
+    assert sorted(p.name for p in (out / "vllm-lora").iterdir()) == ["v00000003"]

@@ -266,13 +266,22 @@ def _server_placement(run) -> ServerPlacement:
                                         device=str(run.engine.device), log_dir=run.output_dir)
         else:
             urls = list(cfg.engine.urls)
-        sync = _weight_sync(cfg, urls, token, Path(scratch.name))
+        # a LoRA run into vLLM pushes the adapters, sampled under their own name (tokenmill.engines.vllm)
+        adapters = cfg.engine.weight_sync == "vllm" and cfg.model.lora.rank > 0
+        if adapters:
+            from tokenmill.engines.vllm import LORA_ADAPTER_NAME, VLLMLoRASync
+
+            # not in the scratch folder: vLLM re-reads an adapter from its path, and the last one must outlive the run
+            sync = VLLMLoRASync(urls, Path(run.output_dir) / "vllm-lora", run.model.peft_config["default"],
+                                token=token, timeout_s=cfg.engine.timeout_s, drop_failed=len(urls) > 1)
+        else:
+            sync = _weight_sync(cfg, urls, token, Path(scratch.name))
         engine = RemoteEngine(urls, pad_id=run.engine.pad_id, token=token, timeout_s=cfg.engine.timeout_s,
-                              sync=sync)
+                              sync=sync, **({"model": LORA_ADAPTER_NAME} if adapters else {}))
     except BaseException:
         for p in procs:
             p.kill()
         scratch.cleanup()
         raise
-    lora = run.model if cfg.model.lora.rank > 0 else None
+    lora = run.model if cfg.model.lora.rank > 0 and not adapters else None
     return ServerPlacement(engine, None, None, urls, procs, scratch, lora_model=lora)

@@ -315,9 +315,13 @@ class VLLMLoRASync:
     `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`) and dev mode: the server keeps the base model, and each push sends only
     the adapters (kilobytes to megabytes, not the model). `push` takes a LoRA trainer's `backend.weights()`
     (peft names: `...q_proj.lora_A.default.weight`), writes a peft adapter folder (`adapter_config.json` from
-    `peft_config`, `adapter_model.safetensors`) and has every server load it under `adapter_name` (in place
-    after the first push), then drops the prefix cache. Requests sample with the adapter when they name it:
-    `RemoteEngine(urls, model=adapter_name)`."""
+    `peft_config`, `adapter_model.safetensors`) and has every server load it in place under `adapter_name`,
+    then drops the prefix cache. Requests sample with the adapter when they name it:
+    `RemoteEngine(urls, model=adapter_name)`.
+
+    vLLM keeps the adapter's path and re-reads the folder when it needs the adapter again; if the folder is gone,
+    vLLM 0.32's engine dies (`LoRAAdapterNotFoundError`, then every request fails). So the last pushed folder is
+    never removed: `folder` must outlive every request naming the adapter (older versions are removed)."""
 
     def __init__(self, urls: list[str], folder: str | os.PathLike, peft_config: Any, *,
                  adapter_name: str = LORA_ADAPTER_NAME, token: str | None = None, timeout_s: float = 300.0,
@@ -325,7 +329,6 @@ class VLLMLoRASync:
         self.servers = Servers(urls, token=token, timeout_s=timeout_s)
         self.folder = Path(folder).resolve()
         self.peft_config, self.adapter_name, self.drop_failed = peft_config, adapter_name, drop_failed
-        self.loaded: set[str] = set()  # servers holding the adapter (the next load replaces it in place)
         self.last: Path | None = None
 
     def push(self, named_tensors: NamedTensors, version: int) -> None:
@@ -370,9 +373,9 @@ class VLLMLoRASync:
     def _load(self, url: str, path: Path) -> dict[str, Any]:
         self.servers.post(url, PAUSE, {})
         try:
+            # in place: replaces an adapter of that name (an earlier push, or an earlier run's) or adds it
             self.servers.post(url, LOAD_LORA_ADAPTER, {"lora_name": self.adapter_name, "lora_path": str(path),
-                                                       "load_inplace": url in self.loaded})
-            self.loaded.add(url)
+                                                       "load_inplace": True})
             # no KV block computed with the old adapter may be reused (0.32 keeps them apart already; cheap)
             self.servers.post(url, RESET_PREFIX_CACHE, {})
         finally:
@@ -401,7 +404,7 @@ def serve_command(args: Any) -> int:
     extra = ["--no-enable-prefix-caching"] if args.no_prefix_cache else []
     server = start_server(python, str(Path(args.model_dir).resolve()), port=args.port, host=args.host,
                           timeout_s=args.timeout_s, kv_cache_gib=args.kv_cache_gib,
-                          max_model_len=args.max_model_len, extra=extra)
+                          max_model_len=args.max_model_len, lora_rank=args.lora_rank, extra=extra)
     print(f"vLLM ready at {server.url} (log: {server.log})\n"
           f"config: engine: {{placement: remote, urls: [{server.url}], sync: vllm}}", flush=True)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the server as Ctrl-C does
