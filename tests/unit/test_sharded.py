@@ -14,7 +14,7 @@ from tokenmill.config import AlgorithmConfig
 from tokenmill.training import LocalBackend, collate
 from tokenmill.training.local import ReferenceModel, micro_token_stats
 from tokenmill.training.sharded import micro_batch_count, rank_rows
-from tokenmill.training.update import _batch_loss, policy_update
+from tokenmill.training.update import _batch_loss, policy_update, value_update
 from tokenmill.types import Sample, StopReason
 
 STEPS, SAVE_AT = 5, 3
@@ -53,6 +53,51 @@ def _model(path: str, seed: int = 0):
 
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def _critic_model(path: str):
+    from transformers import AutoModelForTokenClassification
+
+    torch.manual_seed(0)  # the value head is new: the same draw on every rank and in the reference
+    # no dropout before the head: its random masks differ with the split, so the sums could not be compared
+    model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+    model.dropout.p = 0.0
+    return model
+
+
+def _critic_samples(step: int, vocab: int) -> list[Sample]:
+    rng = random.Random(200 + step)
+    out = []
+    for s in _samples(step, vocab):
+        per_token = [tuple(rng.uniform(-1, 1) * m for m in s.loss_mask) for _ in range(3)]
+        out.append(s.with_(token_advantages=per_token[0], returns=per_token[1], values=per_token[2]))
+    return out
+
+
+def _critic_train(critic, vocab: int, steps: range) -> list[dict[str, float]]:
+    return [value_update(_critic_samples(s, vocab), critic, ALGO, pad_id=0, rng=random.Random(s)) for s in steps]
+
+
+def _critic_weights(critic) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in critic.model.named_parameters()}
+
+
+def _critic_run(tmp_path: Path, model_path: str, vocab: int) -> dict:
+    from tokenmill.training.sharded import ShardedCritic
+
+    kwargs = {"learning_rate": 1e-3, "total_steps": 10, "micro_batch_tokens": 40}
+    critic = ShardedCritic(_critic_model(model_path), checkpoint_dir=tmp_path / "shards", **kwargs)
+    out = {"values": critic.values(collate(_critic_samples(9, vocab), [1.0] * 14, pad_id=0))}
+    out["metrics"] = _critic_train(critic, vocab, range(2))
+    state = critic.state_dict()
+    out["metrics"] += _critic_train(critic, vocab, range(2, 3))
+    out["weights"] = _critic_weights(critic)
+    resumed = ShardedCritic(_critic_model(model_path), checkpoint_dir=tmp_path / "shards", **kwargs)
+    resumed.load_state_dict(state)
+    out["resumed_metrics"] = _critic_train(resumed, vocab, range(2, 3))
+    out["resumed_weights"] = _critic_weights(resumed)
+    return out
 
 
 def _worker(rank: int, world: int, tmp: str, model_path: str) -> None:
@@ -95,6 +140,7 @@ def _worker(rank: int, world: int, tmp: str, model_path: str) -> None:
     out["resumed_weights"] = {n: t.clone() for n, t in resumed.weights()}
     out["full_keys"] = sorted(full)
     out["full"] = full
+    out["critic"] = _critic_run(tmp_path, model_path, vocab)
     torch.save(out, tmp_path / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -184,3 +230,27 @@ def test_rank_rows_keeps_groups_whole_and_balances_tokens():
     assert len(prompts[0]) == 1 and len(prompts[1]) == 4  # the long group alone; the four short ones together
     assert rank_rows(batch, 1) == [list(range(14))]
     assert token_weights([1, 1], "token_mean") == [0.5, 0.5]  # the global weights the split relies on
+
+
+def test_sharded_critic_matches_the_critic_and_resumes(two_ranks):
+    from tokenmill.training.critic import Critic
+
+    path, r0, r1 = two_ranks
+    critic = Critic(_critic_model(path), learning_rate=1e-3, total_steps=10, micro_batch_tokens=40)
+    vocab = critic.model.config.vocab_size
+    batch = collate(_critic_samples(9, vocab), [1.0] * 14, pad_id=0)
+    trained = batch.weights_B_T > 0  # values at pad positions depend on the micro-batch's width: never used
+    want_values = critic.values(batch) * trained
+    torch.testing.assert_close(r0["critic"]["values"] * trained, want_values, rtol=1e-5, atol=1e-6)
+    want = _critic_train(critic, vocab, range(3))
+    for got, w in zip(r0["critic"]["metrics"], want, strict=True):
+        # vf_clip_fraction counts tokens where V_old + (V - V_old) rounds above V: float noise, which a
+        # different summation order (or thread count) flips; the loss and the gradient norm are compared
+        _close({k: v for k, v in got.items() if k != "critic/vf_clip_fraction"},
+               {k: v for k, v in w.items() if k != "critic/vf_clip_fraction"})
+    for name, t in critic.model.named_parameters():
+        torch.testing.assert_close(r0["critic"]["weights"][name], t.detach(), rtol=0, atol=1e-5)
+        assert torch.equal(r1["critic"]["weights"][name], r0["critic"]["weights"][name])
+    for r in (r0, r1):
+        assert r["critic"]["resumed_metrics"] == r["critic"]["metrics"][2:]
+        assert all(torch.equal(r["critic"]["resumed_weights"][n], t) for n, t in r["critic"]["weights"].items())

@@ -186,8 +186,10 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     reward_set = build_rewards(cfg, rewards, task_reward)
     sharded = cfg.training.backend == "fsdp2"
     if sharded:  # join the torchrun group first: with CUDA that picks this rank's GPU
+        from functools import partial
+
         from tokenmill.training import dist
-        from tokenmill.training.sharded import ShardedBackend, ShardedReference
+        from tokenmill.training.sharded import ShardedBackend, ShardedCritic, ShardedReference
 
         dist.init_distributed()
     device = resolve_device(cfg.model.device)
@@ -226,7 +228,9 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
         )
     critic = None
     if cfg.algorithm.advantage == "gae":
-        critic = Critic(
+        # fsdp2: sharded like the policy, its shards beside the policy's
+        critic = (partial(ShardedCritic, checkpoint_dir=Path(cfg.tracking.output_dir) / "checkpoints" / "shards",
+                          keep=cfg.checkpoint.keep_last + 1) if sharded else Critic)(
             load_critic(cfg.critic, cfg.model.path, device), learning_rate=cfg.critic.learning_rate,
             total_steps=optimizer_steps, value_clip=cfg.critic.value_clip, max_grad_norm=cfg.critic.max_grad_norm,
             micro_batch_tokens=tr.micro_batch_tokens, autocast_dtype=amp,

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -45,12 +44,14 @@ from torch.distributed.tensor import DTensor
 
 from tokenmill.training.base import BatchLoss
 from tokenmill.training.batch import Batch
+from tokenmill.training.critic import Critic
 from tokenmill.training.dist import barrier, gather_objects, is_main, max_over_ranks, rank, world
 from tokenmill.training.local import LocalBackend, ReferenceModel
 from tokenmill.training.packing import plan_rows, prompt_segments, sequence_segments
 from tokenmill.types import TokenmillError
 
 SHARDS_PREFIX = "optim-step-"
+CRITIC_SHARDS_PREFIX = "critic-step-"
 
 
 class ShardedCheckpointError(TokenmillError):
@@ -165,6 +166,30 @@ class ShardedReference(ReferenceModel):
         return split_logprobs(batch, self._logprobs, self.token_budget, self.share_prompts)
 
 
+def save_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, name: str, keep: int) -> None:
+    """Every rank writes its shard of `model` and `optimizer` to `folder/name` (a collective); rank 0 then
+    removes all but the newest `keep` folders of the same kind (the name up to its step number)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / name))
+    barrier()  # every shard is on disk before anyone records or prunes
+    if is_main():
+        kind = name.rstrip("0123456789")
+        found = sorted(p for p in folder.glob(f"{kind}*") if p.is_dir())
+        for stale in found[: max(0, len(found) - keep)]:
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Read `save_shards`' folder into the sharded `model` and `optimizer` (any world size; a collective)."""
+    if not (path / ".metadata").is_file():
+        raise ShardedCheckpointError(f"sharded checkpoint {path} is missing (its .metadata is not there)")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    barrier()
+
+
 class ShardedBackend:
     """`TrainBackend` over an FSDP2-sharded module; call every verb on every rank with the same global batch.
 
@@ -234,31 +259,66 @@ class ShardedBackend:
         if self.checkpoint_dir is None:
             raise ShardedCheckpointError("a sharded checkpoint needs the backend's checkpoint_dir")
         name = f"{SHARDS_PREFIX}{self.local.scheduler.last_epoch:08d}"
-        model_sd, optim_sd = get_state_dict(self.model, self.local.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(self.checkpoint_dir / name))
-        barrier()  # every shard is on disk before anyone records or prunes
-        if is_main():
-            self._prune()
+        save_shards(self.model, self.local.optimizer, self.checkpoint_dir, name, self.keep)
         return {"shards": name, "world_size": world(), "scheduler": self.local.scheduler.state_dict()}
-
-    def _prune(self) -> None:
-        # one more than the checkpoints kept: a checkpoint is committed only after its shards are written
-        found = sorted(p for p in self.checkpoint_dir.glob(f"{SHARDS_PREFIX}*") if p.is_dir())
-        for stale in found[: max(0, len(found) - self.keep)]:
-            shutil.rmtree(stale, ignore_errors=True)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Read the shards `state` names into the sharded weights and optimiser (any world size)."""
         if self.checkpoint_dir is None:
             raise ShardedCheckpointError("a sharded checkpoint needs the backend's checkpoint_dir")
-        path = self.checkpoint_dir / state["shards"]
-        if not (path / ".metadata").is_file():
-            raise ShardedCheckpointError(f"sharded checkpoint {path} is missing (its .metadata is not there)")
-        model_sd, optim_sd = get_state_dict(self.model, self.local.optimizer)
-        loaded = {"model": model_sd, "optim": optim_sd}
-        dcp.load(loaded, checkpoint_id=str(path))
-        set_state_dict(self.model, self.local.optimizer, model_state_dict=loaded["model"],
-                       optim_state_dict=loaded["optim"])
+        load_shards(self.model, self.local.optimizer, self.checkpoint_dir / state["shards"])
         self.local.scheduler.load_state_dict(state["scheduler"])
-        if dist.is_initialized():
-            barrier()
+
+
+class ShardedCritic(Critic):
+    """PPO's value model sharded like the trainer: every rank computes the values of, and trains on, its rows
+    of the global batch (micro-batches padded to the busiest rank's count; gradients summed). Its state is
+    written as shards under `checkpoint_dir`, like the policy's."""
+
+    def __init__(self, model: torch.nn.Module, *, checkpoint_dir: str | Path | None = None, keep: int = 3,
+                 **kwargs: Any) -> None:
+        super().__init__(shard_model(model), **kwargs)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.keep = keep
+
+    def _split(self, batch: Batch) -> tuple[list[int], Batch | None, int]:
+        rows = rank_rows(batch, world())[rank()]
+        local = batch.select(rows) if rows else None
+        count = micro_batch_count(local, self.micro_batch_tokens, share_prompts=False, pack_sequences=False)
+        return rows, local, max_over_ranks(count) - count
+
+    @torch.no_grad()
+    def values(self, batch: Batch) -> torch.Tensor:
+        rows, local, padding = self._split(batch)
+        part = super().values(local) if local is not None else None
+        for _ in range(padding):
+            super().values(_dummy(batch))
+        out = torch.zeros_like(batch.old_logprobs_B_T)
+        for their_rows, their_part in gather_objects((rows, part)):
+            if their_part is not None:
+                out[their_rows, : their_part.shape[1]] = their_part
+        return out
+
+    def forward_backward(self, batch: Batch) -> dict[str, float]:
+        _, local, padding = self._split(batch)
+        totals = super().forward_backward(local) if local is not None else {}
+        for _ in range(padding):
+            super().forward_backward(_dummy(batch))  # zero weights: zero gradient, its metrics dropped
+        summed: dict[str, float] = {}
+        for part in gather_objects(totals):
+            for k, v in part.items():
+                summed[k] = summed.get(k, 0.0) + v
+        return summed
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.checkpoint_dir is None:
+            raise ShardedCheckpointError("a sharded critic checkpoint needs the critic's checkpoint_dir")
+        name = f"{CRITIC_SHARDS_PREFIX}{self.optim.scheduler.last_epoch:08d}"
+        save_shards(self.model, self.optim.optimizer, self.checkpoint_dir, name, self.keep)
+        return {"shards": name, "scheduler": self.optim.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.checkpoint_dir is None:
+            raise ShardedCheckpointError("a sharded critic checkpoint needs the critic's checkpoint_dir")
+        load_shards(self.model, self.optim.optimizer, self.checkpoint_dir / state["shards"])
+        self.optim.scheduler.load_state_dict(state["scheduler"])
