@@ -25,23 +25,39 @@ from tokenmill.training.base import TrainBackend
 from tokenmill.types import Sample, StopReason
 
 
-def local(model) -> tuple[torch.nn.Module, TrainBackend]:
-    backend = LocalBackend(model, learning_rate=1e-2, total_steps=10, warmup_steps=1, lr_schedule="cosine",
-                           micro_batch_tokens=24)  # several micro-batches per batch
+def local(model, tmp_path) -> tuple[torch.nn.Module, TrainBackend]:
+    backend = LocalBackend(model, **OPTIM)
     return model, backend
 
 
-def local_lora(model) -> tuple[torch.nn.Module, TrainBackend]:
+def local_lora(model, tmp_path) -> tuple[torch.nn.Module, TrainBackend]:
     from tokenmill.config.schema import LoRAConfig
     from tokenmill.training.lora import add_lora
 
-    return local(add_lora(model, LoRAConfig(rank=4, alpha=8), task_type="CAUSAL_LM", field="model.lora"))
+    return local(add_lora(model, LoRAConfig(rank=4, alpha=8), task_type="CAUSAL_LM", field="model.lora"), tmp_path)
 
 
-# name -> (the policy as loaded -> (the module that trains, its backend))
-BACKENDS: dict[str, Callable[[torch.nn.Module], tuple[torch.nn.Module, TrainBackend]]] = {
-    "local": local, "local-lora": local_lora,
+def sharded(model, tmp_path) -> tuple[torch.nn.Module, TrainBackend]:
+    """FSDP2 on a one-rank gloo group (the multi-rank equivalence is tests/unit/test_sharded.py's)."""
+    from tokenmill.training.dist import init_distributed
+    from tokenmill.training.sharded import ShardedBackend
+
+    init_distributed(init_method=f"file://{tmp_path}/process-group", rank=0, world_size=1, timeout_s=120)
+    backend = ShardedBackend(model, checkpoint_dir=tmp_path / "shards", **OPTIM)
+    return backend.model, backend
+
+
+OPTIM = {"learning_rate": 1e-2, "total_steps": 10, "warmup_steps": 1, "lr_schedule": "cosine",
+         "micro_batch_tokens": 24}  # several micro-batches per batch
+# name -> (the policy as loaded, a scratch folder) -> (the module that trains, its backend)
+BACKENDS: dict[str, Callable[..., tuple[torch.nn.Module, TrainBackend]]] = {
+    "local": local, "local-lora": local_lora, "sharded-1-rank": sharded,
 }
+
+
+def full(p: torch.Tensor) -> torch.Tensor:
+    """A parameter as one plain tensor (an FSDP2 parameter is a DTensor shard)."""
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
 def protocol_methods(protocol: type) -> list[str]:
@@ -70,10 +86,16 @@ def policy_gradient(logprobs_B_T, batch):
 
 
 @pytest.fixture(params=sorted(BACKENDS))
-def make(request, tiny_model_path):
-    def build():
-        return BACKENDS[request.param](AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32))
-    return build
+def make(request, tiny_model_path, tmp_path):
+    def build():  # a resumed backend shares the run's folder with the one it resumes
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+        return BACKENDS[request.param](model, tmp_path)
+
+    yield build
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # the one-rank group of the sharded backend: leave none behind
+        dist.destroy_process_group()
 
 
 def step(backend, batch) -> dict[str, float]:
@@ -102,14 +124,14 @@ def test_a_step_trains_exactly_the_weights_it_reports(make, tokenizer):
     model, backend = make()
     names = [n for n, _ in backend.weights()]
     assert names and names == [n for n, p in model.named_parameters() if p.requires_grad]
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    before = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
     batch_samples = samples(len(tokenizer), seed=1)
     batch = collate(batch_samples, [1.0] * len(batch_samples), tokenizer.pad_token_id)
     for _ in range(2):  # LoRA's A matrices move from the second step on (B starts at 0)
         metrics = step(backend, batch)
         assert metrics["tokens"] == sum(sum(s.loss_mask) for s in batch_samples)  # summed over micro-batches
         assert metrics["grad_norm"] > 0 and metrics["lr"] > 0
-    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    changed = {n for n, p in model.named_parameters() if not torch.equal(full(p.detach()), before[n])}
     assert changed == set(names)
 
 
@@ -130,4 +152,4 @@ def test_state_dict_resumes_exactly(make, tokenizer):
     resumed.load_state_dict(saved_state)
     step(resumed, collated[2])
     for (n, p), (_, q) in zip(model.named_parameters(), resumed_model.named_parameters(), strict=True):
-        assert torch.equal(p, q), n
+        assert torch.equal(full(p.detach()), full(q.detach())), n
