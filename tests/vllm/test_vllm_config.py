@@ -16,6 +16,16 @@ def test_vllm_sync_needs_remote_servers(placement):
     assert str(err.value).startswith("engine.sync"), str(err.value)
 
 
+@pytest.mark.parametrize("override, field", [({"generation.top_k": 5}, "generation.top_k"),
+                                             ({"generation.top_p": 0.9}, "generation.top_p")])
+def test_vllm_sync_refuses_truncated_sampling(override, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(RLConfig, {"model": {"path": "m"}, "data": {"task": "addition"}},
+                    {"engine.placement": "remote", "engine.urls": ["http://127.0.0.1:9"], "engine.sync": "vllm",
+                     **override})
+    assert str(err.value).startswith(field) and "top_p 1.0" in str(err.value), str(err.value)
+
+
 def test_vllm_sync_is_the_reload_sync(tmp_path):
     from tokenmill.controller.placement import _weight_sync
     from tokenmill.engines.vllm import VLLMReloadSync

@@ -1,5 +1,6 @@
 """Weights into a real vLLM server by the routes vLLM 0.32 serves (`engine.sync: vllm`): after a push, and after
-a 3-step GRPO run whose rollouts all came from vLLM, vLLM's logprobs are the trainer's within 1e-4.
+a 3-step GRPO run whose rollouts all came from vLLM (synchronous, and async with max_staleness 1), vLLM's logprobs
+are the trainer's within 1e-4.
 
 Every test leaves the server on the model's starting weights (it pushes them back at the end)."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 import torch
 
 import tokenmill
@@ -70,8 +72,9 @@ def _digit_share(prompts, completions, **_):
     return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
 
 
+@pytest.mark.parametrize("staleness", [0, 1])
 def test_grpo_with_vllm_as_the_engine_ends_with_vllm_on_the_trained_weights(vllm_server, vllm_model, hf_model,
-                                                                             tmp_path):
+                                                                             tmp_path, staleness):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
@@ -81,7 +84,7 @@ def test_grpo_with_vllm_as_the_engine_ends_with_vllm_on_the_trained_weights(vllm
         "generation": {"group_size": 4, "max_tokens": 6},
         "algorithm": {"ppo_epochs": 1, "mini_batches": 1},
         "training": {"learning_rate": 1e-2, "seed": 3},
-        "controller": {"steps": 3, "prompts_per_step": 4},
+        "controller": {"steps": 3, "prompts_per_step": 4, "max_staleness": staleness},
         "engine": {"placement": "remote", "urls": [vllm_server.url], "sync": "vllm", "timeout_s": 60},
         "tracking": {"output_dir": str(out), "console": "none"},
         "checkpoint": {"every": 0, "save_final": True},

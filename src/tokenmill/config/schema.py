@@ -471,6 +471,11 @@ def _check_async(cfg: RLConfig) -> None:
         raise ValueError(f"engine.sync: inprocess cannot reach a {eng.placement} engine; use files or broadcast")
     if eng.weight_sync == "vllm" and eng.placement != "remote":
         raise ValueError(f"engine.sync: vllm is for vLLM servers at engine.urls (placement remote), not {eng.placement}")
+    gen = cfg.generation
+    if eng.weight_sync == "vllm" and (gen.top_k or gen.top_p < 1.0):
+        # vLLM's processed logprobs are renormalised over the kept tokens, not the trainer's full-vocabulary ones
+        raise ValueError(f"generation.{'top_k' if gen.top_k else 'top_p'}: vLLM returns no logprobs the trainer "
+                         "can compare with once top_k / top_p cut the vocabulary; keep top_k 0 and top_p 1.0")
     if ctl.partial_rollouts and eng.placement != "thread":
         raise ValueError("controller.partial_rollouts: interrupting in-flight generations is implemented for "
                          "engine.placement thread")
