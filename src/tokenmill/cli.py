@@ -55,11 +55,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     from tokenmill.config.preflight import check_run
 
     cfg = _rl_config(args.config, args.overrides)
-    if cfg.cluster.backend == "ray":  # refused, never quietly trained in one process instead
-        raise ConfigError("cluster.backend: ray places ranks and engines from Python (tokenmill.controller.ray, "
-                          "see docs/scale-out.md); `tokenmill train` does not drive Ray yet. `tokenmill plan` "
-                          "prints the placement")
     check_run(cfg)  # files, columns, device: one line each, before the ML stack is even imported
+    if cfg.cluster.backend == "ray":  # the same loop in this process, its trainer ranks on Ray
+        from tokenmill.controller.ray.run import train_on_ray
+
+        _print_eval(train_on_ray(cfg))
+        return 0
     from tokenmill.controller import build_run, run_rl
 
     run = build_run(cfg)

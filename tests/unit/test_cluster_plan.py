@@ -83,15 +83,6 @@ def test_what_does_not_fit_is_named(tmp_path, capsys, overrides, message):
     assert out == ""
 
 
-def test_train_refuses_a_ray_cluster_rather_than_training_in_one_process(tmp_path, capsys):
-    path = tmp_path / "cfg.yaml"
-    path.write_text(TWO_NODES)
-    assert main(["train", str(path)]) == 2
-    err = capsys.readouterr().err
-    assert "cluster.backend: ray places ranks and engines from Python" in err
-    assert "`tokenmill train` does not drive Ray yet" in err
-
-
 def test_the_memory_estimate_shows_the_placement_and_shards_over_the_ranks():
     from tokenmill.estimate import estimate_for_config
 

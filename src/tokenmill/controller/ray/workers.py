@@ -65,6 +65,7 @@ class TrainerRankActor:
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32)
         self.backend = ShardedBackend(model, checkpoint_dir=spec.checkpoint_dir, **spec.backend_kwargs)
+        self.rank = rank
         return {"rank": rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 
     def update(self, samples, algo, pad_id: int, max_tokens: int, seed: int) -> dict[str, float]:
@@ -76,6 +77,11 @@ class TrainerRankActor:
 
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.backend, method)(*args)
+
+    def weights(self) -> dict[str, Any] | None:
+        """The trained parameters, full, on rank 0 (None on the others; a collective every rank consumes)."""
+        full = {name: tensor.detach().clone() for name, tensor in self.backend.weights()}
+        return full if self.rank == 0 else None
 
 
 @dataclass
@@ -216,8 +222,9 @@ class RayBackend:
         return self.group.call("optim_step")[0]
 
     def weights(self):
-        """The full weights, gathered on rank 0 and sent here whole (held once in this process)."""
-        yield from self.group.call("full_state_dict")[0].items()
+        """The trained parameters by name, gathered on rank 0 and sent here whole (held once in this process)."""
+        group = self.group
+        yield from group._gather([a.weights.remote() for a in group.actors], "trainer weights")[0].items()
 
     def state_dict(self) -> dict[str, Any]:
         return self.group.call("state_dict")[0]

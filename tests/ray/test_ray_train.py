@@ -1,0 +1,77 @@
+"""The RL loop with its trainer on Ray (cluster.backend ray): 2 FSDP2 ranks, a rank SIGKILLed mid-run, the run
+rebuilt from its last checkpoint; the final weights equal an uninterrupted single-process run's."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ray = pytest.importorskip("ray")
+
+
+def digit_share(prompts, completions, **_):
+    """A dense reward (share of digits), so a random-init model gets non-zero advantages."""
+    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+
+
+def _config(model: str, out: str, **cluster) -> dict:
+    return {
+        "model": {"path": model},
+        "data": {"task": "addition", "num_train": 200, "num_eval": 0},
+        "generation": {"group_size": 4, "max_tokens": 4},
+        "algorithm": {"mini_batches": 2},
+        "training": {"learning_rate": 1e-3, "seed": 3, "micro_batch_tokens": 64},
+        "controller": {"steps": 4, "prompts_per_step": 4},
+        "tracking": {"output_dir": out, "console": "none"},
+        "checkpoint": {"every": 1, "save_final": True},
+        **({"cluster": cluster} if cluster else {}),
+    }
+
+
+def _final(out) -> dict[str, torch.Tensor]:
+    return load_file(str(max((out / "checkpoints").glob("step_*")) / "model.safetensors"))
+
+
+class KillAtCall:
+    """Wraps `RayBackend.optim_step`: before its `n`-th call (2 per RL step here: algorithm.mini_batches), a
+    SIGKILL to one trainer rank's process, so that call meets a dead rank."""
+
+    def __init__(self, original, n: int) -> None:
+        self.original, self.n, self.calls, self.killed = original, n, 0, None
+
+    def __call__(self, backend):
+        self.calls += 1
+        if self.calls == self.n:
+            self.killed = backend.group.ranks[1].pid
+            os.kill(self.killed, signal.SIGKILL)
+        return self.original(backend)
+
+
+def test_training_on_ray_survives_a_killed_rank(ray_cluster, tmp_path, monkeypatch):
+    import tokenmill
+    from tokenmill.config import RLConfig, load_config
+    from tokenmill.controller.ray.run import train_on_ray
+    from tokenmill.controller.ray.workers import RayBackend
+    from tokenmill.testing import build_tiny_model
+
+    torch.set_num_threads(1)
+    model = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    alone, placed = tmp_path / "alone", tmp_path / "ray"
+    tokenmill.train(_config(model, str(alone)), rewards=[digit_share])
+    cfg = load_config(RLConfig, _config(model, str(placed), backend="ray", nodes=2, cpus_per_node=3,
+                                        trainer_ranks=2, max_restarts=1, call_timeout_s=120))
+    killer = KillAtCall(RayBackend.optim_step, 5)  # step 3's first optimiser step
+    monkeypatch.setattr(RayBackend, "optim_step", lambda backend: killer(backend))
+    result = train_on_ray(cfg, rewards=[digit_share], cluster=ray_cluster)
+    assert killer.killed is not None and result["restarts"] == 1
+    assert result["resumed_from"] == 2 and killer.calls == 2 * 3 - 1 + 2 * 2  # steps 1-3, then 3-4 again
+    want, got = _final(alone), _final(placed)
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5, msg=name)
+    start = load_file(str(next(iter((tmp_path / "m").glob("*.safetensors")))))
+    assert max((want[n] - start[n]).abs().max().item() for n in want if n in start) > 1e-4  # it trained
