@@ -102,3 +102,19 @@ def test_the_memory_estimate_shows_the_placement_and_shards_over_the_ranks():
     # the trainer's weights, gradients and optimiser state are split over the 2 ranks (not what stays whole)
     ratio = placed["devices"][0]["persistent_bytes"] / alone["devices"][0]["persistent_bytes"]
     assert 0.5 < ratio < 0.7
+
+
+@pytest.mark.parametrize(("override", "value"), [("lora", {"rank": 4}), ("placement", "thread")])
+def test_training_on_ray_refuses_what_it_does_not_run_yet(override, value):
+    from tokenmill.config import RLConfig, load_config
+    from tokenmill.controller.ray.run import train_on_ray
+    from tokenmill.types import ConfigError
+
+    tree = {"model": {"path": "tiny"}, "data": {"task": "addition"}, "cluster": {"backend": "ray"}}
+    if override == "lora":
+        tree["model"]["lora"] = value
+    else:
+        tree["engine"] = {"placement": value}
+    with pytest.raises(ConfigError, match=r"cluster.backend: ray trains full weights \(no model.lora\), with "
+                                          "training.backend local and engine.placement colocated"):
+        train_on_ray(load_config(RLConfig, tree))  # refused before any cluster is started
