@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="session")
 def shots() -> Path:
     """Where screenshots go; they are test artifacts: test-artifacts/browser/ by default, and
-    TOKENMILL_SCREENSHOTS=docs/screenshots refreshes the README's."""
+    TOKENMILL_SCREENSHOTS=docs/screenshots refreshes the ones the docs show."""
     out = Path(os.environ.get("TOKENMILL_SCREENSHOTS", REPO / "test-artifacts" / "browser"))
     out.mkdir(parents=True, exist_ok=True)
     return out
