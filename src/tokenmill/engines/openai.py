@@ -14,7 +14,7 @@ servers' continuous batching turns them into one running batch.
 What must match on the server side for the logprobs to be the trainer's quantity (the tempered
 distribution's logprob of each sampled token): tokenmill's server does this by default; vLLM needs
 `--logprobs-mode processed_logprobs`; SGLang returns the tempered logprobs when the request has
-`"return_logprob": true` (its native API). See the README's "Engine servers" section.
+`"return_logprob": true` (its native API). See docs/engine-server.md ("Remote engines").
 
 Weights: `update_weights` hands the tensors to a `tokenmill.sync` weight sync (files or broadcast), which
 pushes them to every server; the version each server reports back is the one its samples carry.
