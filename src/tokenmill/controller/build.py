@@ -186,55 +186,18 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     reward_set = build_rewards(cfg, rewards, task_reward)
     sharded = cfg.training.backend == "fsdp2"
     if sharded:  # join the torchrun group first: with CUDA that picks this rank's GPU
-        from functools import partial
-
         from tokenmill.training import dist
-        from tokenmill.training.sharded import ShardedBackend, ShardedCritic, ShardedReference
 
         dist.init_distributed()
     device = resolve_device(cfg.model.device)
     amp = autocast_dtype(cfg.model, device)
     model, tokenizer = load_policy(cfg.model, device)
-    gen = cfg.generation
     # colocated, in-process: the engine samples from the trainer's own module, so weight sync is free
     # (fsdp2: each rank's engine samples from a full copy, refreshed from the shards after every update)
     engine = (dist.RankedEngine if sharded else HFEngine)(
         model, tokenizer, seed=cfg.training.seed + (dist.rank() if sharded else 0), autocast_dtype=amp
     )
-    tr = cfg.training
-    optimizer_steps = cfg.controller.steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches
-    train: dict[str, Any] = {
-        "learning_rate": tr.learning_rate, "total_steps": optimizer_steps, "weight_decay": tr.weight_decay,
-        "betas": tr.betas, "warmup_steps": tr.warmup_steps, "lr_schedule": tr.lr_schedule,
-        "max_grad_norm": tr.max_grad_norm, "micro_batch_tokens": tr.micro_batch_tokens,
-        "temperature": gen.temperature, "autocast_dtype": amp, "share_prompts": tr.share_prompts,
-    }
-    if sharded:
-        backend: TrainBackend = ShardedBackend(
-            copy.deepcopy(model), checkpoint_dir=Path(cfg.tracking.output_dir) / "checkpoints" / "shards",
-            keep=cfg.checkpoint.keep_last + 1, **train,
-        )
-    else:
-        backend = LocalBackend(model, **train)
-    reference = None
-    if cfg.algorithm.kl_coef > 0 and sharded:  # a frozen copy, sharded like the trainer
-        reference = ShardedReference(copy.deepcopy(model), temperature=gen.temperature,
-                                     token_budget=tr.micro_batch_tokens, share_prompts=tr.share_prompts)
-    elif cfg.algorithm.kl_coef > 0:
-        lora = cfg.model.lora.rank > 0  # the base is the policy with its adapters off: no copy
-        reference = ReferenceModel(
-            model if lora else copy.deepcopy(model), temperature=gen.temperature,
-            token_budget=tr.micro_batch_tokens, share_prompts=tr.share_prompts, adapters_off=lora,
-        )
-    critic = None
-    if cfg.algorithm.advantage == "gae":
-        # fsdp2: sharded like the policy, its shards beside the policy's
-        critic = (partial(ShardedCritic, checkpoint_dir=Path(cfg.tracking.output_dir) / "checkpoints" / "shards",
-                          keep=cfg.checkpoint.keep_last + 1) if sharded else Critic)(
-            load_critic(cfg.critic, cfg.model.path, device), learning_rate=cfg.critic.learning_rate,
-            total_steps=optimizer_steps, value_clip=cfg.critic.value_clip, max_grad_norm=cfg.critic.max_grad_norm,
-            micro_batch_tokens=tr.micro_batch_tokens, autocast_dtype=amp,
-        )
+    backend, reference, critic = build_trainer(cfg, model, device, amp)
     generator = build_generator(cfg, engine, tokenizer, reward_set)
     agent = build_agent(cfg, engine, tokenizer) if cfg.env is not None else None
     out = Path(cfg.tracking.output_dir)
@@ -258,3 +221,47 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
         source=PromptSource(train_rows, seed=cfg.training.seed, shuffle=cfg.data.shuffle),
         eval_rows=eval_rows, logger=logger, update_rng=random.Random(cfg.training.seed + 1), output_dir=out,
     )
+
+
+def build_trainer(cfg: RLConfig, model, device, amp) -> tuple[TrainBackend, Any, Any]:
+    """The policy's train backend, the KL reference (None without KL) and the PPO critic (None without GAE);
+    with `training.backend: fsdp2` all three are sharded over the torchrun group."""
+    gen, tr = cfg.generation, cfg.training
+    sharded = tr.backend == "fsdp2"
+    if sharded:
+        from functools import partial
+
+        from tokenmill.training.sharded import ShardedBackend, ShardedCritic, ShardedReference
+    optimizer_steps = cfg.controller.steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches
+    train: dict[str, Any] = {
+        "learning_rate": tr.learning_rate, "total_steps": optimizer_steps, "weight_decay": tr.weight_decay,
+        "betas": tr.betas, "warmup_steps": tr.warmup_steps, "lr_schedule": tr.lr_schedule,
+        "max_grad_norm": tr.max_grad_norm, "micro_batch_tokens": tr.micro_batch_tokens,
+        "temperature": gen.temperature, "autocast_dtype": amp, "share_prompts": tr.share_prompts,
+    }
+    shards = Path(cfg.tracking.output_dir) / "checkpoints" / "shards"
+    if sharded:
+        backend: TrainBackend = ShardedBackend(copy.deepcopy(model), checkpoint_dir=shards,
+                                               keep=cfg.checkpoint.keep_last + 1, **train)
+    else:
+        backend = LocalBackend(model, **train)
+    reference = None
+    if cfg.algorithm.kl_coef > 0 and sharded:  # a frozen copy, sharded like the trainer
+        reference = ShardedReference(copy.deepcopy(model), temperature=gen.temperature,
+                                     token_budget=tr.micro_batch_tokens, share_prompts=tr.share_prompts)
+    elif cfg.algorithm.kl_coef > 0:
+        lora = cfg.model.lora.rank > 0  # the base is the policy with its adapters off: no copy
+        reference = ReferenceModel(
+            model if lora else copy.deepcopy(model), temperature=gen.temperature,
+            token_budget=tr.micro_batch_tokens, share_prompts=tr.share_prompts, adapters_off=lora,
+        )
+    critic = None
+    if cfg.algorithm.advantage == "gae":
+        # fsdp2: sharded like the policy, its shards beside the policy's
+        critic = (partial(ShardedCritic, checkpoint_dir=shards, keep=cfg.checkpoint.keep_last + 1)
+                  if sharded else Critic)(
+            load_critic(cfg.critic, cfg.model.path, device), learning_rate=cfg.critic.learning_rate,
+            total_steps=optimizer_steps, value_clip=cfg.critic.value_clip, max_grad_norm=cfg.critic.max_grad_norm,
+            micro_batch_tokens=tr.micro_batch_tokens, autocast_dtype=amp,
+        )
+    return backend, reference, critic
