@@ -35,6 +35,17 @@ def token_entropy(logits_B_T_V: torch.Tensor, temperature: float) -> torch.Tenso
     return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
 
 
+
+def packing_segments(batch: Batch, *, share_prompts: bool, pack_sequences: bool):
+    """How `micro_token_stats` packs `batch`: whole sequences side by side (`pack_sequences`), groups sharing
+    a prompt (when that saves rows), or None for length-bucketed padded rows."""
+    if pack_sequences:
+        return sequence_segments(batch)
+    if share_prompts and batch.prompt_lens_B is not None:
+        segments = prompt_segments(batch)
+        return segments if len(segments) < batch.size else None
+    return None
+
 def micro_token_stats(
     model: torch.nn.Module,
     batch: Batch,
@@ -52,12 +63,7 @@ def micro_token_stats(
     get values there); with `pack_sequences` whole sequences are packed side by side (SFT); otherwise
     length-bucketed padded rows. Gradients flow unless the caller disables them."""
     device = next(model.parameters()).device
-    segments = None
-    if pack_sequences:
-        segments = sequence_segments(batch)
-    elif share_prompts and batch.prompt_lens_B is not None:
-        segments = prompt_segments(batch)
-        segments = segments if len(segments) < batch.size else None
+    segments = packing_segments(batch, share_prompts=share_prompts, pack_sequences=pack_sequences)
     if segments is not None:
         for micro, packed in micro_packs(batch, token_budget, segments):
             micro = micro.to(device)

@@ -46,8 +46,8 @@ from tokenmill.training.base import BatchLoss
 from tokenmill.training.batch import Batch
 from tokenmill.training.critic import Critic
 from tokenmill.training.dist import barrier, gather_objects, is_main, max_over_ranks, rank, world
-from tokenmill.training.local import LocalBackend, ReferenceModel
-from tokenmill.training.packing import plan_rows, prompt_segments, sequence_segments
+from tokenmill.training.local import LocalBackend, ReferenceModel, packing_segments
+from tokenmill.training.packing import plan_rows, prompt_segments
 from tokenmill.types import TokenmillError
 
 SHARDS_PREFIX = "optim-step-"
@@ -106,12 +106,7 @@ def micro_batch_count(batch: Batch | None, token_budget: int, *, share_prompts: 
     choice of packing and the same greedy sizing as `micro_packs` / `Batch.micro_batches`)."""
     if batch is None:
         return 0
-    segments = None
-    if pack_sequences:
-        segments = sequence_segments(batch)
-    elif share_prompts and batch.prompt_lens_B is not None:
-        segments = prompt_segments(batch)
-        segments = segments if len(segments) < batch.size else None
+    segments = packing_segments(batch, share_prompts=share_prompts, pack_sequences=pack_sequences)
     if segments is None:
         widths = batch.lengths_B.tolist()  # sorted longest first, like the rows
     else:
