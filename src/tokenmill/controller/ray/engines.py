@@ -34,6 +34,7 @@ class EngineServerActor:
     def __init__(self, model_dir: str, *, seed: int, device: str, threads: int, timeout_s: float,
                  token: str | None) -> None:
         import ray
+
         from tokenmill.sandbox.lifetime import preexec_die_with_parent
         from tokenmill.serving import wait_for_port
 

@@ -51,10 +51,10 @@ class TrainerRankActor:
     """The body of one rank actor (wrapped with `ray.remote` by `WorkerGroup`)."""
 
     def setup(self, spec: BackendSpec, init_method: str, rank: int, world: int) -> dict[str, Any]:
+        import ray
         import torch
         from transformers import AutoModelForCausalLM
 
-        import ray
         from tokenmill.training.dist import init_distributed
         from tokenmill.training.sharded import ShardedBackend
 
