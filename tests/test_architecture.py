@@ -226,3 +226,17 @@ def test_no_source_function_over_the_cap():
         for p in source_files() for f in functions(p) if span(f) > MAX_FUNCTION_LINES
     ]
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def test_unit_tests_mirror_the_source_tree():
+    """tests/unit/<package>/ for each package's tests; directly under tests/unit only tests of the top-level
+    modules (test_cli_env.py tests cli.py): a reader finds a module's tests where the module is."""
+    package = SRC / "tokenmill"
+    unit = SRC.parent / "tests" / "unit"
+    subpackages = {p.name for p in package.iterdir() if (p / "__init__.py").exists()}
+    modules = {p.stem for p in package.glob("*.py") if not p.stem.startswith("_")}
+    folders = {p.name for p in unit.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders <= subpackages, f"tests/unit folders with no package of that name: {sorted(folders - subpackages)}"
+    stray = [p.name for p in unit.glob("test_*.py")
+             if not any(p.stem == f"test_{m}" or p.stem.startswith(f"test_{m}_") for m in modules)]
+    assert stray == [], f"move these into tests/unit/<package>/: {stray}"

@@ -6,7 +6,7 @@ step - 1); `push(step)` hands over version `step`; `state_dict()` holds the batc
 staleness 0 a feed yields exactly the groups of the synchronous in-place feed.
 
 Adding a feed is one entry in `FEEDS` (the config that selects it). The proxy feed's episodes come from an
-external agent program; `tests/unit/test_proxy_feed.py` runs it.
+external agent program; `tests/unit/controller/test_proxy_feed.py` runs it.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ logprobs of exactly those tokens, equal to a teacher-forced pass over the sample
 rewards are finite numbers; the info is a dict of numbers.
 
 Adding a rollout is one entry in `ROLLOUTS` (the config sections that make the run build it). The proxy
-collector's episodes come from an external agent program: `tests/unit/test_proxy_feed.py` runs it.
+collector's episodes come from an external agent program: `tests/unit/controller/test_proxy_feed.py` runs it.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def local_lora(model, tmp_path) -> tuple[torch.nn.Module, TrainBackend]:
 
 
 def sharded(model, tmp_path) -> tuple[torch.nn.Module, TrainBackend]:
-    """FSDP2 on a one-rank gloo group (the multi-rank equivalence is tests/unit/test_sharded.py's)."""
+    """FSDP2 on a one-rank gloo group (the multi-rank equivalence is tests/unit/training/test_sharded.py's)."""
     from tokenmill.training.dist import init_distributed
     from tokenmill.training.sharded import ShardedBackend
 

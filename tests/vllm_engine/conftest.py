@@ -17,7 +17,7 @@ import torch
 
 from tokenmill.engines import vllm
 
-LORA_RANK = 8  # the largest LoRA rank the session's server accepts (tests/vllm_engine/test_lora.py)
+LORA_RANK = 8  # the largest LoRA rank the session's server accepts (tests/vllm_engine/test_vllm_lora.py)
 
 
 def _free_port() -> int:

@@ -112,7 +112,7 @@ def test_import_strings_are_resolved_in_one_place():
     import ast
     from pathlib import Path
 
-    package = Path(__file__).resolve().parents[2] / "src" / "tokenmill"
+    package = Path(__file__).resolve().parents[3] / "src" / "tokenmill"
     allowed = {package / "config" / "imports.py": {"import_module", "spec_from_file_location"},
                package / "__init__.py": {"import_module"}}
     found = []

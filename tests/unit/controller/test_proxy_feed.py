@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 import tokenmill
 
 pytest.importorskip("openai")
-AGENT = Path(__file__).parents[2] / "examples" / "openai_agent" / "agent.py"
+AGENT = Path(__file__).parents[3] / "examples" / "openai_agent" / "agent.py"
 GROUP, PROMPTS = 4, 2
 
 
