@@ -186,6 +186,10 @@ class AsyncFeed:
         self.dropped_groups = 0
         self.dropped_samples = 0
         self.leftover: list[RolloutBatch] | None = None  # what close() found in the buffer
+        # the step being generated, and a finished batch not yet queued: a checkpoint waits for the first and
+        # keeps the second, so the rollout in flight is saved rather than generated again after a resume
+        self.in_flight: int | None = None
+        self.pending: RolloutBatch | None = None
         # the producer runs towards the run's last step (past a max_steps_per_run stop: a checkpoint keeps those)
         last = cfg.controller.steps
         first = start + 1 + self._restore(buffered or {}, start, last)
@@ -203,6 +207,7 @@ class AsyncFeed:
                     return
                 self.placement.apply_pending()
                 t0 = time.perf_counter()
+                self._mark(in_flight=step)
                 with step_timer(step, side="producer") as timer:
                     groups, info = self.rollout(self.view, step)
                 groups = self.placement.stamp_versions(groups)
@@ -213,10 +218,19 @@ class AsyncFeed:
                     info[f"async/producer_{name}_s"] = sec
                 batch = RolloutBatch(step, groups, info, self.view.source.state_dict(),
                                      timer.tokens.get("generate", 0), busy)
-                if not self._put(batch):
+                self._mark(pending=batch)
+                queued = self._put(batch)
+                self._mark()
+                if not queued:
                     return
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which raises it with context
+            self._mark()
             self._put(exc)
+
+    def _mark(self, in_flight: int | None = None, pending: RolloutBatch | None = None) -> None:
+        with self.cond:
+            self.in_flight, self.pending = in_flight, pending
+            self.cond.notify_all()
 
     def _wait_for_version(self, needed: int) -> bool:
         """Block until the trainer has published version `needed` (False when the feed is closing)."""
@@ -300,12 +314,18 @@ class AsyncFeed:
             self.cond.notify_all()
 
     def state_dict(self) -> dict[str, Any]:
-        """The batches generated ahead and not trained yet (a checkpoint keeps them; the one in flight is lost)."""
+        """The batches generated ahead and not trained yet: a checkpoint keeps them, and first waits (at most
+        `controller.rollout_timeout_s`) for the rollout in flight to finish, so that it is kept too."""
         if self.leftover is not None:
-            batches = self.leftover
-        else:
+            return {"batches": [b.state_dict() for b in self.leftover]}
+        deadline = time.monotonic() + self.timeout_s
+        with self.cond:
+            while self.in_flight is not None and self.thread.is_alive() and time.monotonic() < deadline:
+                self.cond.wait(0.2)
             with self.buffer.mutex:
                 batches = [b for b in self.buffer.queue if isinstance(b, RolloutBatch)]
+            if self.pending is not None and all(b is not self.pending for b in batches):
+                batches.append(self.pending)  # finished, waiting for room in the buffer
         return {"batches": [b.state_dict() for b in batches]}
 
     def _restore(self, buffered: dict, start: int, last: int) -> int:

@@ -262,3 +262,23 @@ def test_generation_and_training_split_the_cores(monkeypatch):
     assert thread_split(cfg(placement="process", num_servers=3, threads=3)) == (3, 1)  # oversubscribed: 1 left
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert thread_split(cfg(placement="thread")) == (4, 2)  # the trainer never gets more than it had
+
+
+def slow_digit_share(prompts, completions, **_):
+    time.sleep(0.3)  # scoring is part of the producer's rollout: the trainer checkpoints while it runs
+    return digit_share(prompts, completions)
+
+
+def test_a_checkpoint_keeps_the_rollout_being_generated(model, tmp_path):
+    """At a checkpoint after step s, the producer is still making step s + 1 (its rewards are slow): the
+    checkpoint waits for it and keeps it, so a resume trains it instead of generating it again."""
+    torch.set_num_threads(1)
+    out = tmp_path / "inflight"
+    cfg = _config(model, out, **{"engine.placement": "thread", "controller.max_staleness": 1,
+                                 "controller.steps": 4, "checkpoint.every": 1, "checkpoint.keep_last": 10})
+    tokenmill.train(cfg, rewards=[slow_digit_share])
+    for s in (1, 2, 3):
+        state = torch.load(out / "checkpoints" / f"step_{s:08d}" / "trainer.pt", weights_only=True)
+        steps = [b["step"] for b in state["rollouts"]["batches"]]
+        assert steps[:1] == [s + 1], (s, steps)
+        assert steps == list(range(s + 1, s + 1 + len(steps)))
