@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tokenmill.engines.continuous import ContinuousEngine
 from tokenmill.engines.hf import HFEngine
 from tokenmill.engines.server import create_app
-from tokenmill.envs.server import BackgroundServer
+from tokenmill.serving import BackgroundServer
 from tokenmill.testing import build_tiny_model
 from tokenmill.types import SamplingParams
 

@@ -70,8 +70,9 @@ def test_a_remote_environment_gives_the_same_trajectories_as_in_process(game_war
     from tokenmill.engines.hf import HFEngine
     from tokenmill.envs.guess import GuessNumberEnv, guess_number_tasks
     from tokenmill.envs.remote import remote_factory
-    from tokenmill.envs.server import create_app, start_in_thread
+    from tokenmill.envs.server import create_app
     from tokenmill.rollout.agent import AgentLimits, AgentLoop
+    from tokenmill.serving import start_in_thread
     from tokenmill.types import SamplingParams
 
     tasks = [dict(r) for r in guess_number_tasks(12, seed=11)]

@@ -47,13 +47,10 @@ from pydantic import BaseModel, ConfigDict
 
 from tokenmill import serving
 from tokenmill.envs.base import EnvFactory, StepResult, as_messages, as_step_result
-
-# the serving layer's names, where users of this module have always found them
-from tokenmill.serving import BackgroundServer, check_exposure, is_loopback, start_in_thread
+from tokenmill.serving import check_exposure, is_loopback
 from tokenmill.types import ConfigError
 
-__all__ = ["BackgroundServer", "check_exposure", "create_app", "is_loopback", "load_factory", "serve",
-           "start_in_thread"]
+__all__ = ["create_app", "load_factory", "serve"]
 
 log = logging.getLogger("tokenmill.envs.server")
 T = TypeVar("T")

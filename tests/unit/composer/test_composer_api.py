@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from tokenmill.composer.app import create_app
 from tokenmill.composer.schema_ui import LEVELS
 from tokenmill.config.modes import MODES
-from tokenmill.envs.server import start_in_thread
+from tokenmill.serving import start_in_thread
 
 TOKEN = "t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

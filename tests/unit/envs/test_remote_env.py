@@ -17,7 +17,8 @@ import pytest
 
 from tokenmill.envs.base import StepResult, as_messages, as_step_result, call
 from tokenmill.envs.remote import RemoteEnvError, RemoteEnvironment, remote_factory
-from tokenmill.envs.server import create_app, load_factory, serve, start_in_thread
+from tokenmill.envs.server import create_app, load_factory, serve
+from tokenmill.serving import start_in_thread
 
 CLOSED: list[str] = []  # names of environments whose close() ran (server side)
 

@@ -15,7 +15,7 @@ import pytest
 import tokenmill
 from tokenmill.composer.app import create_app
 from tokenmill.composer.runs import Cursor, RunError, RunManager
-from tokenmill.envs.server import start_in_thread
+from tokenmill.serving import start_in_thread
 from tokenmill.tracking import MetricsLogger, events, stage, step_timer
 
 TOKEN = "t0ken"
