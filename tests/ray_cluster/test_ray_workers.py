@@ -14,7 +14,8 @@ import torch
 ray = pytest.importorskip("ray")
 
 from tokenmill.config import AlgorithmConfig
-from tokenmill.types import Sample, StopReason
+from tokenmill.testing.samples import uneven_groups
+from tokenmill.types import Sample
 
 STEPS = 4
 KWARGS = {"learning_rate": 1e-3, "total_steps": 2 * STEPS, "micro_batch_tokens": 40}
@@ -23,19 +24,7 @@ ALGO = AlgorithmConfig(mini_batches=2)
 
 def _samples(step: int, vocab: int) -> list[Sample]:
     """Groups of uneven length (a long one of 4, short ones of 2), so the two ranks get uneven shares."""
-    rng = random.Random(100 + step)
-    out = []
-    for prompt_len, count, longest in ((8, 4, 12), (2, 2, 3), (3, 2, 3), (4, 2, 3)):
-        prompt = [rng.randint(3, vocab - 1) for _ in range(prompt_len)]
-        for _ in range(count):
-            completion = [rng.randint(3, vocab - 1) for _ in range(rng.randint(1, longest))]
-            out.append(Sample(
-                tokens=tuple(prompt + completion), loss_mask=(0,) * prompt_len + (1,) * len(completion),
-                logprobs=(0.0,) * prompt_len + tuple(-rng.uniform(1.0, 4.0) for _ in completion),
-                prompt_len=prompt_len, prompt="p", completion="c", stop_reason=StopReason.STOP,
-                advantage=rng.uniform(-1.5, 1.5),
-            ))
-    return out
+    return uneven_groups(step, vocab, ((8, 4, 12), (2, 2, 3), (3, 2, 3), (4, 2, 3)))
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,12 @@ import torch
 
 from tokenmill.algorithms import token_weights
 from tokenmill.config import AlgorithmConfig
+from tokenmill.testing.samples import uneven_groups
 from tokenmill.training import LocalBackend, collate
 from tokenmill.training.local import ReferenceModel, micro_token_stats
 from tokenmill.training.sharded import micro_batch_count, rank_rows
 from tokenmill.training.update import _batch_loss, policy_update, value_update
-from tokenmill.types import Sample, StopReason
+from tokenmill.types import Sample
 
 STEPS, SAVE_AT = 5, 3
 KWARGS = {"learning_rate": 1e-3, "total_steps": STEPS * 2, "micro_batch_tokens": 40, "warmup_steps": 1,
@@ -26,19 +27,7 @@ ALGO = AlgorithmConfig(mini_batches=2, off_policy="tis")  # tis: the update also
 def _samples(step: int, vocab: int) -> list[Sample]:
     """One long group of 6 (prompt 8, answers up to 12 tokens) and four short groups of 2: whole groups
     per rank give one rank many more tokens and micro-batches than the other."""
-    rng = random.Random(100 + step)
-    out = []
-    for prompt_len, count, longest in ((8, 6, 12), (2, 2, 3), (3, 2, 3), (2, 2, 2), (4, 2, 3)):
-        prompt = [rng.randint(3, vocab - 1) for _ in range(prompt_len)]
-        for _ in range(count):
-            completion = [rng.randint(3, vocab - 1) for _ in range(rng.randint(1, longest))]
-            out.append(Sample(
-                tokens=tuple(prompt + completion), loss_mask=(0,) * prompt_len + (1,) * len(completion),
-                logprobs=(0.0,) * prompt_len + tuple(-rng.uniform(1.0, 4.0) for _ in completion),
-                prompt_len=prompt_len, prompt="p", completion="c", stop_reason=StopReason.STOP,
-                advantage=rng.uniform(-1.5, 1.5),
-            ))
-    return out
+    return uneven_groups(step, vocab, ((8, 6, 12), (2, 2, 3), (3, 2, 3), (2, 2, 2), (4, 2, 3)))
 
 
 def _train(backend, vocab: int, steps: range) -> list[dict[str, float]]:
