@@ -61,3 +61,33 @@ def hf_model(vllm_model):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(vllm_model, dtype=torch.float32).eval()
+
+
+def digit_share(prompts, completions, **_):
+    """A dense reward (share of digits), so a random-init model gets non-zero advantages and moves."""
+    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+
+
+@pytest.fixture
+def train_on_vllm(vllm_model):
+    """Run a small GRPO job whose engines are the vLLM servers at `urls` (weights pushed by engine.sync: vllm)
+    and whose final export lands in `out/final`: train_on_vllm(out, urls, steps=3, learning_rate=1e-2,
+    lora=None, **controller_fields)."""
+    import tokenmill
+
+    def run(out, urls: list[str], *, steps: int, learning_rate: float = 1e-2, lora: dict | None = None,
+            **controller):
+        cfg = {
+            "model": {"path": vllm_model, **({"lora": lora} if lora else {})},
+            "data": {"task": "addition", "num_train": 200, "num_eval": 0},
+            "generation": {"group_size": 4, "max_tokens": 6},
+            "algorithm": {"ppo_epochs": 1, "mini_batches": 1},
+            "training": {"learning_rate": learning_rate, "seed": 3},
+            "controller": {"steps": steps, "prompts_per_step": 4, **controller},
+            "engine": {"placement": "remote", "urls": urls, "sync": "vllm", "timeout_s": 60},
+            "tracking": {"output_dir": str(out), "console": "none"},
+            "checkpoint": {"every": 0, "save_final": True},
+        }
+        return tokenmill.train(cfg, rewards=[digit_share])
+
+    return run

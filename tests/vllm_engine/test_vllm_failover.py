@@ -14,7 +14,6 @@ import time
 import pytest
 import torch
 
-import tokenmill
 from tokenmill.engines import vllm
 from tokenmill.engines.openai import RemoteEngine
 from tokenmill.testing.reference import teacher_logprobs
@@ -35,11 +34,8 @@ def second_server(vllm_python, vllm_model, tmp_path_factory):
     server.stop()
 
 
-def _digit_share(prompts, completions, **_):
-    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
-
-
-def test_killing_one_of_two_servers_mid_run_loses_no_step(vllm_server, second_server, vllm_model, tmp_path):
+def test_killing_one_of_two_servers_mid_run_loses_no_step(vllm_server, second_server, vllm_model, train_on_vllm,
+                                                           tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
@@ -59,22 +55,10 @@ def test_killing_one_of_two_servers_mid_run_loses_no_step(vllm_server, second_se
                 return
             time.sleep(0.05)
 
-    cfg = {
-        "model": {"path": vllm_model},
-        "data": {"task": "addition", "num_train": 200, "num_eval": 0},
-        "generation": {"group_size": 4, "max_tokens": 6},
-        "algorithm": {"ppo_epochs": 1, "mini_batches": 1},
-        "training": {"learning_rate": 1e-2, "seed": 3},
-        "controller": {"steps": 6, "prompts_per_step": 4},
-        "engine": {"placement": "remote", "urls": [vllm_server.url, second_server.url], "sync": "vllm",
-                   "timeout_s": 60},
-        "tracking": {"output_dir": str(out), "console": "none"},
-        "checkpoint": {"every": 0, "save_final": True},
-    }
     try:
         watcher = threading.Thread(target=kill_after_step_two, daemon=True)
         watcher.start()
-        tokenmill.train(cfg, rewards=[_digit_share])
+        train_on_vllm(out, [vllm_server.url, second_server.url], steps=6)
         watcher.join(timeout=5)
         trained = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()
         engine = RemoteEngine([vllm_server.url], pad_id=0)

@@ -71,29 +71,12 @@ def test_lora_pushes_sample_as_the_merged_model(vllm_server, vllm_model, hf_mode
     assert not (tmp_path / "adapters" / "v00000001").exists()
 
 
-def _digit_share(prompts, completions, **_):
-    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
-
-
-def test_a_lora_grpo_run_pushes_adapters_and_vllm_ends_on_the_trained_model(vllm_server, vllm_model, hf_model,
+def test_a_lora_grpo_run_pushes_adapters_and_vllm_ends_on_the_trained_model(vllm_server, train_on_vllm, hf_model,
                                                                             tmp_path):
     from transformers import AutoModelForCausalLM
 
-    import tokenmill
-
     out = tmp_path / "run"
-    cfg = {
-        "model": {"path": vllm_model, "lora": {"rank": 4, "alpha": 8.0}},
-        "data": {"task": "addition", "num_train": 200, "num_eval": 0},
-        "generation": {"group_size": 4, "max_tokens": 6},
-        "algorithm": {"ppo_epochs": 1, "mini_batches": 1},
-        "training": {"learning_rate": 5e-2, "seed": 3},
-        "controller": {"steps": 3, "prompts_per_step": 4},
-        "engine": {"placement": "remote", "urls": [vllm_server.url], "sync": "vllm", "timeout_s": 60},
-        "tracking": {"output_dir": str(out), "console": "none"},
-        "checkpoint": {"every": 0, "save_final": True},
-    }
-    tokenmill.train(cfg, rewards=[_digit_share])
+    train_on_vllm(out, [vllm_server.url], steps=3, learning_rate=5e-2, lora={"rank": 4, "alpha": 8.0})
     trained = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()  # merged export
     lora = RemoteEngine([vllm_server.url], pad_id=0, model=vllm.LORA_ADAPTER_NAME)
     plain = RemoteEngine([vllm_server.url], pad_id=0)

@@ -12,7 +12,6 @@ import httpx
 import pytest
 import torch
 
-import tokenmill
 from tokenmill.engines import vllm
 from tokenmill.engines.openai import RemoteEngine
 from tokenmill.testing.reference import teacher_logprobs
@@ -67,30 +66,14 @@ def test_a_push_lands_and_the_prefix_cache_is_dropped(vllm_server, vllm_model, h
     assert not (tmp_path / "w" / "v00000000").exists() and (tmp_path / "w" / "v00000005").is_dir()
 
 
-def _digit_share(prompts, completions, **_):
-    """A dense reward (share of digits), so a random-init model gets non-zero advantages and moves."""
-    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
-
-
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_grpo_with_vllm_as_the_engine_ends_with_vllm_on_the_trained_weights(vllm_server, vllm_model, hf_model,
-                                                                             tmp_path, staleness):
+                                                                             train_on_vllm, tmp_path, staleness):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    cfg = {
-        "model": {"path": vllm_model},
-        "data": {"task": "addition", "num_train": 200, "num_eval": 0},
-        "generation": {"group_size": 4, "max_tokens": 6},
-        "algorithm": {"ppo_epochs": 1, "mini_batches": 1},
-        "training": {"learning_rate": 1e-2, "seed": 3},
-        "controller": {"steps": 3, "prompts_per_step": 4, "max_staleness": staleness},
-        "engine": {"placement": "remote", "urls": [vllm_server.url], "sync": "vllm", "timeout_s": 60},
-        "tracking": {"output_dir": str(out), "console": "none"},
-        "checkpoint": {"every": 0, "save_final": True},
-    }
     try:
-        tokenmill.train(cfg, rewards=[_digit_share])
+        train_on_vllm(out, [vllm_server.url], steps=3, max_staleness=staleness)
         trained = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()
         engine = RemoteEngine([vllm_server.url], pad_id=0)
         try:
