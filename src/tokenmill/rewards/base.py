@@ -92,10 +92,15 @@ def trl_completion(prompt: Any, text: str) -> Any:
     return [{"role": "assistant", "content": text}] if is_conversational(prompt) else text
 
 
-def callable_name(fn: Callable[..., Any]) -> str:
-    """The name a reward is logged under: a function's name (through functools.partial), else its class's."""
+def _unwrap_partial(fn: Callable[..., Any]) -> Callable[..., Any]:
     while isinstance(fn, functools.partial):
         fn = fn.func
+    return fn
+
+
+def callable_name(fn: Callable[..., Any]) -> str:
+    """The name a reward is logged under: a function's name (through functools.partial), else its class's."""
+    fn = _unwrap_partial(fn)
     return getattr(fn, "__name__", type(fn).__name__)
 
 
@@ -213,9 +218,7 @@ def _check_value(v: Any) -> RewardResult:
 def defined_at(fn: Callable[..., Any]) -> str:
     """'name (file:line)' of a function's definition (through functools.partial; a callable instance's
     `__call__`), for error texts; just the name when Python cannot tell."""
-    target = fn
-    while isinstance(target, functools.partial):
-        target = target.func
+    target = _unwrap_partial(fn)
     if not (inspect.isfunction(target) or inspect.ismethod(target)):
         target = type(target).__call__  # a callable instance: its class's method
     code = getattr(inspect.unwrap(target), "__code__", None)
