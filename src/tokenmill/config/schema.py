@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from tokenmill.config.cluster import ClusterConfig
+from tokenmill.config.health import HealthConfig
 from tokenmill.config.section import DEVICE, MAX_GROUP, MAX_SEQUENCES, MAX_TOKENS, Section
 
 UnitFloat = Annotated[float, Field(ge=0.0, lt=1.0)]
@@ -407,6 +408,7 @@ class RLConfig(Section):
     proxy: ProxyConfig | None = Field(None, description="Train on episodes of an external OpenAI-API agent program.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig, description="Run-health checks: mismatch, probe, alarms.")
 
     @property
     def sequences_per_step(self) -> int:

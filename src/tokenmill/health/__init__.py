@@ -1,0 +1,1 @@
+"""Run health: is the run able to learn (engine-trainer mismatch, weight-sync probe, alarms)."""
