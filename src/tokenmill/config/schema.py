@@ -12,6 +12,7 @@ from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from tokenmill.config.cluster import ClusterConfig
 from tokenmill.config.health import HealthConfig
+from tokenmill.config.record import RecordConfig
 from tokenmill.config.section import DEVICE, MAX_GROUP, MAX_SEQUENCES, MAX_TOKENS, Section
 
 UnitFloat = Annotated[float, Field(ge=0.0, lt=1.0)]
@@ -409,6 +410,7 @@ class RLConfig(Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     health: HealthConfig = Field(default_factory=HealthConfig, description="Run-health checks: mismatch, probe, alarms.")
+    record: RecordConfig = Field(default_factory=RecordConfig, description="Rollout dumps, replay, rollout-only.")
 
     @property
     def sequences_per_step(self) -> int:
