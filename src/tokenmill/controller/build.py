@@ -169,6 +169,7 @@ class Run:
     logger: MetricsLogger
     update_rng: random.Random
     output_dir: Path
+    engine_fleet: Any = None  # engine.placement process on Ray: the replicas (controller.ray.engines.EngineFleet)
 
     def close(self) -> None:
         self.generator.rewards.close()
