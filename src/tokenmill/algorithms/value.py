@@ -55,9 +55,12 @@ def value_loss(
     if clip is not None:
         clipped_B_T = old_values_B_T + torch.clamp(values_B_T - old_values_B_T, -clip, clip)
         clipped_error_B_T = (clipped_B_T - returns_B_T) ** 2
+        # inside the clip range V_old + (V - V_old) can round above V: only a value that really moved more
+        # than `clip` takes the clipped branch (else that token would lose its gradient to float noise)
+        clipped_wins_B_T = ((values_B_T - old_values_B_T).abs() > clip) & (clipped_error_B_T > error_B_T)
         with torch.no_grad():
-            metrics["vf_clip_fraction"] = ((clipped_error_B_T > error_B_T).float() * weights_B_T).sum()
-        error_B_T = torch.maximum(error_B_T, clipped_error_B_T)
+            metrics["vf_clip_fraction"] = (clipped_wins_B_T.float() * weights_B_T).sum()
+        error_B_T = torch.where(clipped_wins_B_T, clipped_error_B_T, error_B_T)
     return 0.5 * (error_B_T * weights_B_T).sum(), metrics
 
 

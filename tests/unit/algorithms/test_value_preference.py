@@ -54,6 +54,21 @@ def test_value_loss_clipped_by_hand():
     assert plain.item() == pytest.approx(0.5 * (0.5 * 0.25 + 0.5 * 2.25))
 
 
+def test_value_loss_inside_the_clip_range_keeps_every_gradient():
+    # V moved by less than the clip, but V_old + (V - V_old) rounds away from V in float32: these three tokens
+    # once took the clipped branch (no gradient) and counted as clipped
+    f32 = torch.float32
+    values = torch.tensor([[0.060491468757390976, -0.019204536452889442, -0.03802011162042618]], dtype=f32,
+                          requires_grad=True)
+    old = torch.tensor([[0.16738520562648773, -0.14795896410942078, -0.18436560034751892]], dtype=f32)
+    ret = torch.tensor([[0.005919549614191055, 0.009060759097337723, -0.5595830082893372]], dtype=f32)
+    w = torch.ones(1, 3)
+    loss, metrics = value_loss(values, old, ret, w, clip=0.2)
+    assert metrics["vf_clip_fraction"].item() == 0.0
+    loss.backward()
+    assert values.grad.tolist()[0] == pytest.approx((values - ret).detach().tolist()[0], rel=1e-6)
+
+
 def test_dpo_ipo_simpo_bradley_terry_by_hand():
     chosen, rejected, ref_c, ref_r = t([-5.0]), t([-7.0]), t([-6.0]), t([-6.5])
     # h = (-5 + 6) - (-7 + 6.5) = 1.5
