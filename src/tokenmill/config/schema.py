@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from tokenmill.config.cluster import ClusterConfig
+from tokenmill.config.distill import DistillConfig, check_distill
 from tokenmill.config.health import HealthConfig
 from tokenmill.config.record import RecordConfig
 from tokenmill.config.section import DEVICE, MAX_GROUP, MAX_SEQUENCES, MAX_TOKENS, Section
@@ -176,10 +177,11 @@ GROUP_BASELINES = ("grpo", "rloo", "reinforce_pp")  # advantages measured agains
 
 
 class AlgorithmConfig(Section):
-    advantage: Literal["grpo", "rloo", "reinforce_pp", "gae"] = Field(
+    advantage: Literal["grpo", "rloo", "reinforce_pp", "gae", "distill"] = Field(
         "grpo", description="Advantage estimator: grpo (group mean/std), rloo (leave-one-out mean), "
         "reinforce_pp (group mean, then batch-wide mean/std normalisation), gae (PPO: a critic's values and "
-        "generalised advantage estimation per token; configure `critic`)."
+        "generalised advantage estimation per token; configure `critic`), distill (minus the reverse KL to a "
+        "teacher per token; configure `distillation`)."
     )
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="GAE discount per policy token (PPO).")
     lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda: bias (0) vs variance (1) (PPO).")
@@ -316,10 +318,6 @@ class ControllerConfig(Section):
         600.0, gt=0, description="Async: seconds the trainer waits for the next rollout batch before it fails "
         "naming the producer."
     )
-    reward_failure_steps: int = Field(
-        3, ge=0, description="Stop the run when a reward function has failed (raised, timed out, returned NaN) "
-        "on every sample for this many steps in a row, naming it and its first error (0 = never stop)."
-    )
 
 
 class EngineConfig(Section):
@@ -407,6 +405,7 @@ class RLConfig(Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig,
                                    description="Trainer ranks and engine replicas on a Ray cluster (`tokenmill plan`).")
     proxy: ProxyConfig | None = Field(None, description="Train on episodes of an external OpenAI-API agent program.")
+    distillation: DistillConfig | None = Field(None, description="On-policy distillation from teachers (advantage distill).")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     health: HealthConfig = Field(default_factory=HealthConfig, description="Run-health checks: mismatch, probe, alarms.")
@@ -440,6 +439,7 @@ class RLConfig(Section):
         if self.algorithm.kl_in_reward and self.algorithm.advantage != "gae":
             raise ValueError("algorithm.kl_in_reward: only PPO (algorithm.advantage 'gae') has per-token rewards")
         _check_async(self)
+        check_distill(self)
         if self.training.backend == "fsdp2" and (self.engine.placement != "colocated" or self.proxy is not None
                                                  or self.model.lora.rank > 0 or self.critic.lora.rank > 0):
             raise ValueError("training.backend: fsdp2 runs with engine.placement colocated (each rank samples "

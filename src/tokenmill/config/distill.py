@@ -1,0 +1,91 @@
+"""`distillation:`: on-policy distillation from one or more teachers (with `algorithm.advantage: distill`).
+
+    algorithm:
+      advantage: distill
+    distillation:
+      teacher: {path: runs/teacher/final}      # an HF folder loaded in this process
+      kl_coef: 1.0                             # weight of the reverse KL in each token's advantage
+      task_weight: 0.0                         # weight of the task reward's group advantage (0: pure distillation)
+      top_k: 0                                 # 0: the teacher's logprob of each sampled token; k: its top-k only
+
+Several teachers: `teachers: {math: {url: http://127.0.0.1:8000}, code: {path: ...}}` with `route_by: task`
+(each row goes to the teacher its `task` column names) or without it (every token scored by the mixture of
+all of them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from tokenmill.config.section import DEVICE, Section
+
+
+class TeacherConfig(Section):
+    """One teacher: an HF causal LM in this process (`path`) or an OpenAI-compatible server that returns
+    prompt logprobs (`url`: `tokenmill serve`, vLLM)."""
+
+    path: str | None = Field(None, description="HF model folder loaded in this process (same tokenizer as the policy).")
+    url: str | None = Field(None, description="OpenAI-compatible server returning prompt logprobs (http://host:port).")
+    token: str | None = Field(None, description="Bearer token for `url` (default: $TOKENMILL_SERVE_TOKEN).")
+    model: str = Field("tokenmill", description="Model name sent to the server at `url`.")
+    device: str = Field("auto", pattern=DEVICE.pattern, description="Device of a `path` teacher (auto: the policy's).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TeacherConfig:
+        if (self.path is None) == (self.url is None):
+            raise ValueError("set exactly one of path (a model in this process) or url (a server)")
+        return self
+
+
+class DistillConfig(Section):
+    """On-policy distillation: each sampled token's advantage is minus the reverse KL to the teacher."""
+
+    teacher: TeacherConfig | None = Field(None, description="The teacher (or give several in `teachers`).")
+    teachers: dict[str, TeacherConfig] = Field(
+        default_factory=dict, description="Several teachers by name: routed by `route_by`, else mixed.")
+    route_by: str | None = Field(
+        None, description="Data column whose value names the teacher for each row (teachers only); unset: every "
+        "token is scored by the mixture (mean probability) of all teachers.")
+    kl_coef: float = Field(1.0, gt=0.0, description="Weight of the reverse KL (student - teacher logprob) per token.")
+    task_weight: float = Field(
+        0.0, ge=0.0, description="Weight of the task reward's group advantage (GRPO) added to every token's.")
+    top_k: int = Field(
+        0, ge=0, le=1024, description="0: the teacher's logprob of each sampled token; k > 0: only its k most "
+        "likely tokens per position, the rest bucketed as one 'other' outcome (see docs/distillation.md).")
+
+    @model_validator(mode="after")
+    def _teachers(self) -> DistillConfig:
+        if (self.teacher is None) == (not self.teachers):
+            raise ValueError("set exactly one of teacher or teachers")
+        if self.route_by is not None and not self.teachers:
+            raise ValueError("route_by: routes rows between several `teachers`; with one `teacher` leave it unset")
+        if self.top_k and len(self.named) > 1 and self.route_by is None:
+            raise ValueError("top_k: a mixture of teachers needs each teacher's logprob of the sampled token; "
+                             "use top_k 0 or route_by")
+        return self
+
+    @property
+    def named(self) -> dict[str, TeacherConfig]:
+        """Every teacher by name (a single `teacher` is named 'teacher')."""
+        return {"teacher": self.teacher} if self.teacher is not None else dict(self.teachers)
+
+
+def check_distill(cfg: Any) -> None:
+    """RLConfig cross-checks: `algorithm.advantage: distill` and the `distillation:` section come together;
+    the per-token advantages need a per-token loss. Raises ValueError naming the field."""
+    algo, dist = cfg.algorithm, cfg.distillation
+    if algo.advantage == "distill" and dist is None:
+        raise ValueError("distillation: algorithm.advantage 'distill' needs a distillation section with a teacher")
+    if dist is None:
+        return
+    if algo.advantage != "distill":
+        raise ValueError(f"algorithm.advantage: a distillation section trains with advantage 'distill', "
+                         f"not {algo.advantage!r}")
+    if algo.loss == "gspo":
+        raise ValueError("algorithm.loss: 'gspo' clips a sequence ratio; distillation's advantages are per "
+                         "token (use ppo_clip or cispo)")
+    if dist.task_weight > 0 and cfg.generation.group_size < 2:
+        raise ValueError("generation.group_size: distillation.task_weight > 0 mixes in the group advantage of "
+                         "the task reward, which needs generation.group_size >= 2")
