@@ -51,10 +51,28 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def record_flags(overrides: list[str]) -> list[str]:
+    """`--replay DIR` and `--rollout-only` of `tokenmill train`, as the `record:` overrides they stand for."""
+    out, i = [], 0
+    while i < len(overrides):
+        arg = overrides[i]
+        if arg == "--rollout-only":
+            out += ["--record.rollout_only", "true"]
+        elif arg == "--replay" or arg.startswith("--replay="):
+            if arg == "--replay" and i + 1 >= len(overrides):
+                raise ConfigError("--replay: give the folder of a rollout dump")
+            out += ["--record.replay", arg.split("=", 1)[1] if "=" in arg else overrides[i + 1]]
+            i += arg == "--replay"
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from tokenmill.config.preflight import check_run
 
-    cfg = _rl_config(args.config, args.overrides)
+    cfg = _rl_config(args.config, record_flags(args.overrides))
     check_run(cfg)  # files, columns, device: one line each, before the ML stack is even imported
     if cfg.cluster.backend == "ray":  # the same loop in this process, its trainer ranks on Ray
         from tokenmill.controller.ray.run import train_on_ray

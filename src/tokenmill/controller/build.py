@@ -27,6 +27,7 @@ from tokenmill.rewards.set import RewardSet
 from tokenmill.rollout.agent import AgentLoop, build_agent
 from tokenmill.rollout.base import Rollout
 from tokenmill.rollout.generator import Generator, build_generator
+from tokenmill.rollout.record import ReplayEngine
 from tokenmill.tracking.logger import MetricsLogger
 from tokenmill.training.base import TrainBackend
 from tokenmill.training.critic import Critic, load_critic
@@ -195,9 +196,12 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     model, tokenizer = load_policy(cfg.model, device)
     # colocated, in-process: the engine samples from the trainer's own module, so weight sync is free
     # (fsdp2: each rank's engine samples from a full copy, refreshed from the shards after every update)
-    engine = (dist.RankedEngine if sharded else HFEngine)(
-        model, tokenizer, seed=cfg.training.seed + (dist.rank() if sharded else 0), autocast_dtype=amp
-    )
+    if cfg.record.replay is not None:  # trains on recorded rollouts: nothing generates, nothing evaluates
+        engine, eval_rows = ReplayEngine(model, tokenizer), None
+    else:
+        engine = (dist.RankedEngine if sharded else HFEngine)(
+            model, tokenizer, seed=cfg.training.seed + (dist.rank() if sharded else 0), autocast_dtype=amp
+        )
     backend, reference, critic = build_trainer(cfg, model, device, amp)
     generator = build_generator(cfg, engine, tokenizer, reward_set)
     agent = build_agent(cfg, engine, tokenizer) if cfg.env is not None else None

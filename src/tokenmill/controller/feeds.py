@@ -439,17 +439,74 @@ class ProxyFeed:
         self.serving.close()
 
 
+class ReplayFeed:
+    """`record.replay`: each step's groups as a dump recorded them (`rollout/record.py`); nothing generates."""
+
+    side = None
+
+    def __init__(self, run) -> None:
+        from tokenmill.rollout.record import read_dump
+
+        self.run, self.steps = run, read_dump(run.cfg.record.replay)
+
+    def get(self, step: int) -> tuple[list[Group], dict[str, float]] | None:
+        if step not in self.steps:  # the dump ends here: so does the run
+            self.run.logger.message(f"replay: the dump has no step {step}; stopping after step {step - 1}")
+            return None
+        return self.steps[step], {}
+
+    def push(self, step: int) -> None:
+        self.run.engine.update_weights((), version=step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batches": []}
+
+    def close(self, finish: bool = False) -> None:
+        pass
+
+
+class RecordingFeed:
+    """`record.rollouts`: another feed, whose groups are also written to the run's dump as they are taken."""
+
+    def __init__(self, feed: Feed, folder, every: int) -> None:
+        from tokenmill.rollout.record import RolloutRecorder
+
+        self.feed, self.side, self.recorder = feed, feed.side, RolloutRecorder(folder, every)
+
+    def get(self, step: int) -> tuple[list[Group], dict[str, float]] | None:
+        got = self.feed.get(step)
+        if got is not None:
+            self.recorder.add(step, got[0])
+        return got
+
+    def push(self, step: int) -> None:
+        self.feed.push(step)
+
+    def state_dict(self) -> dict[str, Any]:
+        self.recorder.flush()  # a checkpoint never lies ahead of the dump
+        return self.feed.state_dict()
+
+    def close(self, finish: bool = False) -> None:
+        self.recorder.flush()
+        self.feed.close(finish)
+
+
 @contextlib.contextmanager
 def rollout_feed(run, rollout: RolloutFn, start: int, buffered: dict | None = None) -> Iterator[Feed]:
     """The feed for `run`: the proxy feed when `proxy:` is set, the synchronous in-place feed for a colocated
     engine, else the producer thread (serving a checkpoint's `buffered` batches first). Closed on the way out
     (finishing work in flight only on a clean exit)."""
-    if run.cfg.proxy is not None:
-        feed: Feed = ProxyFeed(run, rollout, start)
+    rec = run.cfg.record
+    if rec.replay is not None:
+        feed: Feed = ReplayFeed(run)
+    elif run.cfg.proxy is not None:
+        feed = ProxyFeed(run, rollout, start)
     elif run.cfg.engine.placement == "colocated":
         feed = InlineFeed(run, rollout)
     else:
         feed = AsyncFeed(run, rollout, start, buffered)
+    if rec.rollouts:
+        feed = RecordingFeed(feed, rec.dir or run.output_dir / "rollouts", rec.every)
     try:
         yield feed
     except BaseException:

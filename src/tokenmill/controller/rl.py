@@ -13,7 +13,8 @@ from tokenmill.checkpoint.export import export_atomic
 from tokenmill.controller.build import Run, parameter_counts
 from tokenmill.controller.evaluate import evaluate, evaluate_agent, rollout_metrics, sample_records
 from tokenmill.controller.feeds import Feed, rollout_feed
-from tokenmill.rewards.watch import RewardFailureWatch
+from tokenmill.health.alarms import Alarms
+from tokenmill.health.report import EfficiencyReport, efficiency_metrics
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.critic import gae_advantages
 from tokenmill.training.dist import barrier, is_main
@@ -41,8 +42,10 @@ def run_rl(run: Run) -> dict[str, Any]:
         last = min(last, start + cfg.controller.max_steps_per_run)
     # generation runs in place (colocated), ahead in a producer (at most controller.max_staleness versions),
     # or in an external agent program (proxy): the feed hides which
-    watch = RewardFailureWatch(cfg.controller.reward_failure_steps)  # a reward failing on every sample stops
     with rollout_feed(run, rollout, start, buffered) as feed:
+        # health.alarms: a warning is a console line and an events.jsonl row; a stop saves, then raises
+        alarms = Alarms(cfg.health.alarms, say=log.message, save=lambda s: save(run, s, feed), hints=hints(run))
+        efficiency = EfficiencyReport(run.output_dir, say=log.message)
         for step in range(start + 1, last + 1):
             with step_timer(step, side=feed.side) as timer:
                 # 1-3. sample prompts, generate G completions each (all groups in one engine batch), score them
@@ -60,10 +63,12 @@ def run_rl(run: Run) -> dict[str, Any]:
                     feed.push(step)
             # 7. log (the samples with the advantages they were trained with)
             metrics = log_step(run, step, groups, sampling | train_metrics, timer)
-            watch.check(step, groups)
+            efficiency.add(metrics)
+            alarms.check(step, metrics, groups)
             # 8. checkpoint
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < last:
                 save(run, step, feed)
+        efficiency.finish()  # step time against its ideal, where it went, what would help most
     if last < end:
         save(run, last, feed)
         log.message(f"stopped after step {last} of {end} (max_steps_per_run); resume to go on")
@@ -123,6 +128,8 @@ def advantages(run: Run, groups: list[Group]) -> tuple[list[Group], list[Sample]
 def update(run: Run, step: int, samples: list[Sample]) -> dict[str, float]:
     """The policy update (none while the critic warms up), then the critic's; their metrics."""
     cfg, metrics = run.cfg, {}
+    if cfg.record.rollout_only:  # generate and score (and dump) only
+        return metrics
     if samples and (run.critic is None or step > cfg.critic.warmup_steps):
         with stage("train") as t:
             metrics |= policy_update(
@@ -143,6 +150,7 @@ def log_step(run: Run, step: int, groups: list[Group], step_metrics: dict[str, A
     metrics, errors = rollout_metrics(groups, accuracy_reward=cfg.data.task)  # a task's verifier, if any
     metrics |= step_metrics | timer.report() | run.generator.rewards.drain_metrics()  # TRL's log_metric
     metrics["throughput/e2e_tok_s"] = timer.tokens.get("generate", 0) / metrics["timing_s/step"]
+    metrics |= efficiency_metrics(metrics)
     for e in errors:
         log.message(f"step {step}: {e}")
     if cfg.controller.eval_every and step % cfg.controller.eval_every == 0 and run.eval_rows is not None:
@@ -150,6 +158,16 @@ def log_step(run: Run, step: int, groups: list[Group], step_metrics: dict[str, A
     log.log(step, metrics)
     log.log_samples(step, sample_records(groups, cfg.tracking.log_samples))
     return metrics
+
+
+def hints(run: Run) -> dict[str, Any]:
+    """Run settings the alarm messages quote."""
+    gen = run.cfg.generation
+    out: dict[str, Any] = {"max_tokens": gen.max_tokens, "temperature": gen.temperature}
+    engine_temperature = getattr(run.engine, "temperature", None)  # an engine that knows its own sampling
+    if isinstance(engine_temperature, (int, float)):
+        out["engine_temperature"] = float(engine_temperature)
+    return out
 
 
 def rollout(run: Run, step: int) -> tuple[list[Group], dict[str, float]]:
