@@ -1,5 +1,5 @@
-"""A reward that fails on every sample stops the run after `controller.reward_failure_steps` steps, naming
-the function and its first error; one that fails on some samples does not."""
+"""A reward that fails on every sample stops the run after `health.alarms.reward_failures.window` steps,
+naming the function and its first error; one that fails on some samples does not."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_stops_at_the_kth_consecutive_failed_step_with_the_first_error():
         watch.check(4, _step([None], ["TimeoutError:\nno result\nwithin 1s"]))
     assert str(err.value) == (
         "reward 'r' failed on every sample in 3 consecutive steps (2-4); first error: ValueError: bad at r.py:3. "
-        "Fix or remove the function (controller.reward_failure_steps: 0 turns this check off)")
+        "Fix or remove the function (health.alarms.reward_failures.policy: off turns this check off)")
 
 
 def test_a_scored_sample_or_a_step_of_abstentions_ends_the_streak():
@@ -93,7 +93,8 @@ def _config(tmp_path, model: str, reward: str, steps: int, timeout_s: float = 10
         "rewards": [{"function": f"{tmp_path / 'rewards.py'}:digit_share"},
                     {"function": f"{tmp_path / 'rewards.py'}:{reward}", "timeout_s": timeout_s}],
         "generation": {"group_size": 2, "max_tokens": 3},
-        "controller": {"steps": steps, "prompts_per_step": 2, "reward_failure_steps": 3},
+        "controller": {"steps": steps, "prompts_per_step": 2},
+        "health": {"alarms": {"reward_failures": {"window": 3}}},
         "engine": {"threads": 1},
         "tracking": {"output_dir": str(tmp_path / "run"), "console": "none"},
         "checkpoint": {"every": 0, "save_final": False},
@@ -115,7 +116,7 @@ def test_cli_run_with_an_always_failing_reward_stops_at_step_k(tiny_model_path, 
     assert err[-1] == (
         "tokenmill: reward 'always_raises' failed on every sample in 3 consecutive steps (1-3); first error: "
         f"KeyError: 'no column named solution' at {tmp_path / 'rewards.py'}:7. "
-        "Fix or remove the function (controller.reward_failure_steps: 0 turns this check off)")
+        "Fix or remove the function (health.alarms.reward_failures.policy: off turns this check off)")
     assert not any("Traceback" in line for line in err)
     steps = _logged_steps(tmp_path)
     assert [r["step"] for r in steps] == [1, 2, 3]  # steps 1-3 were logged, step 4 never ran
@@ -138,7 +139,7 @@ def test_a_reward_failing_on_some_samples_does_not_stop_the_run(tiny_model_path,
 def test_nan_hanging_and_async_runs_stop_too(tiny_model_path, tmp_path, reward, placement, error):
     cfg = _config(tmp_path, tiny_model_path, reward, steps=10, timeout_s=0.3)
     cfg["engine"]["placement"] = placement
-    cfg["controller"]["reward_failure_steps"] = 2
+    cfg["health"]["alarms"]["reward_failures"]["window"] = 2
     with pytest.raises(RewardFailureError, match=rf"^reward '{reward}' failed on every sample in 2 consecutive steps "
                                                  rf"\(1-2\); first error: {re.escape(error)}"):
         tokenmill.train(cfg)
