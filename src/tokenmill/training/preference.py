@@ -23,9 +23,11 @@ from tokenmill.algorithms.preference import bradley_terry_loss, dpo_loss, ipo_lo
 from tokenmill.checkpoint.export import export_model
 from tokenmill.config.schema import LoRAConfig
 from tokenmill.training.batch import collate
-from tokenmill.training.local import LocalBackend, token_logprobs
+from tokenmill.training.dist import is_main
+from tokenmill.training.local import token_logprobs
 from tokenmill.training.lora import add_lora, is_lora
 from tokenmill.training.sft import sft_sample
+from tokenmill.training.sharded import copy_back, my_share, offline_backend, sum_over_ranks
 from tokenmill.types import ConfigError
 
 PreferenceLoss = Literal["dpo", "ipo", "simpo"]
@@ -99,11 +101,11 @@ def run_dpo(
     reference (adapters disabled); any other is compared with a frozen copy of itself."""
     reference = frozen_reference(model) if loss != "simpo" else None
 
-    def step_loss(picked: list[dict[str, Any]]) -> torch.Tensor:
+    def step_loss(picked: list[dict[str, Any]], module) -> torch.Tensor:
         ref = None
         if loss != "simpo":
-            ref = reference_pair_logprobs(model, reference, tokenizer, picked)
-        return preference_loss(loss, pair_logprobs(model, tokenizer, picked), ref, beta)[0]
+            ref = reference_pair_logprobs(module, reference, tokenizer, picked)
+        return preference_loss(loss, pair_logprobs(module, tokenizer, picked), ref, beta)[0]
 
     return _pairwise_training(model, tokenizer, rows, step_loss, steps=steps, batch_size=batch_size,
                               learning_rate=learning_rate, warmup_steps=warmup_steps, seed=seed,
@@ -115,20 +117,24 @@ def _pairwise_training(
     seed: int, output_dir: str | Path | None,
 ) -> list[float]:
     """The shared loop: sample pairs, loss, then `LocalBackend.optim_step` (grad-norm clip 1.0, AdamW, cosine
-    schedule after warm-up); save an HF folder at the end."""
+    schedule after warm-up); save an HF folder at the end. Under torchrun each FSDP2 rank computes its share of
+    the pairs, its loss scaled to its part of the batch mean (the gradients are summed over the ranks)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     rows = [rows[i] for i in range(len(rows))]
-    backend = LocalBackend(model, learning_rate=learning_rate, total_steps=steps, warmup_steps=warmup_steps,
-                           lr_schedule="cosine", track_entropy=False)
-    model.train()
+    backend, module = offline_backend(model, learning_rate=learning_rate, total_steps=steps,
+                                      warmup_steps=warmup_steps, lr_schedule="cosine", track_entropy=False)
+    module.train()
     losses = []
     for _ in range(steps):
-        value = step_loss(rng.sample(rows, min(batch_size, len(rows))))
+        picked = rng.sample(rows, min(batch_size, len(rows)))
+        mine = my_share(picked)
+        value = step_loss(mine, module) * (len(mine) / len(picked))
         value.backward()
         backend.optim_step()
-        losses.append(float(value.detach()))
-    if output_dir is not None:
+        losses.append(sum_over_ranks(float(value.detach())))
+    copy_back(backend, model)
+    if output_dir is not None and is_main():
         export_model(model, tokenizer, Path(output_dir))
     return losses
 
@@ -191,10 +197,10 @@ def run_reward_model(
     """Bradley-Terry training on preference pairs; return the loss of each step. Saves an HF folder that
     `rewards.ModelReward` (an RL config's `rewards: [{path: ...}]`) loads."""
 
-    def step_loss(picked: list[dict[str, Any]]) -> torch.Tensor:
+    def step_loss(picked: list[dict[str, Any]], module) -> torch.Tensor:
         prompts = [r["prompt"] for r in picked]
-        chosen = _rm_scores(model, tokenizer, prompts, [r["chosen"] for r in picked])
-        rejected = _rm_scores(model, tokenizer, prompts, [r["rejected"] for r in picked])
+        chosen = _rm_scores(module, tokenizer, prompts, [r["chosen"] for r in picked])
+        rejected = _rm_scores(module, tokenizer, prompts, [r["rejected"] for r in picked])
         return bradley_terry_loss(chosen, rejected)[0]
 
     return _pairwise_training(model, tokenizer, rows, step_loss, steps=steps, batch_size=batch_size,

@@ -22,7 +22,8 @@ from tokenmill.checkpoint.export import export_model
 from tokenmill.data.chat import chat_tokens
 from tokenmill.rollout.generator import encode_prompt
 from tokenmill.training.batch import Batch, collate
-from tokenmill.training.local import LocalBackend
+from tokenmill.training.dist import is_main
+from tokenmill.training.sharded import copy_back, offline_backend
 from tokenmill.types import Sample, StopReason
 
 
@@ -83,7 +84,8 @@ def run_sft(
     samples = [s for s in samples if any(s.loss_mask)]
     if not samples:
         raise ValueError("no row has a token to train on (no assistant message / empty completions)")
-    backend = LocalBackend(
+    # under torchrun: FSDP2 ranks, each training its share of every batch (`model` is refreshed at the end)
+    backend, _ = offline_backend(
         model, learning_rate=learning_rate, total_steps=steps, warmup_steps=warmup_steps,
         lr_schedule="cosine", track_entropy=False, micro_batch_tokens=micro_batch_tokens,
         share_prompts=not packing, pack_sequences=packing,
@@ -95,8 +97,9 @@ def run_sft(
         metrics = backend.forward_backward(collate(picked, weights, tokenizer.pad_token_id), _loss)
         backend.optim_step()
         losses.append(metrics["nll"])
-        if log_every and (step + 1) % log_every == 0:
+        if log_every and (step + 1) % log_every == 0 and is_main():
             print(f"sft step {step + 1}/{steps} nll {metrics['nll']:.4f}", flush=True)
-    if output_dir is not None:
+    copy_back(backend, model)
+    if output_dir is not None and is_main():
         export_model(model, tokenizer, Path(output_dir))
     return losses

@@ -24,6 +24,8 @@ peak extra memory is one full tensor.
 
 from __future__ import annotations
 
+import copy
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -45,10 +47,18 @@ from torch.distributed.tensor import DTensor
 from tokenmill.training.base import BatchLoss
 from tokenmill.training.batch import Batch
 from tokenmill.training.critic import Critic
-from tokenmill.training.dist import barrier, gather_objects, is_main, max_over_ranks, rank, world
+from tokenmill.training.dist import (
+    barrier,
+    gather_objects,
+    init_distributed,
+    is_main,
+    max_over_ranks,
+    rank,
+    world,
+)
 from tokenmill.training.local import LocalBackend, ReferenceModel, packing_segments
 from tokenmill.training.packing import plan_rows, prompt_segments
-from tokenmill.types import TokenmillError
+from tokenmill.types import ConfigError, TokenmillError
 
 SHARDS_PREFIX = "optim-step-"
 CRITIC_SHARDS_PREFIX = "critic-step-"
@@ -317,3 +327,51 @@ class ShardedCritic(Critic):
             raise ShardedCheckpointError("a sharded critic checkpoint needs the critic's checkpoint_dir")
         load_shards(self.model, self.optim.optimizer, self.checkpoint_dir / state["shards"])
         self.optim.scheduler.load_state_dict(state["scheduler"])
+
+
+# ---------------------------------------------------------------------------- offline loops (sft, preference)
+def launched() -> bool:
+    """This process is one of several ranks: torchrun's WORLD_SIZE > 1, or a group of several already joined."""
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_world_size() > 1
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def offline_backend(model: torch.nn.Module, **local_kwargs: Any) -> tuple[Any, torch.nn.Module]:
+    """(backend, module to run forward passes on) for an offline loop (`tokenmill sft`, `preference`): one
+    process trains `model` itself with a `LocalBackend`; under torchrun (several ranks) a `ShardedBackend`
+    trains a sharded copy, and `copy_back` refreshes `model` from it at the end (every rank holds it whole)."""
+    if not launched():
+        return LocalBackend(model, **local_kwargs), model
+    from tokenmill.training.lora import is_lora
+
+    if is_lora(model):
+        raise ConfigError("model.lora: LoRA adapters are not sharded over torchrun ranks; train them in one "
+                          "process (set model.lora.rank to 0 to train every weight over the ranks)")
+    init_distributed()
+    backend = ShardedBackend(copy.deepcopy(model), **local_kwargs)
+    return backend, backend.model
+
+
+def copy_back(backend: Any, model: torch.nn.Module) -> None:
+    """Load a `ShardedBackend`'s trained weights into the whole `model` on every rank (a collective); nothing
+    to do for a `LocalBackend`, which trained `model` itself."""
+    if not isinstance(backend, ShardedBackend):
+        return
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, full in backend.weights():
+            params[name].copy_(full)
+
+
+def my_share(items: list) -> list:
+    """This rank's part of a list every rank holds (all of it in one process); refuses fewer items than ranks
+    (a rank with nothing to compute would leave the others waiting in a collective)."""
+    if len(items) < world():
+        raise ConfigError(f"batch_size: {len(items)} item(s) per step cannot be shared by {world()} ranks; "
+                          "use at least one per rank")
+    return items[rank()::world()]
+
+
+def sum_over_ranks(value: float) -> float:
+    return float(sum(gather_objects(value)))
