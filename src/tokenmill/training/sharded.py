@@ -160,15 +160,17 @@ def split_logprobs(batch: Batch, logprobs: Callable[[Batch], torch.Tensor], toke
 
 class ShardedReference(ReferenceModel):
     """The frozen initial policy for the KL term, sharded like the trainer (1/N of its weights per rank); each
-    rank computes the reference logprobs of its rows of the global batch. Call on every rank."""
+    rank computes the reference logprobs of its rows of the global batch. Call on every rank. With
+    `adapters_off`, `model` is a LoRA policy the trainer already sharded, run with its adapters disabled."""
 
     def __init__(self, model: torch.nn.Module, *, temperature: float, token_budget: int,
-                 share_prompts: bool = True) -> None:
-        super().__init__(shard_model(model.requires_grad_(False)), temperature=temperature,
-                         token_budget=token_budget, share_prompts=share_prompts)
+                 share_prompts: bool = True, adapters_off: bool = False) -> None:
+        super().__init__(model if adapters_off else shard_model(model.requires_grad_(False)),
+                         temperature=temperature, token_budget=token_budget, share_prompts=share_prompts,
+                         adapters_off=adapters_off)
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        return split_logprobs(batch, self._logprobs, self.token_budget, self.share_prompts)
+        return split_logprobs(batch, super().forward, self.token_budget, self.share_prompts)
 
 
 def save_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, name: str, keep: int) -> None:
