@@ -61,6 +61,20 @@ class Completion:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """An engine's score of one given token sequence `ids` (teacher forcing, nothing sampled).
+
+    token_logprobs:  len(ids) - 1 values: log p(ids[i] | ids[:i]) for i >= 1, under softmax of the raw
+                     logits (temperature 1)
+    top_logprobs:    per scored position, the k most likely token ids and their logprobs (when asked for
+                     top_k > 0); None otherwise
+    """
+
+    token_logprobs: tuple[float, ...]
+    top_logprobs: tuple[dict[int, float], ...] | None = None
+
+
+@dataclass(frozen=True)
 class RewardResult:
     """One reward function's score for one sample; `value is None` means abstained or failed."""
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from tokenmill.types import Completion, SamplingParams, TokenmillError
+from tokenmill.types import Completion, PromptLogprobs, SamplingParams, TokenmillError
 
 
 class EngineUnavailable(TokenmillError):
@@ -57,4 +57,18 @@ class InferenceEngine(Protocol):
 
     def close(self) -> None:
         """Release threads, connections and servers; idempotent."""
+        ...
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """Scores given token sequences (teacher forcing): the logprob of each token after the first, under
+    softmax of the raw logits (temperature 1), and optionally the `top_k` most likely tokens at each position.
+    The weight-sync probe and on-policy distillation (a teacher's logprobs) use it.
+
+    Raises ValueError for a bad request (an empty sequence, a token id outside the vocabulary, top_k < 0),
+    the message starting with the field it is about."""
+
+    def score(self, sequences: list[list[int]], top_k: int = 0) -> list[PromptLogprobs]:
+        """One `PromptLogprobs` per sequence, in order."""
         ...

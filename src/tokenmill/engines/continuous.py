@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from tokenmill.engines.base import EngineUnavailable
 from tokenmill.engines.hf import HFEngine, _has_sliding_layers
-from tokenmill.types import Completion, SamplingParams, StopReason
+from tokenmill.types import Completion, PromptLogprobs, SamplingParams, StopReason
 
 log = logging.getLogger("tokenmill.engines.continuous")
 _IDLE_WAIT_S = 0.05  # how often an idle loop looks at its shutdown flag
@@ -205,6 +205,12 @@ class ContinuousEngine(HFEngine):
         with self.paused(interrupt=self.interrupt_in_flight if interrupt is None else interrupt,
                          timeout_s=timeout_s):
             super().update_weights(named_tensors, version)
+
+    def score_ranked(self, sequences: list[list[int]], top_k: int = 0) -> list[tuple[PromptLogprobs, tuple[int, ...]]]:
+        """`HFEngine.score_ranked` beside the running decode, never across a weight update (so `score` too)."""
+        with self._update_lock:
+            self._check_alive()
+            return super().score_ranked(sequences, top_k)
 
     def abort_all(self, timeout_s: float = 60.0) -> None:
         """End every running request now (ABORT, tokens so far); queued ones stay queued."""

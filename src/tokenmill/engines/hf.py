@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from tokenmill.engines.prefix_cache import PrefixCache
-from tokenmill.types import Completion, SamplingParams, StopReason
+from tokenmill.types import Completion, PromptLogprobs, SamplingParams, StopReason
 
 
 def sample_tokens(
@@ -127,6 +127,24 @@ class HFEngine:
 
     def close(self) -> None:
         """Nothing to release (the module belongs to the caller)."""
+
+    def score(self, sequences: list[list[int]], top_k: int = 0) -> list[PromptLogprobs]:
+        """`Scorer`: each token's teacher-forced logprob at temperature 1 (`tokenmill.engines.scoring`)."""
+        return [scored for scored, _ in self.score_ranked(sequences, top_k)]
+
+    def score_ranked(self, sequences: list[list[int]], top_k: int = 0) -> list[tuple[PromptLogprobs, tuple[int, ...]]]:
+        """`score`, with each scored token's rank in its position's distribution (1: the most likely)."""
+        from tokenmill.engines.scoring import check_score_request, score_sequences
+
+        vocab = self.model.get_input_embeddings().weight.shape[0]
+        seqs = check_score_request(sequences, top_k, vocab, self.max_positions)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode(), self._autocast():
+                return score_sequences(self.model, seqs, top_k=top_k, pad_id=self.pad_id)
+        finally:
+            self.model.train(was_training)
 
     # ---------------------------------------------------------------------------------------- generation
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tokenmill.engines.pool import EndpointPool
-from tokenmill.types import Completion, SamplingParams, StopReason
+from tokenmill.types import Completion, PromptLogprobs, SamplingParams, StopReason
 
 if TYPE_CHECKING:  # annotation only: an engine import need not load the sync package and its transports
     from tokenmill.sync.base import WeightSync
@@ -82,6 +82,30 @@ class RemoteEngine:
             body["stop"] = list(params.stop)
         return body
 
+    # ------------------------------------------------------------------------------------------- scoring
+    def score(self, sequences: list[list[int]], top_k: int = 0) -> list[PromptLogprobs]:
+        """`Scorer` through one server: vLLM's `prompt_logprobs` (tokenmill serve and vLLM both answer it; one
+        sampled token is asked for and dropped, as vLLM samples at least one)."""
+        if top_k < 0:
+            raise ValueError(f"top_k: must be >= 0, got {top_k}")
+        if any(not s for s in sequences):
+            raise ValueError("sequences: a sequence is empty (at least one token)")
+        answers = list(self._workers.map(lambda s: self.pool.post("/v1/completions", self._score_body(s, top_k)),
+                                         sequences))
+        return [_prompt_logprobs(s, a["choices"][0], top_k) for s, a in zip(sequences, answers, strict=True)]
+
+    def score_each(self, sequences: list[list[int]], top_k: int = 0) -> dict[str, list[PromptLogprobs]]:
+        """`score` on every server (url -> scores): what the weight-sync probe compares, one server at a time."""
+        out: dict[str, list[PromptLogprobs]] = {}
+        for s in sequences:
+            for url, answer in self.pool.post_all("/v1/completions", self._score_body(s, top_k)).items():
+                out.setdefault(url, []).append(_prompt_logprobs(s, answer["choices"][0], top_k))
+        return out
+
+    def _score_body(self, ids: list[int], top_k: int) -> dict[str, Any]:
+        return {"model": self.model, "prompt": [int(t) for t in ids], "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": top_k}
+
     # ------------------------------------------------------------------------------------------- weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         if self.sync is None:
@@ -120,3 +144,18 @@ def _completion(choice: dict[str, Any]) -> Completion:
                                                                           StopReason.STOP)
     return Completion(tuple(int(t) for t in ids), tuple(float(x) for x in logprobs), reason,
                       choice.get("text", ""))
+
+
+def _prompt_logprobs(ids: list[int], choice: dict[str, Any], top_k: int) -> PromptLogprobs:
+    """A choice's vLLM-shaped `prompt_logprobs` (None, then {"<id>": {"logprob", "rank", ...}} per token) as a
+    `PromptLogprobs`: the prompt token's logprob, and the `top_k` alternatives of rank <= top_k."""
+    entries = choice.get("prompt_logprobs")
+    if not isinstance(entries, list) or len(entries) != len(ids):
+        raise ValueError("the engine server's answer has no prompt_logprobs for each prompt token (tokenmill serve "
+                         "and vLLM answer `prompt_logprobs`)")
+    picked, tops = [], []
+    for t, entry in zip(ids[1:], entries[1:], strict=True):
+        picked.append(float(entry[str(t)]["logprob"]))
+        ranked = sorted(((int(k), v) for k, v in entry.items()), key=lambda kv: -kv[1]["logprob"])
+        tops.append({k: float(v["logprob"]) for k, v in ranked[:top_k]})
+    return PromptLogprobs(tuple(picked), tuple(tops) if top_k else None)

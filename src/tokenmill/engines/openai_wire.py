@@ -10,8 +10,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenmill.engines.scoring import MAX_TOP_K
 from tokenmill.serving import ApiError
-from tokenmill.types import Completion, SamplingParams
+from tokenmill.types import Completion, PromptLogprobs, SamplingParams
 
 # torch seeds generators from a 64-bit value; beyond it `manual_seed` overflows
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
@@ -42,6 +43,10 @@ class _Sampling(BaseModel):
 
 class CompletionBody(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0, description="Tokens to generate at most; 0 only scores the "
+                                   "prompt (with prompt_logprobs).")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K, description="vLLM's extra: each prompt "
+                                        "token's logprob (temperature 1) and this many most likely alternatives.")
     logprobs: int | None = Field(None, ge=0, le=20, description="Return the sampled tokens' logprobs.")
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
@@ -68,6 +73,12 @@ def refuse_unsupported(body: _Sampling) -> None:
             raise ApiError(400, "echo is not supported", "echo")
         if body.best_of not in (None, body.n):
             raise ApiError(400, "best_of is not supported (leave it unset or equal to n)", "best_of")
+        if body.max_tokens == 0 and body.prompt_logprobs is None:
+            raise ApiError(400, "max_tokens: 0 only scores the prompt; send prompt_logprobs with it", "max_tokens")
+        if body.max_tokens == 0 and body.n != 1:
+            raise ApiError(400, "n: scoring a prompt (max_tokens 0) answers one choice per prompt", "n")
+        if body.prompt_logprobs is not None and body.stream:
+            raise ApiError(400, "prompt_logprobs: not with stream", "prompt_logprobs")
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > 16 or any(not s for s in stops):
         raise ApiError(400, "stop: up to 16 non-empty strings", "stop")
@@ -179,6 +190,19 @@ def text_logprobs(tokenizer, token_ids: Sequence[int], logprobs: Sequence[float]
 def chat_logprobs(tokenizer, token_ids: Sequence[int], logprobs: Sequence[float]) -> dict[str, Any]:
     return {"content": [{"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []}
                         for piece, lp in zip(pieces(tokenizer, token_ids), logprobs, strict=True)]}
+
+
+def prompt_logprobs(tokenizer, ids: Sequence[int], scored: PromptLogprobs, ranks: Sequence[int]) -> list[Any]:
+    """A choice's `prompt_logprobs` as vLLM shapes it: None for the first token, then per token
+    {"<id>": {"logprob", "rank", "decoded_token"}}: the token itself, then the asked-for alternatives."""
+    out: list[Any] = [None]
+    for i, t in enumerate(ids[1:]):
+        entry = {str(t): {"logprob": scored.token_logprobs[i], "rank": ranks[i], "decoded_token": tokenizer.decode([t])}}
+        tops = scored.top_logprobs[i] if scored.top_logprobs else {}
+        for rank, (alt, lp) in enumerate(sorted(tops.items(), key=lambda kv: -kv[1]), start=1):
+            entry.setdefault(str(alt), {"logprob": lp, "rank": rank, "decoded_token": tokenizer.decode([alt])})
+        out.append(entry)
+    return out
 
 
 def extras(prompt: list[int], c: Completion, version: int | None) -> dict[str, Any]:

@@ -13,7 +13,10 @@ of the sampled token under softmax(logits / temperature), the quantity a trainer
 alternatives are not computed (`top_logprobs` is null / empty). `finish_reason` is "stop", "length",
 "tool_calls" (chat with `tools`, Hermes `<tool_call>` blocks parsed) or "abort" (interrupted by a weight
 update or cancelled). `temperature: 0` is greedy decoding (logprobs then of the temperature-1 distribution).
-`stream: true` answers with server-sent events, one chunk per token (`tokenmill.engines.streaming`). A
+`prompt_logprobs: k` on /v1/completions (vLLM's extra, token-id prompts or text) adds each choice's
+`prompt_logprobs`, vLLM's shape: `[None, {"<id>": {"logprob", "rank", "decoded_token"}, ...}, ...]`, the prompt
+token's logprob at temperature 1 and its k most likely alternatives; with `max_tokens: 0` nothing is sampled
+(the `Scorer` of a remote engine). `stream: true` answers with server-sent events, one chunk per token (`tokenmill.engines.streaming`). A
 client that disconnects cancels its request: the engine stops decoding it at its next step.
 
 Errors are OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`: 400 a bad body (`param` names the
@@ -40,7 +43,7 @@ from tokenmill.engines.proxy_routes import check_episode_id, episode_routes
 from tokenmill.engines.streaming import Streamer, StreamSpec, TokenFeed, stream
 from tokenmill.rollout.proxy import EpisodeError, EpisodeRecorder
 from tokenmill.serving import ApiError
-from tokenmill.types import SamplingParams
+from tokenmill.types import Completion, SamplingParams, StopReason
 
 __all__ = ["Completer", "create_app", "render_chat", "serve"]
 
@@ -180,10 +183,15 @@ class Completer:
         for p in [body.prompt] if isinstance(body.prompt, str) else body.prompt:
             if isinstance(p, str):
                 self.check_fits(p, "prompt")
-        prompts = await asyncio.to_thread(lambda: self.check_room(wire.completion_prompts(self.tokenizer, body.prompt),
-                                                                  "prompt"))
+        scoring_only = body.max_tokens == 0
+        prompts = await asyncio.to_thread(lambda: wire.completion_prompts(self.tokenizer, body.prompt))
+        if not scoring_only:
+            self.check_room(prompts, "prompt")
         if episode_id is not None and len(prompts) != 1:
             raise ApiError(400, "prompt: one prompt per call in proxy mode", "prompt")
+        scored = None if body.prompt_logprobs is None else await self.score(prompts, body.prompt_logprobs)
+        if scoring_only:
+            return self.scored_answer(prompts, scored)
         params = wire.sampling(body, min(body.max_tokens or 16, self.room(prompts)))
         if body.stream:
             return self.streamed(self._spec(body, prompts, chat=False), params, body.seed, episode_id, body.prompt)
@@ -196,10 +204,38 @@ class Completer:
                                                                                  c.logprobs)
                 choice = {"index": i * body.n + j, "text": c.text, "finish_reason": c.stop_reason.value,
                           "logprobs": logprobs}
+                if scored is not None:
+                    choice["prompt_logprobs"] = scored[i]
                 choices.append(choice | wire.extras(prompt, c, future.policy_version))
         self.record(episode_id, prompts[0], futures[0], body.prompt)
         head = wire.envelope("cmpl", "text_completion", self.model_name)
         return wire.answer(head, prompts, [f.policy_version for f in futures], choices)
+
+    async def score(self, prompts: list[list[int]], top_k: int) -> list[list[Any]]:
+        """Each prompt's `prompt_logprobs` (vLLM's shape) from the engine's `score_ranked`; 400 for a bad one."""
+        from tokenmill.engines.scoring import check_score_request
+
+        ranked = getattr(self.engine, "score_ranked", None)
+        if ranked is None:
+            raise ApiError(400, "prompt_logprobs: this engine cannot score prompts", "prompt_logprobs")
+        try:
+            check_score_request(prompts, top_k, getattr(self.engine, "vocab_size", 1 << 62), self.limit, field="prompt",
+                                top_field="prompt_logprobs")
+            answers = await asyncio.to_thread(ranked, prompts, top_k)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), serving.field_of(str(exc))) from None
+        except EngineUnavailable as exc:
+            raise ApiError(503, str(exc)) from None
+        return [wire.prompt_logprobs(self.tokenizer, p, scored, ranks)
+                for p, (scored, ranks) in zip(prompts, answers, strict=True)]
+
+    def scored_answer(self, prompts: list[list[int]], scored: list[list[Any]]) -> dict[str, Any]:
+        """The answer to a scoring-only request (max_tokens 0): one empty choice per prompt, with its scores."""
+        version, empty = int(self.engine.version), Completion((), (), StopReason.LENGTH, "")
+        choices = [{"index": i, "text": "", "finish_reason": "length", "logprobs": None, "prompt_logprobs": s}
+                   | wire.extras(p, empty, version) for i, (p, s) in enumerate(zip(prompts, scored, strict=True))]
+        head = wire.envelope("cmpl", "text_completion", self.model_name)
+        return wire.answer(head, prompts, [version], choices)
 
     async def chat(self, body: ChatBody, request: Request, episode_id: str | None = None) -> Any:
         self.check_episode(episode_id, body.n)
