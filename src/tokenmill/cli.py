@@ -1,4 +1,4 @@
-"""`tokenmill quickstart | train | sft | eval | validate | preference | env serve | composer | serve | vllm`.
+"""`tokenmill quickstart | train | sft | eval | validate | preference | env serve | composer | serve | serve-trainer | vllm`.
 
 Config errors print one line per bad field and exit with status 2, never a traceback.
 """
@@ -260,6 +260,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_trainer(args: argparse.Namespace) -> int:
+    """`tokenmill serve-trainer MODEL`: the training service (tokenmill.client) over HTTP."""
+    from tokenmill.client.server import serve
+
+    token = args.token if args.token is not None else os.environ.get("TOKENMILL_TRAINER_TOKEN") or None
+    try:
+        serve(args.model_dir, host=args.host, port=args.port, token=token, allow_remote=args.allow_remote,
+              root=args.root, device=args.device)
+    except ValueError as exc:  # an unsafe exposure or a bad folder: one line, no traceback
+        print(f"tokenmill serve-trainer: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_composer(args: argparse.Namespace) -> int:
     from tokenmill.composer.app import ExposureError, serve
 
@@ -338,6 +352,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
     srv.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (413 beyond)")
     srv.set_defaults(fn=cmd_serve)
+    st = sub.add_parser("serve-trainer", help="the training API (LoRA clients of one base model) over HTTP")
+    st.add_argument("model_dir", help="a Hugging Face model folder: the base model the clients' adapters train")
+    st.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    st.add_argument("--port", type=int, default=8100, help="0 picks a free port (printed when ready)")
+    st.add_argument("--token", default=None, help="bearer token (default: $TOKENMILL_TRAINER_TOKEN)")
+    st.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host (needs a token)")
+    st.add_argument("--root", default="runs/trainer", help="folder of saved states and sampler weights")
+    st.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
+    st.set_defaults(fn=cmd_serve_trainer)
     vl = sub.add_parser("vllm", help="start a vLLM server for a model folder (vLLM in its own cached venv)")
     vl.add_argument("model_dir", nargs="?", default=None, help="a Hugging Face model folder")
     vl.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
