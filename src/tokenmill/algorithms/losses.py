@@ -181,25 +181,39 @@ def sft_loss(
 
 
 # ------------------------------------------------------------------------------------ off-policy correction
-OFF_POLICY = ("tis", "decoupled")
+OFF_POLICY = ("tis", "mis", "seq_tis", "seq_mis", "decoupled")
 
 
 def behaviour_weights(
-    prox_logprobs_B_T: torch.Tensor, behaviour_logprobs_B_T: torch.Tensor, mode: str, cap: float
+    prox_logprobs_B_T: torch.Tensor, behaviour_logprobs_B_T: torch.Tensor, mode: str, cap: float,
+    mask_B_T: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token importance weight from the behaviour policy (the sampler that produced the tokens, possibly
-    several versions old) to the proximal policy (the trainer's weights before this update, recomputed).
+    several versions old, possibly another precision or kernel) to the proximal policy (the trainer's weights
+    before this update, recomputed).
 
-    w_t = exp(logp_prox_t - logp_behaviour_t)
-    tis:        min(w_t, cap)                   (truncated: a stale token counts at most `cap` times)
-    decoupled:  w_t if w_t <= cap else 0        (AReaL's `behav_imp_weight_cap`: such tokens are dropped)
-    Returns (the weight to apply, detached; the raw w_t, detached).
+    w_t = exp(logp_prox_t - logp_behaviour_t);  W = exp(sum_t mask_t (logp_prox_t - logp_behaviour_t)) per row
+    tis:        min(w_t, C)                       (truncated: a token counts at most C times)
+    mis:        w_t if 1/C <= w_t <= C else 0     (masked: tokens the two policies disagree on are dropped)
+    seq_tis:    min(W, C) on every token of the row
+    seq_mis:    W if 1/C <= W <= C else 0 on every token of the row (the whole sequence dropped)
+    decoupled:  w_t if w_t <= C else 0            (AReaL's `behav_imp_weight_cap`: such tokens are dropped)
+    mask_B_T marks the trained tokens a sequence ratio is taken over (default: all). Returns (the weight to
+    apply, detached; the raw w_t, or W for the sequence modes, detached).
     """
-    raw_B_T = torch.exp(prox_logprobs_B_T - behaviour_logprobs_B_T).detach()
-    if mode == "tis":
+    log_w_B_T = (prox_logprobs_B_T - behaviour_logprobs_B_T).detach()
+    if mode in ("seq_tis", "seq_mis"):
+        mask_B_T = torch.ones_like(log_w_B_T) if mask_B_T is None else mask_B_T.to(log_w_B_T.dtype)
+        raw_B_T = torch.exp((log_w_B_T * mask_B_T).sum(-1, keepdim=True)).expand_as(log_w_B_T)
+    else:
+        raw_B_T = torch.exp(log_w_B_T)
+    zero = torch.zeros_like(raw_B_T)
+    if mode in ("tis", "seq_tis"):
         return raw_B_T.clamp(max=cap), raw_B_T
+    if mode in ("mis", "seq_mis"):
+        return torch.where((raw_B_T >= 1.0 / cap) & (raw_B_T <= cap), raw_B_T, zero), raw_B_T
     if mode == "decoupled":
-        return torch.where(raw_B_T <= cap, raw_B_T, torch.zeros_like(raw_B_T)), raw_B_T
+        return torch.where(raw_B_T <= cap, raw_B_T, zero), raw_B_T
     raise ValueError(f"unknown off-policy correction {mode!r} (expected one of {', '.join(OFF_POLICY)})")
 
 
@@ -224,16 +238,19 @@ def off_policy_loss(
     tis:        c_t = min(pi_prox / pi_behaviour, C): truncated importance sampling against the trainer's
                 recomputed logprobs (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy
                 RL Training"; verl's `tis_imp_ratio_cap`).
+    mis, seq_tis, seq_mis: masked importance sampling (tokens outside [1/C, C] dropped), and both at the
+                sequence level (one ratio per sequence: the product of its tokens'), as in verl's rollout
+                importance sampling (`rollout_is_level` token / sequence, `rollout_is_mode` truncate / mask).
     decoupled:  c_t = pi_prox / pi_behaviour, tokens above C dropped: decoupled PPO (Hilton et al. 2022,
                 "Batch size-invariance for policy optimization"), as in AReaL (Fu et al. 2025, "AReaL: A
                 Large-Scale Asynchronous Reinforcement Learning System for Language Reasoning").
     A KL term of the base loss is weighted by c_t as well (an importance-sampled estimate). Metrics: the base
-    loss's (weighted by c_t), plus `is_weight_mean` (raw w_t) and `is_capped_fraction` (tokens above C),
-    summed with `weights_B_T`.
+    loss's (weighted by c_t), plus `is_weight_mean` (raw w_t, or W) and `is_capped_fraction` (tokens whose
+    weight was capped or dropped), summed with `weights_B_T`.
     """
-    c_B_T, raw_B_T = behaviour_weights(old_logprobs_B_T, behaviour_logprobs_B_T, mode, is_cap)
+    c_B_T, raw_B_T = behaviour_weights(old_logprobs_B_T, behaviour_logprobs_B_T, mode, is_cap, weights_B_T > 0)
     loss, metrics = base(logprobs_B_T, old_logprobs_B_T=old_logprobs_B_T, weights_B_T=weights_B_T * c_B_T,
                          **kwargs)
     metrics["is_weight_mean"] = (raw_B_T * weights_B_T).sum()
-    metrics["is_capped_fraction"] = ((raw_B_T > is_cap).to(weights_B_T.dtype) * weights_B_T).sum()
+    metrics["is_capped_fraction"] = ((c_B_T != raw_B_T).to(weights_B_T.dtype) * weights_B_T).sum()
     return loss, metrics

@@ -228,15 +228,16 @@ class AlgorithmConfig(Section):
         description="Do not run forward/backward on samples whose advantage is 0 (identical gradient when "
         "kl_coef is 0; their tokens still count in the loss normaliser).",
     )
-    off_policy: Literal["none", "tis", "decoupled"] = Field(
-        "none", description="Off-policy correction for stale samples (async training): none (PPO ratio against "
-        "the sampler's logprobs); tis (ratio against the trainer's recomputed logprobs, loss times "
-        "min(pi_trainer / pi_sampler, is_cap)); decoupled (AReaL's decoupled PPO: clip against the recomputed "
-        "proximal policy, weight pi_proximal / pi_sampler, tokens whose weight exceeds is_cap dropped). "
-        "tis and decoupled cost one extra no-grad forward per step."
+    off_policy: Literal["none", "tis", "mis", "seq_tis", "seq_mis", "decoupled"] = Field(
+        "none", description="Correction for samples the trainer would not have drawn (stale in async training, "
+        "or an engine that differs from the trainer): none (PPO ratio against the sampler's logprobs); the others "
+        "clip against the trainer's recomputed logprobs and weigh each token by w = pi_trainer / pi_sampler: "
+        "tis min(w, is_cap); mis w, tokens outside [1/is_cap, is_cap] dropped; seq_tis / seq_mis the same with "
+        "one ratio per sequence (the product of its tokens'); decoupled (AReaL) w, tokens above is_cap dropped. "
+        "Each costs one extra no-grad forward per step (docs/health.md)."
     )
     is_cap: float = Field(
-        2.0, ge=1.0, description="Cap C of the behaviour importance weight (algorithm.off_policy tis / decoupled)."
+        2.0, ge=1.0, description="Cap C of the behaviour importance weight (algorithm.off_policy other than none)."
     )
 
 

@@ -45,15 +45,39 @@ def test_behaviour_weights_truncate_or_drop():
         behaviour_weights(prox, behaviour, "vtrace", cap=3.0)
 
 
-@pytest.mark.parametrize("mode, c, expected", [
+def test_masked_and_sequence_weights():
+    _, prox, behaviour, _, w = _inputs()
+    mask = w > 0  # the sequence ratio is over the trained tokens: W = 2 * 0.5 * 4 = 4
+    mis, raw = behaviour_weights(prox, behaviour, "mis", cap=3.0)  # kept: 1/3 <= w <= 3
+    torch.testing.assert_close(mis, torch.tensor([[1.0, 2.0, 0.5, 0.0]], dtype=F64))
+    mis, _ = behaviour_weights(prox, behaviour, "mis", cap=1.9)  # 0.5 is now below 1/1.9, 2 above 1.9
+    torch.testing.assert_close(mis, torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=F64))
+    seq, raw = behaviour_weights(prox, behaviour, "seq_tis", cap=3.0, mask_B_T=mask)
+    torch.testing.assert_close(raw, torch.full((1, 4), 4.0, dtype=F64))
+    torch.testing.assert_close(seq, torch.full((1, 4), 3.0, dtype=F64))
+    seq, _ = behaviour_weights(prox, behaviour, "seq_mis", cap=3.0, mask_B_T=mask)
+    torch.testing.assert_close(seq, torch.zeros((1, 4), dtype=F64))
+    seq, _ = behaviour_weights(prox, behaviour, "seq_mis", cap=5.0, mask_B_T=mask)
+    torch.testing.assert_close(seq, torch.full((1, 4), 4.0, dtype=F64))
+    # two rows: each its own sequence ratio
+    two, _ = behaviour_weights(torch.log(torch.tensor([[0.5, 0.5], [0.2, 0.9]], dtype=F64)),
+                               torch.log(torch.tensor([[0.25, 0.5], [0.4, 0.9]], dtype=F64)), "seq_tis", cap=10.0)
+    torch.testing.assert_close(two, torch.tensor([[2.0, 2.0], [0.5, 0.5]], dtype=F64))
+
+
+@pytest.mark.parametrize("mode, cap, c, expected", [
     # sum_t weights_t * c_t * ppo_t: 0.5*2*-1.2 + 0.25*0.5*-1.0 + 0.25*c3*-0.5
-    ("tis", [0.0, 2.0, 0.5, 3.0], -1.2 - 0.125 - 0.375),
-    ("decoupled", [0.0, 2.0, 0.5, 0.0], -1.2 - 0.125),
+    ("tis", 3.0, [0.0, 2.0, 0.5, 3.0], -1.2 - 0.125 - 0.375),
+    ("decoupled", 3.0, [0.0, 2.0, 0.5, 0.0], -1.2 - 0.125),
+    ("mis", 3.0, [0.0, 2.0, 0.5, 0.0], -1.2 - 0.125),
+    # the sequence ratio W = 4: capped at 3 on every token (3 * -0.975), or kept whole under a cap of 5
+    ("seq_tis", 3.0, [0.0, 3.0, 3.0, 3.0], -2.925),
+    ("seq_mis", 5.0, [0.0, 4.0, 4.0, 4.0], -3.9),
 ])
-def test_off_policy_loss_value_gradient_and_metrics(mode, c, expected):
+def test_off_policy_loss_value_gradient_and_metrics(mode, cap, c, expected):
     logprobs, prox, behaviour, adv, w = _inputs()
     loss, metrics = off_policy_loss(ppo_clip_loss, mode, logprobs, old_logprobs_B_T=prox,
-                                    behaviour_logprobs_B_T=behaviour, weights_B_T=w, is_cap=3.0, advantages=adv,
+                                    behaviour_logprobs_B_T=behaviour, weights_B_T=w, is_cap=cap, advantages=adv,
                                     clip_low=0.2, clip_high=0.2)
     assert sum(WEIGHTS[t] * c[t] * PPO[t] for t in range(4)) == pytest.approx(expected)
     assert loss.item() == pytest.approx(expected, abs=1e-12)
@@ -62,14 +86,18 @@ def test_off_policy_loss_value_gradient_and_metrics(mode, c, expected):
     ratios = [p / q for p, q in zip(CURRENT, PROX, strict=True)]
     grad = [0.0, 0.0, -ratios[2] * WEIGHTS[2] * c[2], -ratios[3] * WEIGHTS[3] * c[3]]
     torch.testing.assert_close(logprobs.grad, torch.tensor([grad], dtype=F64), rtol=0, atol=1e-12)
-    assert metrics["is_weight_mean"].item() == pytest.approx(0.5 * 2 + 0.25 * 0.5 + 0.25 * 4)
-    assert metrics["is_capped_fraction"].item() == pytest.approx(0.25)
+    if mode.startswith("seq"):
+        assert metrics["is_weight_mean"].item() == pytest.approx(4.0)
+        assert metrics["is_capped_fraction"].item() == pytest.approx(1.0 if mode == "seq_tis" else 0.0)
+    else:
+        assert metrics["is_weight_mean"].item() == pytest.approx(0.5 * 2 + 0.25 * 0.5 + 0.25 * 4)
+        assert metrics["is_capped_fraction"].item() == pytest.approx(0.25)
 
 
 def test_fresh_samples_make_the_correction_a_no_op():
     logprobs, prox, _, adv, w = _inputs()
     plain, _ = ppo_clip_loss(logprobs, prox, adv, w)
-    for mode in ("tis", "decoupled"):
+    for mode in ("tis", "mis", "seq_tis", "seq_mis", "decoupled"):
         corrected, m = off_policy_loss(ppo_clip_loss, mode, logprobs, old_logprobs_B_T=prox,
                                        behaviour_logprobs_B_T=prox.clone(), weights_B_T=w, advantages=adv)
         assert corrected.item() == pytest.approx(plain.item(), abs=1e-12)
