@@ -75,3 +75,34 @@ def test_training_on_ray_survives_a_killed_rank(ray_cluster, tmp_path, monkeypat
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5, msg=name)
     start = load_file(str(next(iter((tmp_path / "m").glob("*.safetensors")))))
     assert max((want[n] - start[n]).abs().max().item() for n in want if n in start) > 1e-4  # it trained
+
+
+def test_training_with_an_engine_replica_survives_a_killed_rank(ray_cluster, tmp_path, monkeypatch):
+    """The issue's acceptance run: 2 trainer ranks and 1 `tokenmill serve` replica as Ray actors, chosen by the
+    `cluster:` section alone; a rank SIGKILLed in step 3; the final weights equal an uninterrupted run's with
+    a local server (same seeded requests, one process, no Ray)."""
+    import tokenmill
+    from tokenmill.config import RLConfig, load_config
+    from tokenmill.controller.ray.run import train_on_ray
+    from tokenmill.controller.ray.workers import RayBackend
+    from tokenmill.testing import build_tiny_model
+
+    torch.set_num_threads(1)
+    model = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    alone, placed = tmp_path / "alone", tmp_path / "ray"
+    tokenmill.train(_config(model, str(alone)) | {"engine": {"placement": "process", "threads": 1}},
+                    rewards=[digit_share])
+    cfg = load_config(RLConfig, _config(model, str(placed), backend="ray", nodes=2, cpus_per_node=3,
+                                        trainer_ranks=2, engine_replicas=1, max_restarts=1, call_timeout_s=120))
+    killer = KillAtCall(RayBackend.optim_step, 5)  # step 3's first optimiser step
+    monkeypatch.setattr(RayBackend, "optim_step", lambda backend: killer(backend))
+    result = train_on_ray(cfg, rewards=[digit_share], cluster=ray_cluster)
+    assert killer.killed is not None and result["restarts"] == 1 and result["resumed_from"] == 2
+    assert (placed / "config.yaml").read_text().count("placement: process") == 1  # sampled by the replica
+    want, got = _final(alone), _final(placed)
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5, msg=name)
+    colocated = tmp_path / "colocated"  # not the same samples as the driver's own engine: the replica sampled
+    tokenmill.train(_config(model, str(colocated)), rewards=[digit_share])
+    assert max((_final(colocated)[n] - want[n]).abs().max().item() for n in want) > 1e-4

@@ -217,6 +217,10 @@ def _weight_sync(cfg, urls: list[str], token: str | None, scratch: Path):
 
         return VLLMReloadSync(urls, scratch / "weights", token=token, timeout_s=cfg.engine.timeout_s,
                               drop_failed=survive)
+    if cfg.engine.weight_sync == "vllm_broadcast":  # gloo into tokenmill's vLLM worker extension
+        from tokenmill.engines.vllm import VLLMBroadcastSync
+
+        return VLLMBroadcastSync(urls, token=token, timeout_s=cfg.engine.timeout_s, drop_failed=survive)
     return BroadcastSync(urls, token=token, timeout_s=cfg.engine.timeout_s, drop_failed=survive)
 
 
@@ -252,6 +256,37 @@ def build_placement(run) -> Placement:
     return placement
 
 
+def seeded_remote_engine(urls: list[str], seed: int, **kwargs):
+    """A `RemoteEngine` whose requests carry a seed made of `seed`, the policy version and the request's index
+    since the last weight push: the servers' samples do not depend on what they served before, so a run
+    resumed from a checkpoint (its first push sets the version) draws what an uninterrupted run drew.
+    For servers that take a per-request seed (`tokenmill serve`, vLLM)."""
+    from tokenmill.engines.openai import RemoteEngine
+
+    class SeededPrompt(list):
+        seed = 0
+
+    class SeededRemoteEngine(RemoteEngine):
+        def generate(self, prompts, params):
+            start, self._drawn = self._drawn, self._drawn + len(prompts)
+            seeded = []
+            for i, prompt in enumerate(prompts):
+                seeded.append(SeededPrompt(prompt))
+                seeded[-1].seed = ((seed * 1_000_003 + self.version) * 1_000_003 + start + i) % (1 << 62)
+            return super().generate(seeded, params)
+
+        def _body(self, prompt, params):
+            return super()._body(prompt, params) | {"seed": prompt.seed}
+
+        def update_weights(self, named_tensors, version):
+            super().update_weights(named_tensors, version)
+            self._drawn = 0
+
+    engine = SeededRemoteEngine(urls, **kwargs)
+    engine._drawn = 0
+    return engine
+
+
 def _server_placement(run) -> ServerPlacement:
     from tokenmill.engines.openai import RemoteEngine
 
@@ -259,8 +294,11 @@ def _server_placement(run) -> ServerPlacement:
     token = cfg.engine.token or os.environ.get("TOKENMILL_SERVE_TOKEN")
     scratch = tempfile.TemporaryDirectory(prefix="tokenmill-weights-", dir=run.output_dir)
     procs: list[subprocess.Popen] = []
+    fleet = run.engine_fleet  # engine replicas on Ray (tokenmill.controller.ray.engines.EngineFleet), or None
     try:
-        if cfg.engine.placement == "process":
+        if fleet is not None:
+            urls = list(fleet.urls)
+        elif cfg.engine.placement == "process":
             urls, procs = spawn_servers(cfg.model.path, cfg.engine.num_servers, threads=thread_split(cfg)[0],
                                         timeout_s=cfg.engine.timeout_s, seed=cfg.training.seed,
                                         device=str(run.engine.device), log_dir=run.output_dir)
@@ -276,8 +314,13 @@ def _server_placement(run) -> ServerPlacement:
                                 token=token, timeout_s=cfg.engine.timeout_s, drop_failed=len(urls) > 1)
         else:
             sync = _weight_sync(cfg, urls, token, Path(scratch.name))
-        engine = RemoteEngine(urls, pad_id=run.engine.pad_id, token=token, timeout_s=cfg.engine.timeout_s,
-                              sync=sync, **({"model": LORA_ADAPTER_NAME} if adapters else {}))
+        kwargs = {"pad_id": run.engine.pad_id, "token": token, "timeout_s": cfg.engine.timeout_s, "sync": sync}
+        if cfg.engine.placement == "process":  # our own servers: seeded requests, so a resume is exact
+            engine = seeded_remote_engine(urls, cfg.training.seed, **kwargs)
+        else:
+            engine = RemoteEngine(urls, **kwargs, **({"model": LORA_ADAPTER_NAME} if adapters else {}))
+        if fleet is not None:
+            fleet.attach(engine)  # a replaced replica joins its pool and sync, with the current weights
     except BaseException:
         for p in procs:
             p.kill()

@@ -9,7 +9,8 @@ server dies with its actor (parent-death signal), so killing either ends the rep
 `EngineFleet.check()` (or the `watch` thread) asks every replica whether its server still runs, with a limit;
 a dead one is replaced by a new actor, and the pool (`EndpointPool.replace`) and a files weight sync get the
 new URL. Meanwhile the pool sends requests to the live replicas (its own failover). The new replica starts
-from `model_dir`; `on_replace(url)` lets the caller push the current weights to it before the next rollout.
+from `model_dir` and, with a files sync, loads the weights last pushed before the pool routes to it;
+`on_replace(url)` is called after that.
 """
 
 from __future__ import annotations
@@ -152,8 +153,21 @@ class EngineFleet:
                 new_urls.append(fresh.url)
             return new_urls
 
+    def _catch_up(self, url: str) -> None:
+        """Load the weights last pushed by a files sync into the replica at `url` before the pool routes to it
+        (a fresh replica starts from the model folder; a push it missed would leave it on version 0)."""
+        engine = self.engine
+        sync = getattr(engine, "sync", None)
+        last = getattr(sync, "last", None)
+        if last is None or not engine.version:
+            return
+        sync.servers.post(url.rstrip("/"), "/update_weights_from_disk", {
+            "model_path": str(last), "policy_version": int(engine.version), "weight_version": str(engine.version)})
+        log.info("engine replica %s loaded the current weights (version %d)", url, engine.version)
+
     def _rewire(self, old: str, new: str) -> None:
         if self.engine is not None:
+            self._catch_up(new)
             self.engine.pool.replace(old, new)
             servers = getattr(self.engine.sync, "servers", None)  # files sync: a list of URLs to load from
             if servers is not None:

@@ -6,6 +6,12 @@ checkpoint folders and the export happen here); the trainer's verbs go to `clust
 come back into the driver's model, which the engine samples from. When a rank fails, the group is rebuilt on
 the same placement group and the run is built again from the last checkpoint (`checkpoint.every`), at most
 `cluster.max_restarts` times, each logged; with no checkpoint yet, it starts over.
+
+With `cluster.engine_replicas`, generation runs on that many `tokenmill serve` Ray actors instead (reached
+through a `RemoteEngine` over their URLs, as `engine.placement: process` does with local servers): the new
+weights go to them through a files sync after every update, and a dead replica is replaced (with the current
+weights) while the pool routes around it. The driver's model then follows the trainer's weights, for the
+checkpoint folders and the export.
 """
 
 from __future__ import annotations
@@ -29,24 +35,78 @@ def _backend_kwargs(cfg, run) -> dict[str, Any]:
     }
 
 
+def _check(cfg) -> None:
+    """What this mode runs; a ConfigError names the field otherwise."""
+    from tokenmill.types import ConfigError
+
+    c, eng = cfg.cluster, cfg.engine
+    if cfg.model.lora.rank > 0 or cfg.critic.lora.rank > 0:
+        raise ConfigError("model.lora / critic.lora: cluster.backend ray trains full weights for now (LoRA "
+                          "adapters are not sharded over the trainer ranks); set the LoRA rank to 0")
+    if cfg.training.backend != "local":
+        raise ConfigError("training.backend: with cluster.backend ray the trainer ranks already are FSDP2 ranks; "
+                          "leave training.backend local")
+    if c.engine_replicas == 0 and eng.placement != "colocated":
+        raise ConfigError(f"engine.placement: {eng.placement!r} on Ray needs cluster.engine_replicas > 0 (the "
+                          "`tokenmill serve` replicas started as Ray actors); or leave it colocated (the driver's "
+                          "engine)")
+    if c.engine_replicas and eng.placement not in ("colocated", "process"):
+        raise ConfigError(f"engine.placement: cluster.engine_replicas starts `tokenmill serve` replicas on Ray; "
+                          f"leave engine.placement colocated or process (not {eng.placement!r})")
+    if c.engine_replicas and eng.sync not in (None, "files", "inprocess"):
+        raise ConfigError(f"engine.sync: the Ray engine replicas take weights through files (a replacement "
+                          f"replica loads the last folder); {eng.sync!r} is not wired for them")
+    if c.engine_replicas and c.colocate:
+        raise ConfigError("cluster.colocate: engine replicas sharing the trainer ranks' devices are not wired "
+                          "into training yet; set cluster.colocate false (engines on devices of their own)")
+
+
+def _start_engines(cfg, cluster):
+    """The `cluster.engine_replicas` `tokenmill serve` actors (None without any), checked every few seconds."""
+    import os
+
+    from tokenmill.controller.ray.engines import EngineFleet
+
+    c = cfg.cluster
+    if not c.engine_replicas:
+        return None
+    fleet = EngineFleet(cluster, cfg.model.path, c.engine_replicas, cpus=c.cpus_per_engine, gpus=c.engine_gpus,
+                        seed=cfg.training.seed, device="cuda" if c.engine_gpus else "cpu",
+                        threads=0 if c.engine_gpus else c.cpus_per_engine, start_timeout_s=c.start_timeout_s,
+                        token=cfg.engine.token or os.environ.get("TOKENMILL_SERVE_TOKEN"))
+    fleet.watch(interval_s=5.0)
+    return fleet
+
+
+def _build(cfg, rewards, fleet):
+    """The driver's run; with engine replicas, generation goes to them (engine.placement process, files sync)
+    and the driver's model follows the trainer's weights for the checkpoints and the export."""
+    from tokenmill.controller import build_run
+
+    if fleet is None:
+        return build_run(cfg, rewards)
+    engine = cfg.engine.model_copy(update={"placement": "process", "sync": None, "num_servers": 1})
+    run = build_run(cfg.model_copy(update={"engine": engine}), rewards)
+    run.engine_fleet = fleet
+    return run
+
+
 def train_on_ray(cfg, rewards=None, cluster=None) -> dict[str, Any]:
     """Run `cfg` with its trainer on Ray (`cluster`: an open connection, else `cluster.address` is joined or a
     local cluster started and closed at the end); the loop's result plus `restarts`. `rewards` as for
-    `build_run`."""
-    from tokenmill.controller import build_run, run_rl
-    from tokenmill.types import ConfigError
+    `build_run`. With `cluster.engine_replicas`, generation runs on that many `tokenmill serve` actors."""
+    from tokenmill.controller import run_rl
 
     c = cfg.cluster
-    if cfg.model.lora.rank > 0 or cfg.training.backend != "local" or cfg.engine.placement != "colocated":
-        raise ConfigError("cluster.backend: ray trains full weights (no model.lora), with training.backend "
-                          "local and engine.placement colocated (the driver's engine) for now")
+    _check(cfg)
     owned = cluster is None
     cluster = cluster or connect(c.address, num_cpus=c.nodes * c.cpus_per_node if c.address is None else None,
                       num_gpus=c.nodes * c.gpus_per_node if c.address is None else 0,
                       call_timeout_s=c.call_timeout_s, start_timeout_s=c.start_timeout_s)
-    run = group = None
+    run = group = fleet = None
     try:
-        run = build_run(cfg, rewards)
+        fleet = _start_engines(cfg, cluster)
+        run = _build(cfg, rewards, fleet)
         shards = Path(cfg.tracking.output_dir).resolve() / "checkpoints" / "shards"
         spec = BackendSpec(cfg.model.path, str(shards), seed=cfg.training.seed,
                            backend_kwargs=_backend_kwargs(cfg, run))
@@ -54,7 +114,7 @@ def train_on_ray(cfg, rewards=None, cluster=None) -> dict[str, Any]:
                             gpus_per_rank=c.rank_gpus, strategy=c.strategy, start_timeout_s=c.start_timeout_s)
         restarts = 0
         while True:
-            run.backend = RayBackend(group)
+            run.backend = RayBackend(group, mirror=run.model if fleet is not None else None)
             try:
                 result = run_rl(run)
                 break
@@ -69,13 +129,13 @@ def train_on_ray(cfg, rewards=None, cluster=None) -> dict[str, Any]:
                 run.close()
                 run = None
                 cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": True})})
-                run = build_run(cfg, rewards)  # fresh weights, data position and RNGs; resume() restores them
+                run = _build(cfg, rewards, fleet)  # fresh weights, data position and RNGs; resume() restores them
         result["restarts"] = restarts
+        result["engine_restarts"] = fleet.restarts if fleet is not None else 0
         return result
     finally:
-        if group is not None:
-            group.close()
-        if run is not None:
-            run.close()
+        for part in (group, run, fleet):
+            if part is not None:
+                part.close()
         if owned:
             cluster.close()

@@ -209,8 +209,9 @@ class RayBackend:
     (the ranks split it); so `policy_update` and anything else written against the protocol runs unchanged
     in the driver. A failed rank raises `RankFailure` from the verb that saw it."""
 
-    def __init__(self, group: WorkerGroup) -> None:
+    def __init__(self, group: WorkerGroup, mirror=None) -> None:
         self.group = group
+        self.mirror = mirror  # a module in this process that every `weights()` call refreshes (the driver's copy)
 
     def forward_backward(self, batch, loss_fn, entropy_coef: float = 0.0) -> dict[str, float]:
         return self.group.call("forward_backward", batch, loss_fn, entropy_coef)[0]
@@ -224,7 +225,14 @@ class RayBackend:
     def weights(self):
         """The trained parameters by name, gathered on rank 0 and sent here whole (held once in this process)."""
         group = self.group
-        yield from group._gather([a.weights.remote() for a in group.actors], "trainer weights")[0].items()
+        full = group._gather([a.weights.remote() for a in group.actors], "trainer weights")[0]
+        if self.mirror is not None:
+            import torch
+
+            with torch.no_grad():
+                for name, param in self.mirror.named_parameters():
+                    param.copy_(full[name])
+        yield from full.items()
 
     def state_dict(self) -> dict[str, Any]:
         return self.group.call("state_dict")[0]
