@@ -14,6 +14,7 @@ from tokenmill.controller.build import Run, parameter_counts
 from tokenmill.controller.evaluate import evaluate, evaluate_agent, rollout_metrics, sample_records
 from tokenmill.controller.feeds import Feed, rollout_feed
 from tokenmill.health.alarms import Alarms
+from tokenmill.health.probe import WeightProbe
 from tokenmill.health.report import EfficiencyReport, efficiency_metrics
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.critic import gae_advantages
@@ -46,6 +47,7 @@ def run_rl(run: Run) -> dict[str, Any]:
         # health.alarms: a warning is a console line and an events.jsonl row; a stop saves, then raises
         alarms = Alarms(cfg.health.alarms, say=log.message, save=lambda s: save(run, s, feed), hints=hints(run))
         efficiency = EfficiencyReport(run.output_dir, say=log.message)
+        probe = WeightProbe(run, feed, say=log.message)  # health: did each push reach the engine?
         for step in range(start + 1, last + 1):
             with step_timer(step, side=feed.side) as timer:
                 # 1-3. sample prompts, generate G completions each (all groups in one engine batch), score them
@@ -61,6 +63,7 @@ def run_rl(run: Run) -> dict[str, Any]:
                 # 6. sync weights to the engine (a version bump when it shares the module)
                 with stage("sync"):
                     feed.push(step)
+                    train_metrics |= probe.after_push(step)
             # 7. log (the samples with the advantages they were trained with)
             metrics = log_step(run, step, groups, sampling | train_metrics, timer)
             efficiency.add(metrics)
@@ -135,6 +138,7 @@ def update(run: Run, step: int, samples: list[Sample]) -> dict[str, float]:
             metrics |= policy_update(
                 samples, run.backend, cfg.algorithm, pad_id=run.engine.pad_id, max_tokens=cfg.generation.max_tokens,
                 rng=run.update_rng, reference=None if cfg.algorithm.kl_in_reward else run.reference,
+                mismatch=bool(cfg.health.mismatch_every) and step % cfg.health.mismatch_every == 0,
             )
             t.add_tokens("train", sum(len(s.tokens) for s in samples))
     if samples and run.critic is not None:

@@ -15,6 +15,7 @@ import torch
 from tokenmill.algorithms.aggregation import token_weights
 from tokenmill.algorithms.losses import LOSSES, off_policy_loss
 from tokenmill.config.schema import AlgorithmConfig
+from tokenmill.health.mismatch import mismatch_stats
 from tokenmill.training.base import TrainBackend
 from tokenmill.training.batch import Batch, collate
 from tokenmill.types import Sample
@@ -58,12 +59,15 @@ def mini_batch_splits(samples: Sequence[Sample], algo: AlgorithmConfig, rng: ran
 
 
 def with_trainer_logprobs(
-    samples: Sequence[Sample], backend: TrainBackend, pad_id: int
+    samples: Sequence[Sample], backend: TrainBackend, pad_id: int, mismatch: dict[str, float] | None = None
 ) -> tuple[list[Sample], dict[int, tuple[float, ...]]]:
     """The samples with their logprobs replaced by the trainer's own before this update (the proximal policy
-    of the off-policy correction, one no-grad forward), and the sampler's logprobs keyed by `id(new sample)`."""
+    of the off-policy correction, one no-grad forward), and the sampler's logprobs keyed by `id(new sample)`.
+    A `mismatch` dict is filled with the `mismatch/*` metrics of the two (`tokenmill.health.mismatch`)."""
     batch = collate(samples, [1.0] * len(samples), pad_id)
     logprobs_B_T = backend.forward(batch)
+    if mismatch is not None:
+        mismatch |= engine_trainer_mismatch(batch, logprobs_B_T, backend)
     out = list(samples)
     behaviour: dict[int, tuple[float, ...]] = {}
     for row, i in enumerate(batch.sample_index_B.tolist()):
@@ -72,6 +76,18 @@ def with_trainer_logprobs(
         out[i] = s.with_(logprobs=tuple(lp if m else 0.0 for lp, m in zip(mine, s.loss_mask, strict=True)))
         behaviour[id(out[i])] = s.logprobs
     return out, behaviour
+
+
+def engine_trainer_mismatch(batch: Batch, trainer_logprobs_B_T: torch.Tensor, backend: TrainBackend) -> dict[str, float]:
+    """`mismatch/*` of the sampler's logprobs (`batch.old_logprobs_B_T`) against the trainer's, on the trained
+    tokens, and `mismatch/temperature`: the temperature the trainer divided its logits by (the engine's
+    logprobs are of softmax(logits / its temperature): a different one shows up here as a gap)."""
+    trainer_B_T = trainer_logprobs_B_T.detach().float().cpu()
+    out = mismatch_stats(batch.old_logprobs_B_T.cpu(), trainer_B_T, batch.weights_B_T.cpu() > 0)
+    temperature = getattr(backend, "temperature", None)
+    if isinstance(temperature, (int, float)):
+        out["mismatch/temperature"] = float(temperature)
+    return out
 
 
 def _with_behaviour(batch: Batch, kept: Sequence[Sample], behaviour: dict[int, tuple[float, ...]]) -> Batch:
@@ -94,14 +110,21 @@ def policy_update(
     max_tokens: int,
     rng: random.Random,
     reference=None,
+    mismatch: bool = False,
 ) -> dict[str, float]:
-    """Train on `samples` (advantages already set); return metrics averaged over optimiser steps."""
+    """Train on `samples` (advantages already set); return metrics averaged over optimiser steps. With
+    `mismatch`, also the `mismatch/*` metrics of the samplers' logprobs against the trainer's before the
+    update: free with an off-policy correction (it recomputes them anyway), else one no-grad forward."""
     loss_fn = _batch_loss(algo.loss, algo)
     # a zero-advantage sample still carries gradient through the KL term or the entropy bonus
     skip_zero = algo.skip_zero_advantage and reference is None and algo.entropy_coef == 0
     behaviour = None
+    gap: dict[str, float] = {}
     if algo.off_policy != "none":  # clip against the trainer's own logprobs; weigh by trainer / sampler
-        samples, behaviour = with_trainer_logprobs(samples, backend, pad_id)
+        samples, behaviour = with_trainer_logprobs(samples, backend, pad_id, gap if mismatch else None)
+    elif mismatch:
+        batch = collate(samples, [1.0] * len(samples), pad_id)
+        gap = engine_trainer_mismatch(batch, backend.forward(batch), backend)
     totals: dict[str, float] = {}
     steps = 0
     trained_seqs = 0
@@ -124,7 +147,7 @@ def policy_update(
         for k, v in metrics.items():
             totals[k] = totals.get(k, 0.0) + v
         steps += 1
-    out = {k: v / steps for k, v in totals.items()}
+    out = {k: v / steps for k, v in totals.items()} | gap
     out["train/optimizer_steps"] = steps
     out["train/sequences_trained"] = trained_seqs
     return out

@@ -1,0 +1,92 @@
+"""The weight-sync probe: after a push, the engine scores a fixed token sequence and must agree with the trainer.
+
+A sync that did nothing (a file never reloaded, a broadcast into the void, an adapter never delivered) leaves
+the engine sampling from old weights while the loop carries on; its logprobs then differ from the trainer's
+by about one update's worth. The probe scores `probe_tokens` fixed token ids on the engine (`Scorer.score`,
+on every server of a remote engine) and on the trainer's module (the same teacher-forced forward), and logs
+
+    probe/max_abs   max over positions (and servers) of |logp_engine - logp_trainer|, temperature 1
+    probe/ok        1.0 when probe/max_abs <= the tolerance, else 0.0
+
+The tolerance is `health.probe_tolerance`, or by the trainer's dtype (`DTYPE_TOLERANCE`): fp32 engines agree
+to ~1e-6, half-precision ones only to their rounding (a bf16 logit carries 8 bits of mantissa).
+
+Which engine is probed depends on the feed: the trainer's own engine (colocated: it shares the module, so the
+check is trivially passed, and it is cheap), the servers of a process / remote placement, or proxy mode's
+serving copy. A thread placement's engine copy takes its weights later (staged, applied by the producer
+between rollouts): it is not probed. Nor is an fsdp2 run (its sharded module forwards only collectively).
+"""
+
+from __future__ import annotations
+
+import torch
+
+DTYPE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 1e-1, torch.float16: 2e-2}
+
+
+def probe_sequence(vocab_size: int, length: int, seed: int = 0) -> list[int]:
+    """The fixed probe: `length` token ids drawn uniformly from [0, vocab_size) with a fixed seed (the same
+    sequence every push, every run of the same model size)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
+
+
+def tolerance_for(dtype: torch.dtype, configured: float | None) -> float:
+    return configured if configured is not None else DTYPE_TOLERANCE.get(dtype, 1e-1)
+
+
+def probe_gap(engine, model: torch.nn.Module, sequence: list[int]) -> float:
+    """max |engine - trainer| logprob over the probe's positions (and over the servers of a remote engine)."""
+    from tokenmill.engines.scoring import score_sequences
+
+    was_training = model.training
+    model.eval()
+    try:
+        [(trainer, _)] = score_sequences(model, [sequence])
+    finally:
+        model.train(was_training)
+    each = getattr(engine, "score_each", None)  # a remote engine: every server must have the weights
+    scores = [s[0] for s in each([sequence]).values()] if each is not None else engine.score([sequence])
+    want = torch.tensor(trainer.token_logprobs, dtype=torch.float64)
+    return max(float((torch.tensor(s.token_logprobs, dtype=torch.float64) - want).abs().max()) for s in scores)
+
+
+def probed_engine(feed, run):
+    """The engine a push reaches and the probe can score, or (None, the reason it is not probed)."""
+    feed = getattr(feed, "feed", feed)  # a recording feed wraps the real one
+    if run.cfg.training.backend == "fsdp2":
+        return None, "fsdp2 shards the module: the engine shares it on each rank"
+    serving = getattr(feed, "serving", None)  # proxy mode's serving copy
+    if serving is not None:
+        return serving, ""
+    placement = getattr(feed, "placement", None)
+    if placement is not None:
+        if getattr(placement, "urls", None) is None:
+            return None, "a thread placement applies staged weights later, between rollouts"
+        return placement.engine, ""
+    return run.engine, ""
+
+
+class WeightProbe:
+    """`after_push(step)` every `health.probe_every`-th push: the `probe/*` metrics of that step ({} otherwise)."""
+
+    def __init__(self, run, feed, say=print) -> None:
+        health = run.cfg.health
+        self.every, self.model = health.probe_every, run.model
+        self.engine, reason = probed_engine(feed, run) if self.every else (None, "")
+        if self.engine is not None and not hasattr(self.engine, "score"):
+            self.engine, reason = None, f"{type(self.engine).__name__} cannot score sequences"
+        if self.every and self.engine is None:
+            say(f"health: the weight-sync probe is off ({reason})")
+        dtype = next(run.model.parameters()).dtype
+        vocab = run.model.get_input_embeddings().weight.shape[0]
+        self.tolerance = tolerance_for(dtype, health.probe_tolerance)
+        self.sequence = probe_sequence(vocab, health.probe_tokens)
+        self.pushes = 0
+
+    def after_push(self, step: int) -> dict[str, float]:
+        self.pushes += 1
+        if self.engine is None or self.pushes % self.every:
+            return {}
+        gap = probe_gap(self.engine, self.model, self.sequence)
+        return {"probe/max_abs": gap, "probe/ok": float(gap <= self.tolerance)}
