@@ -58,7 +58,7 @@ def test_in_process_fp32_engine_matches_the_trainer_on_the_quickstart(tiny_model
 def test_an_engine_at_another_temperature_raises_the_metrics(tiny_model_path, tmp_path):
     from tokenmill.config import RLConfig, load_config
     from tokenmill.controller import build_run, run_rl
-    from tokenmill.testing.mismatch import shift_temperature
+    from tokenmill.testing.health import shift_temperature
 
     cfg = load_config(RLConfig, {
         "model": {"path": tiny_model_path}, "data": {"task": "addition", "num_eval": 0},
