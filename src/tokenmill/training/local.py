@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -11,29 +10,12 @@ import torch
 
 from tokenmill.training.base import BatchLoss
 from tokenmill.training.batch import Batch
+from tokenmill.training.logprobs import DEFAULT_CHUNK_MIB, sequence_token_stats, token_entropy, token_logprobs
 from tokenmill.training.packing import micro_packs, packed_token_stats, prompt_segments, sequence_segments
 
-
-def token_logprobs(logits_B_T_V: torch.Tensor, input_ids_B_T: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(token_t | tokens_<t) for every position, aligned with the tokens (position 0 gets 0).
-
-    Computed as gathered logit minus logsumexp, in fp32, so no full log-softmax tensor is kept for
-    backward (the term that dominates memory for large vocabularies).
-    """
-    logits = logits_B_T_V[:, :-1, :].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    targets_B_T = input_ids_B_T[:, 1:]
-    picked = logits.gather(-1, targets_B_T.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    return torch.nn.functional.pad(picked, (1, 0))
-
-
-def token_entropy(logits_B_T_V: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Entropy of the next-token distribution at each position, aligned like `token_logprobs`."""
-    logits = logits_B_T_V[:, :-1, :].float() / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
-
+# token_logprobs / token_entropy (the full-logits path) are imported from here too
+__all__ = ["LocalBackend", "ReferenceModel", "batch_logprobs", "micro_token_stats", "packing_segments",
+           "token_entropy", "token_logprobs"]
 
 
 def packing_segments(batch: Batch, *, share_prompts: bool, pack_sequences: bool):
@@ -57,11 +39,13 @@ def micro_token_stats(
     entropy: bool = False,
     entropy_grad: bool = False,
     autocast_dtype: torch.dtype | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_MIB << 20,
 ) -> Iterator[tuple[torch.Tensor, Batch, torch.Tensor, torch.Tensor | None]]:
     """Per micro-batch: (its rows in `batch`, the micro-batch on the model's device, its token logprobs, its
     token entropies or None). Groups sharing a prompt are packed (`training.packing`; only completion tokens
     get values there); with `pack_sequences` whole sequences are packed side by side (SFT); otherwise
-    length-bucketed padded rows. Gradients flow unless the caller disables them."""
+    length-bucketed padded rows. Gradients flow unless the caller disables them. The LM head runs on chunks
+    of at most `chunk_bytes` of fp32 logits (`training.logprobs`; 0 = the model's full logits)."""
     device = next(model.parameters()).device
     segments = packing_segments(batch, share_prompts=share_prompts, pack_sequences=pack_sequences)
     if segments is not None:
@@ -69,22 +53,20 @@ def micro_token_stats(
             micro = micro.to(device)
             logprobs, ent = packed_token_stats(
                 model, packed, tuple(micro.input_ids_B_T.shape), temperature=temperature, entropy=entropy,
-                entropy_grad=entropy_grad, autocast_dtype=autocast_dtype,
+                entropy_grad=entropy_grad, autocast_dtype=autocast_dtype, chunk_bytes=chunk_bytes,
             )
             yield packed.batch_rows, micro, logprobs, ent
         return
     start = 0
     for micro in batch.micro_batches(token_budget):
         micro = micro.to(device)
-        autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-        with autocast:
-            logits_B_T_V = model(input_ids=micro.input_ids_B_T, use_cache=False).logits
-        ent = None
-        if entropy:
-            ent = token_entropy(logits_B_T_V if entropy_grad else logits_B_T_V.detach(), temperature)
+        logprobs, ent = sequence_token_stats(
+            model, micro.input_ids_B_T, lengths_B=micro.lengths_B, temperature=temperature, chunk_bytes=chunk_bytes,
+            entropy=entropy, entropy_grad=entropy_grad, autocast_dtype=autocast_dtype,
+        )
         rows = torch.arange(start, start + micro.size)
         start += micro.size
-        yield rows, micro, token_logprobs(logits_B_T_V, micro.input_ids_B_T, temperature), ent
+        yield rows, micro, logprobs, ent
 
 
 @torch.no_grad()
@@ -96,13 +78,15 @@ def batch_logprobs(
     token_budget: int,
     share_prompts: bool = True,
     autocast_dtype: torch.dtype | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_MIB << 20,
 ) -> torch.Tensor:
     """Logprobs of the tokens of `batch` under `model`, micro-batched, on the CPU, aligned with the batch.
     With shared prompts (and `share_prompts`) the groups are packed and only completion tokens get a value
     (prompt positions stay 0; no loss weight falls there)."""
     out = torch.zeros_like(batch.old_logprobs_B_T)
     for rows, _, lp, _ in micro_token_stats(model, batch, temperature=temperature, token_budget=token_budget,
-                                            share_prompts=share_prompts, autocast_dtype=autocast_dtype):
+                                            share_prompts=share_prompts, autocast_dtype=autocast_dtype,
+                                            chunk_bytes=chunk_bytes):
         out[rows, : lp.shape[1]] = lp.float().cpu()
     return out
 
@@ -114,9 +98,10 @@ class ReferenceModel:
 
     def __init__(
         self, model: torch.nn.Module, *, temperature: float, token_budget: int, share_prompts: bool = True,
-        adapters_off: bool = False,
+        adapters_off: bool = False, logits_chunk_mib: float = DEFAULT_CHUNK_MIB,
     ) -> None:
         self.adapters_off = adapters_off
+        self.chunk_bytes = int(logits_chunk_mib * 2**20)
         self.model = model if adapters_off else model.eval().requires_grad_(False)
         self.temperature = temperature
         self.token_budget = token_budget
@@ -135,7 +120,7 @@ class ReferenceModel:
 
     def _logprobs(self, batch: Batch) -> torch.Tensor:
         return batch_logprobs(self.model, batch, temperature=self.temperature, token_budget=self.token_budget,
-                              share_prompts=self.share_prompts)
+                              share_prompts=self.share_prompts, chunk_bytes=self.chunk_bytes)
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -162,7 +147,8 @@ def _adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.AdamW
 
 
 class LocalBackend:
-    """Trains one module in this process. `temperature` matches the sampler's (logits are divided by it)."""
+    """Trains one module in this process. `temperature` matches the sampler's (logits are divided by it). The
+    LM head runs on chunks of `logits_chunk_mib` MiB of fp32 logits (`training.logprobs`; 0 = full logits)."""
 
     def __init__(
         self,
@@ -181,8 +167,10 @@ class LocalBackend:
         autocast_dtype: torch.dtype | None = None,
         share_prompts: bool = True,
         pack_sequences: bool = False,
+        logits_chunk_mib: float = DEFAULT_CHUNK_MIB,
     ) -> None:
         self.model = model
+        self.chunk_bytes = int(logits_chunk_mib * 2**20)  # 0: the model's full logits
         self.device = next(model.parameters()).device
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = _adamw(self.params, lr=learning_rate, betas=betas, weight_decay=weight_decay)
@@ -207,7 +195,7 @@ class LocalBackend:
             self.model, batch, temperature=self.temperature, token_budget=self.micro_batch_tokens,
             share_prompts=self.share_prompts, pack_sequences=self.pack_sequences,
             entropy=self.track_entropy or bonus, entropy_grad=bonus,
-            autocast_dtype=self.autocast_dtype,
+            autocast_dtype=self.autocast_dtype, chunk_bytes=self.chunk_bytes,
         )
         for _, micro, logprobs_B_T, ent in stats:
             loss, metrics = loss_fn(logprobs_B_T, micro)
@@ -226,7 +214,7 @@ class LocalBackend:
     def forward(self, batch: Batch) -> torch.Tensor:
         return batch_logprobs(
             self.model, batch, temperature=self.temperature, token_budget=self.micro_batch_tokens,
-            share_prompts=self.share_prompts, autocast_dtype=self.autocast_dtype,
+            share_prompts=self.share_prompts, autocast_dtype=self.autocast_dtype, chunk_bytes=self.chunk_bytes,
         )
 
     def optim_step(self) -> dict[str, float]:

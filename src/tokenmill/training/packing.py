@@ -14,13 +14,13 @@ never hold logits for prompt tokens.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
 
 from tokenmill.training.batch import Batch
+from tokenmill.training.logprobs import DEFAULT_CHUNK_MIB, head_parts, head_token_stats, hidden_states
 
 
 @dataclass(frozen=True)
@@ -166,32 +166,27 @@ def packed_token_stats(
     entropy: bool,
     entropy_grad: bool = False,
     autocast_dtype: torch.dtype | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_MIB << 20,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprobs (and entropies) of every completion token, scattered into a `[B, T]` tensor (0 elsewhere)."""
+    """Logprobs (and entropies) of every completion token, scattered into a `[B, T]` tensor (0 elsewhere).
+    The LM head runs on chunks of `chunk_bytes` of fp32 logits where `head_parts` allows (0: full logits)."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     mask = attention_mask(packed.allowed_R_L_L, model, autocast_dtype or dtype).to(device)
-    autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-    with autocast:
-        logits_R_L_V = model(
-            input_ids=packed.input_ids_R_L.to(device),
-            position_ids=packed.position_ids_R_L.to(device),
-            attention_mask=mask,
-            use_cache=False,
-        ).logits
-    picked_K_V = logits_R_L_V[packed.src_row_K.to(device), packed.src_pos_K.to(device)].float()
-    if temperature != 1.0:
-        picked_K_V = picked_K_V / temperature
-    lse_K = torch.logsumexp(picked_K_V, dim=-1)
-    logprob_K = picked_K_V.gather(-1, packed.target_K.to(device)[:, None]).squeeze(-1) - lse_K
+    inputs = {"input_ids": packed.input_ids_R_L.to(device), "position_ids": packed.position_ids_R_L.to(device),
+              "attention_mask": mask}
+    src = (packed.src_row_K.to(device), packed.src_pos_K.to(device))
+    parts = head_parts(model) if chunk_bytes > 0 else None
+    with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        if parts is None:  # full logits; only the predicting positions go through the log-softmax
+            picked_K_H, head = model(**inputs, use_cache=False).logits[src], torch.nn.Identity()
+        else:
+            picked_K_H, head = hidden_states(parts[0], **inputs)[src], parts[1]
+    logprob_K, ent_K = head_token_stats(
+        head, picked_K_H, packed.target_K.to(device), temperature=temperature,
+        chunk_bytes=chunk_bytes if parts is not None else 0, entropy=entropy, entropy_grad=entropy_grad,
+        autocast_dtype=autocast_dtype,
+    )
     dst = (packed.dst_b_K.to(device), packed.dst_t_K.to(device))
-    logprobs_B_T = torch.zeros(out_shape, dtype=torch.float32, device=device).index_put(dst, logprob_K)
-    ent_B_T = None
-    if entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            logp_K_V = picked_K_V - lse_K[:, None]  # the log-softmax, from the log-sum-exp already taken
-            logp_K_V = logp_K_V if entropy_grad else logp_K_V.detach()
-            ent_K = -(logp_K_V.exp() * logp_K_V).sum(-1)
-            ent_B_T = torch.zeros(out_shape, dtype=torch.float32, device=device).index_put(dst, ent_K)
-    return logprobs_B_T, ent_B_T
-
+    zeros_B_T = torch.zeros(out_shape, dtype=torch.float32, device=device)
+    return zeros_B_T.index_put(dst, logprob_K), None if ent_K is None else zeros_B_T.index_put(dst, ent_K)

@@ -1,0 +1,167 @@
+"""Token logprobs and entropies without the full logits: the LM head runs on chunks of positions.
+
+A causal LM's forward returns logits `[B, T, V]`; in fp32 with a Qwen-sized vocabulary (151,936) that is
+0.6 MB per token, and the log-softmax's backward needs as much again. The trainer only needs, per predicted
+token, `logit[target] - logsumexp(logits)` (and the entropy for the bonus / metric). So the decoder runs
+once (`get_decoder()`: its hidden states, `[tokens, hidden]`), and the head (`get_output_embeddings()`, tied
+or not, LoRA-wrapped or not) runs on chunks of at most `chunk_bytes` of fp32 logits. With gradients each
+chunk is checkpointed (`torch.utils.checkpoint`): its logits are computed again in the backward, one chunk
+at a time, so neither pass ever holds more than one chunk of logits. The numbers are those of the plain path
+(the same matmul, row by row; `tests/unit/training/test_logprobs.py` checks 1e-6 in fp32).
+
+`head_parts` says whether a model's logits are exactly `head(decoder(...))`; where not (a final logit
+soft-cap or scale, an FSDP2-sharded root whose head is gathered only inside its own forward), callers use
+the model's own forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+DEFAULT_CHUNK_MIB = 64
+# config fields of models whose logits are not plain head(hidden) (Gemma-2 soft-cap, Cohere / Granite scale)
+_LOGIT_MODIFIERS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def token_logprobs(logits_B_T_V: torch.Tensor, input_ids_B_T: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(token_t | tokens_<t) for every position, aligned with the tokens (position 0 gets 0), from full
+    logits (the plain path).
+
+    Computed as gathered logit minus logsumexp, in fp32, so no full log-softmax tensor is kept for
+    backward (the term that dominates memory for large vocabularies).
+    """
+    logits = logits_B_T_V[:, :-1, :].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets_B_T = input_ids_B_T[:, 1:]
+    picked = logits.gather(-1, targets_B_T.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return torch.nn.functional.pad(picked, (1, 0))
+
+
+def token_entropy(logits_B_T_V: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Entropy of the next-token distribution at each position, aligned like `token_logprobs`."""
+    logits = logits_B_T_V[:, :-1, :].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+
+
+def head_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """(decoder, head) when `model(...).logits == head(decoder(...).last_hidden_state)`, else None."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        return None
+    config = getattr(model, "config", None)
+    if config is None or any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_MODIFIERS):
+        return None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    if not type(base).__name__.endswith("ForCausalLM"):
+        return None
+    try:
+        decoder, head = model.get_decoder(), model.get_output_embeddings()
+    except (AttributeError, NotImplementedError, ValueError):
+        return None
+    if decoder is None or head is None or decoder is base:
+        return None
+    return decoder, head
+
+
+def chunk_tokens(head: torch.nn.Module, chunk_bytes: int) -> int:
+    """Positions per chunk: as many as fit `chunk_bytes` of fp32 logits (at least one)."""
+    vocab = getattr(head, "out_features", None) or head.weight.shape[0]
+    return max(1, chunk_bytes // (4 * int(vocab)))
+
+
+def _chunk_stats(
+    head: torch.nn.Module, hidden_N_H: torch.Tensor, target_N: torch.Tensor, temperature: float,
+    entropy: bool, entropy_grad: bool, autocast_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.autocast(hidden_N_H.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        logits_N_V = head(hidden_N_H)
+    logits_N_V = logits_N_V.float()
+    if temperature != 1.0:
+        logits_N_V = logits_N_V / temperature
+    lse_N = torch.logsumexp(logits_N_V, dim=-1)
+    logprob_N = logits_N_V.gather(-1, target_N[:, None]).squeeze(-1) - lse_N
+    if not entropy:
+        return logprob_N, torch.zeros_like(logprob_N)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        logp_N_V = logits_N_V - lse_N[:, None]  # the log-softmax, from the log-sum-exp already taken
+        logp_N_V = logp_N_V if entropy_grad else logp_N_V.detach()
+        ent_N = -(logp_N_V.exp() * logp_N_V).sum(-1)
+    return logprob_N, ent_N
+
+
+def head_token_stats(
+    head: torch.nn.Module,
+    hidden_N_H: torch.Tensor,
+    target_N: torch.Tensor,
+    *,
+    temperature: float,
+    chunk_bytes: int,
+    entropy: bool = False,
+    entropy_grad: bool = False,
+    autocast_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(target_n) (and the entropy) of the head's softmax at each of the N hidden states, computed
+    `chunk_tokens` positions at a time (all at once with `chunk_bytes` 0); with gradients, each chunk's logits
+    are computed again in the backward instead of kept."""
+    n = hidden_N_H.shape[0]
+    size = chunk_tokens(head, chunk_bytes) if chunk_bytes > 0 else n
+    extra = (temperature, entropy, entropy_grad, autocast_dtype)
+    if n <= size:  # one chunk: nothing to save by recomputing it
+        lp_N, ent_N = _chunk_stats(head, hidden_N_H, target_N, *extra)
+        return lp_N, ent_N if entropy else None
+    grad = torch.is_grad_enabled() and (hidden_N_H.requires_grad or any(p.requires_grad for p in head.parameters()))
+    parts = []
+    for start in range(0, n, size):
+        args = (head, hidden_N_H[start : start + size], target_N[start : start + size], *extra)
+        parts.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if grad else _chunk_stats(*args))
+    lp_N = torch.cat([lp for lp, _ in parts])
+    return lp_N, torch.cat([e for _, e in parts]) if entropy else None
+
+
+def hidden_states(decoder: torch.nn.Module, **inputs) -> torch.Tensor:
+    """The decoder's last hidden state (after its final norm), `[B, T, H]`."""
+    return decoder(**inputs, use_cache=False).last_hidden_state
+
+
+def sequence_token_stats(
+    model: torch.nn.Module,
+    input_ids_B_T: torch.Tensor,
+    *,
+    temperature: float,
+    chunk_bytes: int,
+    lengths_B: torch.Tensor | None = None,
+    entropy: bool = False,
+    entropy_grad: bool = False,
+    autocast_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(token_logprobs, token_entropy or None)` of right-padded rows, aligned with the tokens (position 0
+    gets 0; so do padding positions on the chunked path): through the chunked head where `head_parts` allows
+    and `chunk_bytes > 0`, else from the model's full logits."""
+    device = input_ids_B_T.device
+    autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+    parts = head_parts(model) if chunk_bytes > 0 else None
+    if parts is None:
+        with autocast:
+            logits_B_T_V = model(input_ids=input_ids_B_T, use_cache=False).logits
+        ent = None
+        if entropy:
+            ent = token_entropy(logits_B_T_V if entropy_grad else logits_B_T_V.detach(), temperature)
+        return token_logprobs(logits_B_T_V, input_ids_B_T, temperature), ent
+    decoder, head = parts
+    B, T = input_ids_B_T.shape
+    with autocast:
+        hidden_B_T_H = hidden_states(decoder, input_ids=input_ids_B_T)
+    lengths = torch.full((B,), T, dtype=torch.long) if lengths_B is None else lengths_B.cpu()
+    real_B_T = torch.arange(T)[None, :] < lengths[:, None]  # position t >= 1 is predicted from t - 1
+    real_B_T[:, 0] = False
+    b_N, t_N = (i.to(device) for i in real_B_T.nonzero(as_tuple=True))
+    lp_N, ent_N = head_token_stats(
+        head, hidden_B_T_H[b_N, t_N - 1], input_ids_B_T[b_N, t_N], temperature=temperature,
+        chunk_bytes=chunk_bytes, entropy=entropy, entropy_grad=entropy_grad, autocast_dtype=autocast_dtype,
+    )
+    zeros_B_T = torch.zeros((B, T), dtype=torch.float32, device=device)
+    return zeros_B_T.index_put((b_N, t_N), lp_N), None if ent_N is None else zeros_B_T.index_put((b_N, t_N), ent_N)
