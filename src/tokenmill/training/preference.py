@@ -24,7 +24,7 @@ from tokenmill.checkpoint.export import export_model
 from tokenmill.config.schema import LoRAConfig
 from tokenmill.training.batch import collate
 from tokenmill.training.dist import is_main
-from tokenmill.training.local import token_logprobs
+from tokenmill.training.logprobs import DEFAULT_CHUNK_MIB, sequence_token_stats
 from tokenmill.training.lora import add_lora, is_lora
 from tokenmill.training.sft import sft_sample
 from tokenmill.training.sharded import copy_back, my_share, offline_backend, sum_over_ranks
@@ -33,13 +33,17 @@ from tokenmill.types import ConfigError
 PreferenceLoss = Literal["dpo", "ipo", "simpo"]
 
 
-def pair_logprobs(model, tokenizer, rows: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
-    """(chosen logprob sums, rejected logprob sums, chosen lengths, rejected lengths), each `[P]`."""
+def pair_logprobs(
+    model, tokenizer, rows: Sequence[dict[str, Any]], chunk_bytes: int = DEFAULT_CHUNK_MIB << 20
+) -> tuple[torch.Tensor, ...]:
+    """(chosen logprob sums, rejected logprob sums, chosen lengths, rejected lengths), each `[P]`; the LM head
+    runs on chunks of `chunk_bytes` of logits (`training.logprobs`; 0 = the model's full logits)."""
     samples = [sft_sample(tokenizer, r["prompt"], r[key]) for key in ("chosen", "rejected") for r in rows]
     batch = collate(samples, [1.0] * len(samples), tokenizer.pad_token_id)
     device = next(model.parameters()).device
     ids = batch.input_ids_B_T.to(device)
-    logprobs_B_T = token_logprobs(model(input_ids=ids, use_cache=False).logits, ids, 1.0)
+    logprobs_B_T, _ = sequence_token_stats(model, ids, lengths_B=batch.lengths_B, temperature=1.0,
+                                           chunk_bytes=chunk_bytes)
     mask_B_T = batch.weights_B_T.to(device)
     in_sample_order = batch.sample_index_B.argsort().to(device)  # collate sorted the rows by length
     sums_B = (logprobs_B_T * mask_B_T).sum(-1)[in_sample_order]
