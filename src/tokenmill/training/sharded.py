@@ -342,14 +342,10 @@ def launched() -> bool:
 def offline_backend(model: torch.nn.Module, **local_kwargs: Any) -> tuple[Any, torch.nn.Module]:
     """(backend, module to run forward passes on) for an offline loop (`tokenmill sft`, `preference`): one
     process trains `model` itself with a `LocalBackend`; under torchrun (several ranks) a `ShardedBackend`
-    trains a sharded copy, and `copy_back` refreshes `model` from it at the end (every rank holds it whole)."""
+    trains a sharded copy, and `copy_back` refreshes `model` from it at the end (every rank holds it whole).
+    A peft LoRA model shards the same way (only its adapters, and a classifier's head, train)."""
     if not launched():
         return LocalBackend(model, **local_kwargs), model
-    from tokenmill.training.lora import is_lora
-
-    if is_lora(model):
-        raise ConfigError("model.lora: LoRA adapters are not sharded over torchrun ranks; train them in one "
-                          "process (set model.lora.rank to 0 to train every weight over the ranks)")
     init_distributed()
     backend = ShardedBackend(copy.deepcopy(model), **local_kwargs)
     return backend, backend.model

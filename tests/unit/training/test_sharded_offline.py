@@ -1,5 +1,6 @@
 """`tokenmill sft` and `tokenmill preference` on 2 FSDP2 ranks (what `torchrun --nproc_per_node 2` runs; here
-spawned with a file rendezvous, gloo): the per-step losses and the trained weights equal one process's."""
+spawned with a file rendezvous, gloo): the per-step losses and the trained weights equal one process's, in full
+and with LoRA adapters (a DPO policy with LoRA is its own reference, adapters off)."""
 
 from __future__ import annotations
 
@@ -15,34 +16,43 @@ PAIRS = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1
          [(1, 2), (3, 4), (10, 5), (7, 7), (20, 1), (2, 9), (8, 8), (30, 3)]]
 
 
-def _model(path: str, reward: bool = False):
+def _model(path: str, reward: bool = False, lora: int = 0):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tokenmill.config.schema import LoRAConfig
+    from tokenmill.training.lora import add_lora
     from tokenmill.training.preference import load_reward_model_for_training
 
+    adapters = LoRAConfig(rank=lora, alpha=2 * max(lora, 1))
     if reward:
-        return load_reward_model_for_training(path, seed=0)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
+        return load_reward_model_for_training(path, seed=0, lora=adapters)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if lora:
+        torch.manual_seed(0)  # the adapters' initial draw: the same on every rank and in one process
+        model = add_lora(model, adapters, task_type="CAUSAL_LM", field="model.lora")
+    return model, AutoTokenizer.from_pretrained(path)
 
 
 def _runs(path: str, out: Path | None) -> dict:
-    """sft (uneven micro-batch counts per rank), DPO (5 pairs: 3 and 2 per rank) and a reward model: losses
-    and final weights of each (`out`: where the sft export goes)."""
+    """sft (uneven micro-batch counts per rank), DPO (5 pairs: 3 and 2 per rank) and a reward model, each in
+    full and with LoRA adapters: losses and final weights of each (`out`: where the full sft export goes)."""
     from tokenmill.training.preference import run_dpo, run_reward_model
     from tokenmill.training.sft import run_sft
 
     record = {}
-    model, tok = _model(path)
-    record["sft"] = run_sft(model, tok, SFT_ROWS, steps=STEPS, batch_size=6, learning_rate=1e-2, warmup_steps=1,
-                            micro_batch_tokens=24, output_dir=out)
-    record["sft_weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    model, tok = _model(path)
-    record["dpo"] = run_dpo(model, tok, PAIRS, steps=STEPS, batch_size=5, learning_rate=1e-2, warmup_steps=1)
-    record["dpo_weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    model, tok = _model(path, reward=True)
-    record["rm"] = run_reward_model(model, tok, PAIRS, steps=STEPS, batch_size=5, learning_rate=1e-2,
-                                    warmup_steps=1)
-    record["rm_weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for lora, tag in ((0, ""), (4, "_lora")):
+        model, tok = _model(path, lora=lora)
+        record["sft" + tag] = run_sft(model, tok, SFT_ROWS, steps=STEPS, batch_size=6, learning_rate=1e-2,
+                                      warmup_steps=1, micro_batch_tokens=24, output_dir=None if lora else out)
+        record[f"sft{tag}_weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model, tok = _model(path, lora=lora)
+        record["dpo" + tag] = run_dpo(model, tok, PAIRS, steps=STEPS, batch_size=5, learning_rate=1e-2,
+                                      warmup_steps=1)
+        record[f"dpo{tag}_weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model, tok = _model(path, reward=True, lora=lora)
+        record["rm" + tag] = run_reward_model(model, tok, PAIRS, steps=STEPS, batch_size=5, learning_rate=1e-2,
+                                              warmup_steps=1)
+        record[f"rm{tag}_weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return record
 
 
@@ -73,7 +83,7 @@ def runs(tmp_path_factory):
     return ranks, _runs(path, None), tmp / "export"
 
 
-@pytest.mark.parametrize("kind", ["sft", "dpo", "rm"])
+@pytest.mark.parametrize("kind", ["sft", "dpo", "rm", "sft_lora", "dpo_lora", "rm_lora"])
 def test_two_ranks_train_like_one_process(runs, kind):
     (r0, r1), alone, _ = runs
     assert r0[kind] == r1[kind]  # every rank reports the global loss
