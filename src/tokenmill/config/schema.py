@@ -274,6 +274,11 @@ class TrainingConfig(Section):
     micro_batch_tokens: int = Field(
         8192, ge=16, description="Token budget (padded) of one micro-batch; gradients accumulate across them."
     )
+    chunked_logprobs: bool = Field(
+        True, description="Token logprobs (and entropies) through the LM head in chunks of logprob_chunk_mib of "
+        "fp32 logits, never the full [tokens, vocabulary] logits (same numbers; see docs/performance.md)."
+    )
+    logprob_chunk_mib: int = Field(64, ge=1, description="Logits held at once with chunked_logprobs, in MiB.")
     share_prompts: bool = Field(
         True, description="Run each group's shared prompt through the model once per update: its completions "
         "are packed after one copy of it with a block attention mask (same gradients, fewer tokens)."

@@ -243,6 +243,7 @@ def build_trainer(cfg: RLConfig, model, device, amp) -> tuple[TrainBackend, Any,
         "betas": tr.betas, "warmup_steps": tr.warmup_steps, "lr_schedule": tr.lr_schedule,
         "max_grad_norm": tr.max_grad_norm, "micro_batch_tokens": tr.micro_batch_tokens,
         "temperature": gen.temperature, "autocast_dtype": amp, "share_prompts": tr.share_prompts,
+        "logits_chunk_mib": tr.logprob_chunk_mib if tr.chunked_logprobs else 0,
     }
     shards = Path(cfg.tracking.output_dir) / "checkpoints" / "shards"
     if sharded:
@@ -259,6 +260,7 @@ def build_trainer(cfg: RLConfig, model, device, amp) -> tuple[TrainBackend, Any,
         reference = ReferenceModel(
             model if lora else copy.deepcopy(model), temperature=gen.temperature,
             token_budget=tr.micro_batch_tokens, share_prompts=tr.share_prompts, adapters_off=lora,
+            logits_chunk_mib=train["logits_chunk_mib"],
         )
     critic = None
     if cfg.algorithm.advantage == "gae":
