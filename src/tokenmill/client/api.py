@@ -95,7 +95,7 @@ class SamplingClient:
         """`n` completions of each prompt (token ids, a string or chat messages)."""
         if isinstance(params, SamplingParams):
             params = {**dataclasses.asdict(params), "stop": list(params.stop)}
-        got = self.transport.call("sample", sid=self.sampler_id, prompts=prompts, params=params)
+        got = self.transport.call("sample", sid=self.sampler_id, prompts=list(prompts), params=params)
         return [SampleResult(r["prompt_ids"], [SampledSequence(**s) for s in r["sequences"]])
                 for r in got["samples"]]
 
