@@ -1,7 +1,7 @@
 """The feeds: where `run_rl` gets each step's scored groups, and where it hands the new weights.
 
 `run_rl` (controller/rl.py) asks a *feed* for each step's groups and hands it the new weights after each
-update. Three feeds, one protocol (`Feed`):
+update. Four feeds, one protocol (`Feed`):
 
 - `InlineFeed` (colocated engine): calls the loop's own `rollout` on the spot: the synchronous loop.
 - `AsyncFeed` (engine placed elsewhere): runs the same `rollout` in a producer thread against an engine in
@@ -10,6 +10,8 @@ update. Three feeds, one protocol (`Feed`):
   synchronous loop started early.
 - `ProxyFeed` (`proxy:` section): serves a copy of the policy at an OpenAI endpoint, starts the agent
   program if asked, and runs the same `rollout` with the proxy collector in place of the generator.
+- `ReplayFeed` (`record.replay`): each step's groups as a rollout dump recorded them; nothing generates.
+  With `record.rollouts`, a `RecordingFeed` around any of them writes each step's groups to the dump.
 
 Staleness (AsyncFeed), enforced per sample by the policy version that produced it: a sample trained at step s
 comes from weights of version v (the trainer holds version s - 1 while it trains step s); its lag is
