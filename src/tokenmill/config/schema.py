@@ -447,9 +447,9 @@ class RLConfig(Section):
         _check_async(self)
         check_distill(self)
         if self.training.backend == "fsdp2" and (self.engine.placement != "colocated" or self.proxy is not None
-                                                 or self.model.lora.rank > 0 or self.critic.lora.rank > 0):
+                                                 or self.critic.lora.rank > 0):
             raise ValueError("training.backend: fsdp2 runs with engine.placement colocated (each rank samples "
-                             "its share of the prompts), without proxy and without model.lora or critic.lora")
+                             "its share of the prompts), without proxy and without critic.lora")
         if self.proxy is not None and (self.engine.placement != "colocated" or self.controller.max_staleness):
             raise ValueError("proxy: proxy mode serves the policy itself (the agent plays while the trainer trains, "
                              "one version behind); leave engine.placement colocated and controller.max_staleness 0")

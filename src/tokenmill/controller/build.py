@@ -252,9 +252,11 @@ def build_trainer(cfg: RLConfig, model, device, amp) -> tuple[TrainBackend, Any,
     else:
         backend = LocalBackend(model, **train)
     reference = None
-    if cfg.algorithm.kl_coef > 0 and sharded:  # a frozen copy, sharded like the trainer
-        reference = ShardedReference(copy.deepcopy(model), temperature=gen.temperature,
-                                     token_budget=tr.micro_batch_tokens, share_prompts=tr.share_prompts)
+    if cfg.algorithm.kl_coef > 0 and sharded:  # a frozen copy sharded like the trainer; LoRA: its adapters off
+        lora = cfg.model.lora.rank > 0
+        reference = ShardedReference(backend.model if lora else copy.deepcopy(model), temperature=gen.temperature,
+                                     token_budget=tr.micro_batch_tokens, share_prompts=tr.share_prompts,
+                                     adapters_off=lora)
     elif cfg.algorithm.kl_coef > 0:
         lora = cfg.model.lora.rank > 0  # the base is the policy with its adapters off: no copy
         reference = ReferenceModel(
