@@ -1,11 +1,20 @@
 // A CodeMirror 6 Python editor; the document is owned by the caller (value / onChange).
+//
+// The editor's own edits go out through onChange and come back as props.value; only a value the editor did
+// not write (a reset, an import, a reload) is dispatched into it. That check runs in a layout effect, with
+// this render's value: a passive effect (useEffect) left pending is flushed by Preact at the start of the
+// next render with the value of the render before, so a multi-line insertion that reaches CodeMirror as two
+// transactions (an IME commit, a paste, Playwright's insert_text) used to dispatch the stale first half back
+// over the second, from inside the page's render, while CodeMirror still had DOM changes to read: the
+// gutter's marker loop then never ended and the tab froze.
 import { python } from "@codemirror/lang-python";
 import { EditorView, basicSetup } from "codemirror";
-import { useEffect, useRef } from "preact/hooks";
+import { useEffect, useLayoutEffect, useRef } from "preact/hooks";
 
-export function CodeEditor(props: { value: string; onChange: (code: string) => void; testId: string }) {
+export function CodeEditor(props: { value: string; onChange: (code: string) => void; testId: string; label: string }) {
   const host = useRef<HTMLDivElement>(null);
   const view = useRef<EditorView | null>(null);
+  const emitted = useRef(props.value); // the last document this editor sent out
   const onChange = useRef(props.onChange);
   onChange.current = props.onChange;
   useEffect(() => {
@@ -15,19 +24,21 @@ export function CodeEditor(props: { value: string; onChange: (code: string) => v
       extensions: [
         basicSetup,
         python(),
+        EditorView.contentAttributes.of({ "aria-label": props.label }),
         EditorView.updateListener.of((u) => {
-          if (u.docChanged) onChange.current(u.state.doc.toString());
+          if (!u.docChanged) return;
+          emitted.current = u.state.doc.toString();
+          onChange.current(emitted.current);
         }),
       ],
     });
     return () => view.current?.destroy();
   }, []);
-  useEffect(() => {
-    // an outside change (a reset, an import) replaces the document; our own edits are already in it
+  useLayoutEffect(() => {
     const v = view.current;
-    if (v && v.state.doc.toString() !== props.value) {
-      v.dispatch({ changes: { from: 0, to: v.state.doc.length, insert: props.value } });
-    }
+    if (!v || props.value === emitted.current || v.state.doc.toString() === props.value) return;
+    emitted.current = props.value;
+    v.dispatch({ changes: { from: 0, to: v.state.doc.length, insert: props.value } });
   }, [props.value]);
   return <div class="editor" data-testid={props.testId} ref={host} />;
 }

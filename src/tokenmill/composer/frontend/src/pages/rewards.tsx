@@ -75,7 +75,8 @@ function RewardCard({ reward, index, total }: { reward: RewardDraft; index: numb
           Remove
         </button>
       </div>
-      <CodeEditor testId={`reward-editor-${index}`} value={reward.code} onChange={(code) => setReward(index, { code })} />
+      <CodeEditor testId={`reward-editor-${index}`} label={`code of reward ${reward.name}`} value={reward.code}
+        onChange={(code) => setReward(index, { code })} />
     </div>
   );
 }
