@@ -6,6 +6,7 @@ Config errors print one line per bad field and exit with status 2, never a trace
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -112,14 +113,31 @@ def cmd_sft(args: argparse.Namespace) -> int:
             columns = ", ".join(rows.column_names)
             raise ConfigError(f"{field}: column {column!r} not in the dataset (columns: {columns})")
     model, tok = load_policy(cfg.model, resolve_device(cfg.model.device))
-    losses = run_sft(model, tok, rows, steps=cfg.steps, batch_size=cfg.batch_size,
-                     learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps, seed=cfg.seed,
-                     prompt_column=cfg.data.prompt_column, completion_column=cfg.completion_column,
-                     messages_column=cfg.messages_column, packing=cfg.packing,
-                     micro_batch_tokens=cfg.micro_batch_tokens, output_dir=cfg.output_dir,
-                     log_every=max(1, cfg.steps // 10))
+    with _offline_logger(cfg, "SFT") as logger:
+        losses = run_sft(model, tok, rows, steps=cfg.steps, batch_size=cfg.batch_size,
+                         learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps, seed=cfg.seed,
+                         prompt_column=cfg.data.prompt_column, completion_column=cfg.completion_column,
+                         messages_column=cfg.messages_column, packing=cfg.packing,
+                         micro_batch_tokens=cfg.micro_batch_tokens, output_dir=cfg.output_dir,
+                         log_every=max(1, cfg.steps // 10), logger=logger)
     print(f"sft: loss {losses[0]:.3f} -> {losses[-1]:.3f}; model written to {cfg.output_dir}")
     return 0
+
+
+@contextlib.contextmanager
+def _offline_logger(cfg, label: str):
+    """The run logger of an SFT / preference / reward-model run (the main rank's; None on the others): the
+    same metrics.jsonl and events.jsonl rows as an RL run, in its output_dir, with a line every tenth of it."""
+    from tokenmill.tracking import MetricsLogger
+    from tokenmill.training.dist import is_main
+
+    logger = MetricsLogger(cfg.output_dir, cfg.steps, console="plain", log_every=max(1, cfg.steps // 10),
+                           run_config=cfg.model_dump(mode="json"), label=label) if is_main() else None
+    try:
+        yield logger
+    finally:
+        if logger is not None:
+            logger.close()
 
 
 def cmd_preference(args: argparse.Namespace) -> int:
@@ -148,12 +166,14 @@ def cmd_preference(args: argparse.Namespace) -> int:
     if cfg.objective == "reward_model":
         model, tok = pref.load_reward_model_for_training(cfg.model.path, seed=cfg.seed, lora=cfg.model.lora,
                                                          device=resolve_device(cfg.model.device))
-        losses = pref.run_reward_model(model, tok, rows, **common)
+        with _offline_logger(cfg, "RM") as logger:
+            losses = pref.run_reward_model(model, tok, rows, **common, logger=logger)
         report = {"pairwise_accuracy": pref.pairwise_accuracy(model, tok, held)} if held else {}
     else:
         model, tok = load_policy(cfg.model, resolve_device(cfg.model.device))
         reference = pref.frozen_reference(model)  # None with LoRA: the adapters switched off are the reference
-        losses = pref.run_dpo(model, tok, rows, loss=cfg.objective, beta=cfg.beta, **common)
+        with _offline_logger(cfg, cfg.objective.upper()) as logger:
+            losses = pref.run_dpo(model, tok, rows, loss=cfg.objective, beta=cfg.beta, **common, logger=logger)
         report = pref.implicit_margin(model, reference, tok, held) if held else {}
     print(json.dumps({"objective": cfg.objective, "loss_first": losses[0], "loss_last": losses[-1],
                       "output_dir": cfg.output_dir, **{f"heldout_{k}": v for k, v in report.items()}}))

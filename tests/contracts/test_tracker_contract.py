@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,11 +70,47 @@ def tensorboard(folder: Path) -> Tracker:
     return TensorBoardTracker(folder)
 
 
+def trackio(folder: Path) -> Tracker:
+    from tokenmill.tracking.sinks import TrackioTracker
+
+    # trackio reads $TRACKIO_DIR once, when first imported: keep this session's runs out of the user's cache
+    os.environ.setdefault("TRACKIO_DIR", str(folder.parent / "trackio"))
+    return TrackioTracker(project=f"contract-{folder.name}", name="run")
+
+
+def read_trackio(folder: Path, _: str) -> dict[int, dict[str, float]]:
+    from trackio.sqlite_storage import SQLiteStorage
+
+    rows = SQLiteStorage.get_logs(f"contract-{folder.name}", "run")
+    return {r["step"]: {k: v for k, v in r.items() if k not in ("step", "timestamp")} for r in rows}
+
+
+def mlflow(folder: Path) -> Tracker:
+    from tokenmill.tracking.sinks import MlflowTracker
+
+    return MlflowTracker(folder, "contract", name="run", run_config={"model": {"path": "m"}, "steps": 2})
+
+
+def read_mlflow(folder: Path, _: str) -> dict[int, dict[str, float]]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(folder / "mlruns").resolve().as_uri())
+    run = client.search_runs([client.get_experiment_by_name("contract").experiment_id])[0]
+    assert run.data.params == {"model.path": "m", "steps": "2"}
+    got: dict[int, dict[str, float]] = {}
+    for key in run.data.metrics:
+        for m in client.get_metric_history(run.info.run_id, key):
+            got.setdefault(m.step, {})[key] = m.value
+    return got
+
+
 TRACKERS = {
     "console-plain": TrackerSpec(lambda _: ConsoleTracker(2, mode="plain"), read_plain_lines),
     "console-none": TrackerSpec(lambda _: ConsoleTracker(2, mode="none"), lambda _, out: {} if not out else None),
     "metrics-logger": TrackerSpec(lambda folder: MetricsLogger(folder, 2, console="none"), read_metrics_jsonl),
     "tensorboard": TrackerSpec(tensorboard, read_tensorboard, needs="tensorboard"),
+    "trackio": TrackerSpec(trackio, read_trackio, needs="trackio"),
+    "mlflow": TrackerSpec(mlflow, read_mlflow, needs="mlflow"),
 }
 
 
@@ -99,7 +136,7 @@ def test_tracker_records_each_steps_numbers(name, tmp_path, capsys):
         for key, value in numbers.items():
             if value is not None and key in expected:
                 assert value == pytest.approx(expected[key], rel=1e-3), (step, key)
-    if name in ("metrics-logger", "tensorboard"):  # the sinks that keep every number (tensorboard in float32)
+    if name in ("metrics-logger", "tensorboard", "trackio", "mlflow"):  # the sinks that keep every number
         assert sorted(got) == sorted(STEPS)
         for step, metrics in STEPS.items():
             kept = {k: v for k, v in got[step].items() if v is not None}

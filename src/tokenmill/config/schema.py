@@ -380,7 +380,10 @@ class TrackingConfig(Section):
     log_every: int = Field(1, ge=1, description="Print a compact line every N steps.")
     tensorboard: bool = Field(False, description="Also write TensorBoard scalars (needs tensorboard).")
     wandb: bool = Field(False, description="Also log to Weights & Biases (needs wandb).")
-    wandb_project: str = Field("tokenmill", description="W&B project name.")
+    trackio: bool = Field(False, description="Also log to trackio, in $TRACKIO_DIR (needs trackio).")
+    mlflow: bool = Field(False, description="Also log to MLflow at $MLFLOW_TRACKING_URI, else in output_dir/mlruns "
+                         "(needs mlflow or mlflow-skinny).")
+    wandb_project: str = Field("tokenmill", description="Project name on W&B and trackio, experiment on MLflow.")
     log_samples: int = Field(2, ge=0, description="Samples per step written to samples.jsonl.")
 
 

@@ -218,6 +218,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
         logger = MetricsLogger(
             out, cfg.controller.steps, console=tk.console, log_every=tk.log_every, tensorboard=tk.tensorboard,
             wandb=tk.wandb, wandb_project=tk.wandb_project, run_config=cfg.model_dump(mode="json"),
+            trackio=tk.trackio, mlflow=tk.mlflow,
         )
     return Run(
         cfg=cfg, model=model, tokenizer=tokenizer, engine=engine,

@@ -15,6 +15,7 @@ that can be turned off.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -29,3 +30,9 @@ class Tracker(Protocol):
     def close(self) -> None:
         """Flush and release; called once at the end of the run."""
         ...
+
+
+def numeric(metrics: dict[str, Any]) -> dict[str, float]:
+    """The finite numbers of a step's metrics (what a dashboard takes; strings and NaN left out)."""
+    return {k: v for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}

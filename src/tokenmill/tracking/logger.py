@@ -1,5 +1,6 @@
 """The run's logger: metrics.jsonl and samples.jsonl always, plus its trackers (`tracking/base.py`): a rich
-progress bar or plain lines on the console, TensorBoard and W&B when asked."""
+progress bar or plain lines on the console, TensorBoard, W&B, trackio and MLflow when asked. RL, SFT,
+preference and reward-model runs all log through it, so their rows have the same keys (`offline_row`)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.tracking import events
-from tokenmill.tracking.base import Tracker
+from tokenmill.tracking.base import Tracker, numeric
+from tokenmill.tracking.stages import StageTimer
 
 SUMMARY_KEYS = [
     ("reward/mean", "reward", "{:.3f}"),
     ("eval/accuracy", "eval_acc", "{:.3f}"),
     ("kl", "kl", "{:.4f}"),
+    ("margin", "margin", "{:.3f}"),
     ("entropy", "ent", "{:.3f}"),
     ("response_len/mean", "len", "{:.1f}"),
     ("timing_s/step", "s", "{:.2f}"),
@@ -29,15 +32,11 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
-    return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-
-
 class ConsoleTracker:
     """A rich progress bar with a one-line summary (on a terminal), plain summary lines every `log_every`
     steps, or nothing (`mode` "none")."""
 
-    def __init__(self, total_steps: int, mode: str = "rich", log_every: int = 1) -> None:
+    def __init__(self, total_steps: int, mode: str = "rich", log_every: int = 1, label: str = "GRPO") -> None:
         self.mode = mode if sys.stdout.isatty() or mode != "rich" else "plain"
         self.total, self.log_every = total_steps, log_every
         self._progress = self._task = None
@@ -45,7 +44,7 @@ class ConsoleTracker:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._progress = Progress(
-                TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                 TextColumn("{task.fields[summary]}"),
             )
             self._task = self._progress.add_task("train", total=total_steps, summary="")
@@ -87,7 +86,7 @@ class TensorBoardTracker:
         self.writer = SummaryWriter(str(output_dir / "tensorboard"))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        for k, v in _numeric(metrics).items():
+        for k, v in numeric(metrics).items():
             self.writer.add_scalar(k, v, step)
 
     def close(self) -> None:
@@ -103,7 +102,7 @@ class WandbTracker:
         self.run = wandb.init(project=project, dir=str(output_dir), config=run_config)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        self.run.log(_numeric(metrics), step=step)
+        self.run.log(numeric(metrics), step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -123,6 +122,9 @@ class MetricsLogger:
         wandb_project: str = "tokenmill",
         run_config: dict[str, Any] | None = None,
         trackers: list[Tracker] | None = None,
+        trackio: bool = False,
+        mlflow: bool = False,
+        label: str = "GRPO",
     ) -> None:
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -130,12 +132,19 @@ class MetricsLogger:
         self.samples_file = open(self.dir / "samples.jsonl", "a", buffering=1)  # noqa: SIM115
         self.events = events.EventLog(self.dir / events.FILENAME)  # stage entries, for live views
         events.activate(self.events)
-        self.console = ConsoleTracker(total_steps, console, log_every)
+        self.console = ConsoleTracker(total_steps, console, log_every, label)
         self.trackers: list[Tracker] = [self.console]
         if tensorboard:
             self.trackers.append(TensorBoardTracker(self.dir))
         if wandb:
             self.trackers.append(WandbTracker(self.dir, wandb_project, run_config))
+        if trackio or mlflow:
+            from tokenmill.tracking.sinks import MlflowTracker, TrackioTracker
+
+            if trackio:  # `wandb_project` names the project on every dashboard
+                self.trackers.append(TrackioTracker(wandb_project, self.dir.name, run_config))
+            if mlflow:
+                self.trackers.append(MlflowTracker(self.dir, wandb_project, self.dir.name, run_config))
         self.trackers += trackers or []
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -158,3 +167,12 @@ class MetricsLogger:
         self.events.close()
         self.metrics_file.close()
         self.samples_file.close()
+
+
+def offline_row(metrics: dict[str, Any], timer: StageTimer) -> dict[str, Any]:
+    """The metrics row of one SFT, preference or reward-model step: its training metrics (tensors as floats:
+    loss, margin, accuracy, lr, grad_norm), its stage timings and its tokens/s, under the keys an RL step uses."""
+    row: dict[str, Any] = {k: float(v) for k, v in metrics.items()}
+    row |= timer.report()
+    row["throughput/e2e_tok_s"] = timer.tokens.get("train", 0) / max(float(row["timing_s/step"]), 1e-9)
+    return row

@@ -22,6 +22,8 @@ import torch
 from tokenmill.algorithms.preference import bradley_terry_loss, dpo_loss, ipo_loss, simpo_loss
 from tokenmill.checkpoint.export import export_model
 from tokenmill.config.schema import LoRAConfig
+from tokenmill.tracking.logger import MetricsLogger, offline_row
+from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.batch import collate
 from tokenmill.training.dist import is_main
 from tokenmill.training.logprobs import DEFAULT_CHUNK_MIB, sequence_token_stats
@@ -100,29 +102,32 @@ def run_dpo(
     warmup_steps: int = 10,
     seed: int = 0,
     output_dir: str | Path | None = None,
+    logger: MetricsLogger | None = None,
 ) -> list[float]:
     """Train `model` in place on preference pairs; return the loss of each step. A LoRA model is its own
     reference (adapters disabled); any other is compared with a frozen copy of itself."""
     reference = frozen_reference(model) if loss != "simpo" else None
 
-    def step_loss(picked: list[dict[str, Any]], module) -> torch.Tensor:
+    def step_loss(picked: list[dict[str, Any]], module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ref = None
         if loss != "simpo":
             ref = reference_pair_logprobs(module, reference, tokenizer, picked)
-        return preference_loss(loss, pair_logprobs(module, tokenizer, picked), ref, beta)[0]
+        return preference_loss(loss, pair_logprobs(module, tokenizer, picked), ref, beta)
 
     return _pairwise_training(model, tokenizer, rows, step_loss, steps=steps, batch_size=batch_size,
                               learning_rate=learning_rate, warmup_steps=warmup_steps, seed=seed,
-                              output_dir=output_dir)
+                              output_dir=output_dir, logger=logger)
 
 
 def _pairwise_training(
     model, tokenizer, rows, step_loss, *, steps: int, batch_size: int, learning_rate: float, warmup_steps: int,
-    seed: int, output_dir: str | Path | None,
+    seed: int, output_dir: str | Path | None, logger: MetricsLogger | None = None,
 ) -> list[float]:
     """The shared loop: sample pairs, loss, then `LocalBackend.optim_step` (grad-norm clip 1.0, AdamW, cosine
     schedule after warm-up); save an HF folder at the end. Under torchrun each FSDP2 rank computes its share of
-    the pairs, its loss scaled to its part of the batch mean (the gradients are summed over the ranks)."""
+    the pairs, its loss scaled to its part of the batch mean (the gradients are summed over the ranks). With a
+    `logger`, each step writes the same metrics row as an RL step: loss, margin, accuracy, lr, grad norm,
+    timings, tokens/s."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     rows = [rows[i] for i in range(len(rows))]
@@ -130,13 +135,17 @@ def _pairwise_training(
                                       warmup_steps=warmup_steps, lr_schedule="cosine", track_entropy=False)
     module.train()
     losses = []
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         picked = rng.sample(rows, min(batch_size, len(rows)))
         mine = my_share(picked)
-        value = step_loss(mine, module) * (len(mine) / len(picked))
-        value.backward()
-        backend.optim_step()
+        with step_timer(step) as timer, stage("train", tokens=_pair_tokens(tokenizer, mine) if logger else 0):
+            value, metrics = step_loss(mine, module)
+            value = value * (len(mine) / len(picked))
+            value.backward()
+            metrics |= backend.optim_step()
         losses.append(sum_over_ranks(float(value.detach())))
+        if logger is not None:
+            logger.log(step, offline_row({"loss": losses[-1], **metrics}, timer))
     copy_back(backend, model)
     if output_dir is not None and is_main():
         export_model(model, tokenizer, Path(output_dir))
@@ -186,6 +195,11 @@ def load_reward_model_for_training(
     return model.to(device), tokenizer
 
 
+def _pair_tokens(tokenizer, rows: Sequence[dict[str, Any]]) -> int:
+    texts = [r["prompt"] + r[key] for key in ("chosen", "rejected") for r in rows]
+    return sum(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
+
+
 def run_reward_model(
     model,
     tokenizer,
@@ -197,19 +211,20 @@ def run_reward_model(
     warmup_steps: int = 10,
     seed: int = 0,
     output_dir: str | Path | None = None,
+    logger: MetricsLogger | None = None,
 ) -> list[float]:
     """Bradley-Terry training on preference pairs; return the loss of each step. Saves an HF folder that
     `rewards.ModelReward` (an RL config's `rewards: [{path: ...}]`) loads."""
 
-    def step_loss(picked: list[dict[str, Any]], module) -> torch.Tensor:
+    def step_loss(picked: list[dict[str, Any]], module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         prompts = [r["prompt"] for r in picked]
         chosen = _rm_scores(module, tokenizer, prompts, [r["chosen"] for r in picked])
         rejected = _rm_scores(module, tokenizer, prompts, [r["rejected"] for r in picked])
-        return bradley_terry_loss(chosen, rejected)[0]
+        return bradley_terry_loss(chosen, rejected)
 
     return _pairwise_training(model, tokenizer, rows, step_loss, steps=steps, batch_size=batch_size,
                               learning_rate=learning_rate, warmup_steps=warmup_steps, seed=seed,
-                              output_dir=output_dir)
+                              output_dir=output_dir, logger=logger)
 
 
 @torch.no_grad()

@@ -21,6 +21,8 @@ from tokenmill.algorithms.losses import sft_loss
 from tokenmill.checkpoint.export import export_model
 from tokenmill.data.chat import chat_tokens
 from tokenmill.rollout.generator import encode_prompt
+from tokenmill.tracking.logger import MetricsLogger, offline_row
+from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.batch import Batch, collate
 from tokenmill.training.dist import is_main
 from tokenmill.training.sharded import copy_back, offline_backend
@@ -72,9 +74,12 @@ def run_sft(
     micro_batch_tokens: int = 8192,
     output_dir: str | Path | None = None,
     log_every: int = 0,
+    logger: MetricsLogger | None = None,
 ) -> list[float]:
     """Train `model` in place for `steps` optimiser steps; return the loss of each step. With
-    `messages_column`, rows are conversations (OpenAI-style message lists) trained on assistant tokens only."""
+    `messages_column`, rows are conversations (OpenAI-style message lists) trained on assistant tokens only.
+    With a `logger`, each step writes the same metrics row as an RL step (loss, lr, grad norm, timings,
+    tokens/s); without one, a line every `log_every` steps."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     if messages_column is not None:
@@ -91,14 +96,17 @@ def run_sft(
         share_prompts=not packing, pack_sequences=packing,
     )
     losses = []
-    for step in range(steps):
+    for step in range(1, steps + 1):
         picked = rng.sample(samples, min(batch_size, len(samples)))
         weights = token_weights([sum(s.loss_mask) for s in picked], "token_mean")
-        metrics = backend.forward_backward(collate(picked, weights, tokenizer.pad_token_id), _loss)
-        backend.optim_step()
+        with step_timer(step) as timer, stage("train", tokens=sum(len(s.tokens) for s in picked)):
+            metrics = backend.forward_backward(collate(picked, weights, tokenizer.pad_token_id), _loss)
+            metrics |= backend.optim_step()
         losses.append(metrics["nll"])
-        if log_every and (step + 1) % log_every == 0 and is_main():
-            print(f"sft step {step + 1}/{steps} nll {metrics['nll']:.4f}", flush=True)
+        if logger is not None:
+            logger.log(step, offline_row(metrics, timer))
+        elif log_every and step % log_every == 0 and is_main():
+            print(f"sft step {step}/{steps} nll {metrics['nll']:.4f}", flush=True)
     copy_back(backend, model)
     if output_dir is not None and is_main():
         export_model(model, tokenizer, Path(output_dir))
