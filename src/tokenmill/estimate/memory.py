@@ -304,8 +304,8 @@ def estimate(plan: MemoryPlan) -> MemoryEstimate:
     dev = device_memory(plan, models)
     warnings = []
     if dev.fits is False:
-        warnings.append(f"device '{dev.name}': needs {dev.total / GB:.2f} GB at its peak ({dev.peak_phase} "
-                        f"phase), over the {dev.budget / GIB:.1f} GiB budget by {(dev.total - dev.budget) / GB:.2f} GB")
+        warnings.append(f"device '{dev.name}': needs {dev.total / GIB:.2f} GiB at its peak ({dev.peak_phase} "
+                        f"phase), over the {dev.budget / GIB:.1f} GiB budget by {(dev.total - dev.budget) / GIB:.2f} GiB")
     if plan.micro_batch_tokens < plan.seq_len:
         warnings.append(f"micro-batch of {plan.micro_batch_tokens} tokens holds no whole sequence of "
                         f"{plan.seq_len}: each sequence runs alone")
