@@ -32,6 +32,7 @@ from tokenmill.tracking.logger import MetricsLogger
 from tokenmill.training.base import TrainBackend
 from tokenmill.training.critic import Critic, load_critic
 from tokenmill.training.local import LocalBackend, ReferenceModel
+from tokenmill.training.teacher import build_teacher
 from tokenmill.types import ConfigError
 
 
@@ -171,10 +172,13 @@ class Run:
     update_rng: random.Random
     output_dir: Path
     engine_fleet: Any = None  # engine.placement process on Ray: the replicas (controller.ray.engines.EngineFleet)
+    teacher: Any = None  # on-policy distillation's teacher (training.teacher.Teacher), or None
 
     def close(self) -> None:
         self.generator.rewards.close()
         self.logger.close()
+        if self.teacher is not None:
+            self.teacher.close()
 
 
 def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, dataset=None) -> Run:
@@ -226,6 +230,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
         actor=actor,
         source=PromptSource(train_rows, seed=cfg.training.seed, shuffle=cfg.data.shuffle),
         eval_rows=eval_rows, logger=logger, update_rng=random.Random(cfg.training.seed + 1), output_dir=out,
+        teacher=build_teacher(cfg.distillation, model, tokenizer, device, autocast_dtype=amp),
     )
 
 

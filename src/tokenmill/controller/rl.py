@@ -19,6 +19,7 @@ from tokenmill.health.report import EfficiencyReport, efficiency_metrics
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.critic import gae_advantages
 from tokenmill.training.dist import barrier, is_main
+from tokenmill.training.teacher import distill_groups
 from tokenmill.training.update import policy_update, value_update
 from tokenmill.types import Group, Sample
 
@@ -114,6 +115,11 @@ def advantages(run: Run, groups: list[Group]) -> tuple[list[Group], list[Sample]
     """The groups with their advantages set (what samples.jsonl logs), the trainable samples among them, and
     any metrics of computing them."""
     algo = run.cfg.algorithm
+    if run.teacher is not None:  # on-policy distillation: minus the reverse KL to the teacher, per token
+        with stage("teacher"):
+            return distill_groups(groups, run.teacher, run.cfg.distillation, scale_rewards=algo.scale_rewards,
+                                  student=run.model, temperature=run.cfg.generation.temperature,
+                                  pad_id=run.engine.pad_id)
     if run.critic is None:
         groups = assign_advantages(groups, algo.advantage, scale_rewards=algo.scale_rewards)
         return groups, [s for g in groups for s in g.samples if s.trainable], {}

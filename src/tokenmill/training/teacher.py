@@ -1,0 +1,188 @@
+"""The teacher of on-policy distillation, and the advantage step that asks it about the student's tokens.
+
+A teacher is anything with the engines' `Scorer` method (`score(sequences, top_k) -> [PromptLogprobs]`):
+an HF causal LM in this process (an `HFEngine` over it: a teacher-forced forward) or an OpenAI-compatible
+server that returns prompt logprobs (`RemoteEngine`: `tokenmill serve`, vLLM). `Teacher` puts one or several of
+them behind one call: several are routed per row by a data column, or mixed (mean probability).
+`distill_groups` turns their scores into per-token advantages (`algorithms.distill`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tokenmill.algorithms.advantages import assign_advantages
+from tokenmill.algorithms.distill import bucketed_logprobs, distill_advantages, mixture_logprobs
+from tokenmill.config.distill import DistillConfig, TeacherConfig
+from tokenmill.types import ConfigError, Group, PromptLogprobs, Sample
+
+
+class Teacher:
+    """One or several scorers behind one call. `route_by`: each sample goes to the scorer its row's column
+    names; else, with several scorers, every token gets the mixture's logprob (log of the mean probability)."""
+
+    def __init__(self, scorers: dict[str, Any], *, route_by: str | None = None, top_k: int = 0) -> None:
+        self.scorers = scorers
+        self.route_by = route_by
+        self.top_k = top_k
+
+    def score(self, samples: Sequence[Sample]) -> list[PromptLogprobs]:
+        """Each sample's tokens scored (`PromptLogprobs`: len(tokens) - 1 values, from the second token)."""
+        seqs = [list(s.tokens) for s in samples]
+        if self.route_by is not None:
+            out: list[PromptLogprobs | None] = [None] * len(samples)
+            for name, idx in self._routes(samples).items():
+                for i, scored in zip(idx, self.scorers[name].score([seqs[i] for i in idx], self.top_k), strict=True):
+                    out[i] = scored
+            return out  # type: ignore[return-value]
+        if len(self.scorers) == 1:
+            return next(iter(self.scorers.values())).score(seqs, self.top_k)
+        each = [scorer.score(seqs, 0) for scorer in self.scorers.values()]
+        mixed = []
+        for per_teacher in zip(*each, strict=True):
+            lp_N_T = torch.tensor([p.token_logprobs for p in per_teacher], dtype=torch.float64)
+            mixed.append(PromptLogprobs(tuple(mixture_logprobs(lp_N_T).tolist())))
+        return mixed
+
+    def _routes(self, samples: Sequence[Sample]) -> dict[str, list[int]]:
+        routes: dict[str, list[int]] = {}
+        for i, s in enumerate(samples):
+            name = s.row.get(self.route_by)
+            if name not in self.scorers:
+                raise ConfigError(f"distillation.route_by: row column {self.route_by!r} is {name!r}, which names no "
+                                  f"teacher (teachers: {', '.join(self.scorers)})")
+            routes.setdefault(name, []).append(i)
+        return routes
+
+    def close(self) -> None:
+        for scorer in self.scorers.values():
+            scorer.close()
+
+
+def _padded(rows: Sequence[Sequence[float]], width: int, fill: float = 0.0) -> torch.Tensor:
+    return torch.tensor([[*r, *([fill] * (width - len(r)))] for r in rows], dtype=torch.float64)
+
+
+def _top_tensors(scored: Sequence[PromptLogprobs], samples: Sequence[Sample], width: int, k: int):
+    """The teacher's top-k ids and logprobs as `[B, T, K]` tensors aligned with the tokens (pads: -1, -inf)."""
+    ids = torch.full((len(samples), width, k), -1, dtype=torch.long)
+    lps = torch.full((len(samples), width, k), -math.inf, dtype=torch.float64)
+    for b, p in enumerate(scored):
+        for t, top in enumerate(p.top_logprobs or ()):
+            for j, (tok, lp) in enumerate(list(top.items())[:k]):
+                ids[b, t + 1, j], lps[b, t + 1, j] = int(tok), float(lp)
+    return ids, lps
+
+
+@torch.no_grad()
+def _student_at(model: torch.nn.Module, ids_B_T: torch.Tensor, top_ids_B_T_K: torch.Tensor, temperature: float,
+                rows: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """The student's logprobs of the sampled tokens `[B, T]` and of the teacher's top-k ids `[B, T, K]`."""
+    was_training, device = model.training, next(model.parameters()).device
+    sampled, top = [], []
+    model.eval()
+    try:
+        for start in range(0, ids_B_T.shape[0], rows):  # bounded [rows, T, V] logits at a time
+            ids = ids_B_T[start : start + rows]
+            logits = model(input_ids=ids.to(device), use_cache=False).logits[:, :-1].double() / temperature
+            logp = torch.nn.functional.pad(torch.log_softmax(logits, -1).cpu(), (0, 0, 1, 0))
+            sampled.append(logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1))
+            top.append(logp.gather(-1, top_ids_B_T_K[start : start + rows].clamp(min=0)))
+    finally:
+        model.train(was_training)
+    return torch.cat(sampled), torch.cat(top).masked_fill(top_ids_B_T_K < 0, -math.inf)
+
+
+def distill_groups(
+    groups: list[Group], teacher: Teacher, dist: DistillConfig, *, scale_rewards: bool = True,
+    student: torch.nn.Module | None = None, temperature: float = 1.0, pad_id: int = 0,
+) -> tuple[list[Group], list[Sample], dict[str, float]]:
+    """The groups with per-token distillation advantages on their trainable samples (`token_advantages`, which
+    the policy loss multiplies token by token), those samples, and the step's `distill/` metrics.
+
+    `student` (the policy module) is needed only with `dist.top_k`: its probabilities of the teacher's top-k
+    tokens give the student's side of the "other" bucket."""
+    if dist.task_weight > 0:
+        groups = assign_advantages(groups, "grpo", scale_rewards=scale_rewards)
+    samples = [s for g in groups for s in g.samples if s.trainable]
+    if not samples:
+        return groups, [], {}
+    width = max(len(s.tokens) for s in samples)
+    scored = teacher.score(samples)
+    teacher_B_T = _padded([(0.0, *p.token_logprobs) for p in scored], width)
+    student_B_T = _padded([s.logprobs for s in samples], width)
+    mask_B_T = _padded([s.loss_mask for s in samples], width)
+    if dist.top_k:
+        if student is None:
+            raise ValueError("distill_groups: top_k needs the student module")
+        ids_B_T = torch.tensor([[*s.tokens, *([pad_id] * (width - len(s.tokens)))] for s in samples])
+        top_ids, teacher_top = _top_tensors(scored, samples, width, dist.top_k)
+        sampled, student_top = _student_at(student, ids_B_T, top_ids, temperature)
+        student_B_T, teacher_B_T = bucketed_logprobs(ids_B_T, top_ids, teacher_top, student_top, sampled)
+    task_B = torch.tensor([s.advantage for s in samples], dtype=torch.float64)
+    adv_B_T = distill_advantages(student_B_T, teacher_B_T, mask_B_T, kl_coef=dist.kl_coef,
+                                 task_advantages_B=task_B, task_weight=dist.task_weight)
+    out = []
+    for b, s in enumerate(samples):
+        n, zeros = len(s.tokens), (0.0,) * len(s.tokens)
+        adv = tuple(adv_B_T[b, :n].tolist())
+        # returns / values: the critic's fields, unused here (the batch carries per-token rows for all three)
+        out.append(s.with_(token_advantages=adv, returns=zeros, values=zeros,
+                           advantage=sum(adv) / max(1, sum(s.loss_mask))))
+    tokens = float(mask_B_T.sum()) or 1.0
+    metrics = {
+        "distill/reverse_kl": float(((student_B_T - teacher_B_T) * mask_B_T).sum()) / tokens,
+        "distill/teacher_logprob": float((teacher_B_T * mask_B_T).sum()) / tokens,
+        "distill/student_logprob": float((student_B_T * mask_B_T).sum()) / tokens,
+    }
+    done = iter(out)
+    groups = [Group(g.group_id, tuple(next(done) if s.trainable else s for s in g.samples)) for g in groups]
+    return groups, out, metrics
+
+
+def build_teacher(dist: DistillConfig | None, student: torch.nn.Module, tokenizer: Any, device: torch.device,
+                  *, autocast_dtype: torch.dtype | None = None) -> Teacher | None:
+    """The run's teacher (None without a distillation section); an in-process teacher must share the policy's
+    vocabulary (checked here: ConfigError naming the field)."""
+    if dist is None:
+        return None
+    single = dist.teacher is not None
+    scorers = {}
+    for name, tc in dist.named.items():
+        field = "distillation.teacher" if single else f"distillation.teachers.{name}"
+        scorers[name] = _scorer(tc, field, student, tokenizer, device, autocast_dtype)
+    return Teacher(scorers, route_by=dist.route_by, top_k=dist.top_k)
+
+
+def _scorer(tc: TeacherConfig, field: str, student, tokenizer, device, amp):
+    if tc.url is not None:
+        from tokenmill.engines.openai import RemoteEngine
+
+        token = tc.token if tc.token is not None else os.environ.get("TOKENMILL_SERVE_TOKEN") or None
+        return RemoteEngine([tc.url], pad_id=tokenizer.pad_token_id or 0, token=token, model=tc.model)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(tc.path, dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{field}.path: cannot load {tc.path!r}: {exc}") from None
+    mine, theirs = student.config.vocab_size, model.config.vocab_size
+    if mine != theirs:
+        raise ConfigError(f"{field}.path: the teacher's vocabulary has {theirs} tokens, the policy's {mine}; "
+                          "distillation compares logprobs token by token and needs the same tokenizer")
+    try:
+        teacher_vocab = AutoTokenizer.from_pretrained(tc.path).get_vocab()
+    except (OSError, ValueError):
+        teacher_vocab = None  # a folder with weights only: the vocabulary size is all that can be checked
+    if teacher_vocab is not None and teacher_vocab != tokenizer.get_vocab():
+        raise ConfigError(f"{field}.path: the teacher's tokenizer maps tokens to other ids than the policy's; "
+                          "distillation needs the same tokenizer")
+    from tokenmill.engines.hf import HFEngine
+
+    target = device if tc.device == "auto" else torch.device(tc.device)
+    return HFEngine(model.to(target).eval().requires_grad_(False), tokenizer, autocast_dtype=amp)
