@@ -46,7 +46,9 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, init_method: str | No
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    """This process's rank: the group's, or before it is joined torchrun's RANK (so a rank-0-only logger can
+    be decided first); 0 in a single process."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def world() -> int:
