@@ -1,10 +1,12 @@
-"""The RL loop with its trainer on Ray (cluster.backend ray): 2 FSDP2 ranks, a rank SIGKILLed mid-run, the run
-rebuilt from its last checkpoint; the final weights equal an uninterrupted single-process run's."""
+"""The RL loop with its trainer on Ray (cluster.backend ray): 2 FSDP2 ranks sampling through the driver's engine
+equal one process; with an engine replica as a Ray actor, a rank SIGKILLed mid-run, the run rebuilt from its
+last checkpoint, the final weights equal an uninterrupted run's."""
 
 from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,46 +53,50 @@ class KillAtCall:
         return self.original(backend)
 
 
-def test_training_on_ray_survives_a_killed_rank(ray_cluster, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    """The tiny model and an uninterrupted single-process run of the config with the driver's own engine."""
     import tokenmill
-    from tokenmill.config import RLConfig, load_config
-    from tokenmill.controller.ray.run import train_on_ray
-    from tokenmill.controller.ray.workers import RayBackend
     from tokenmill.testing import build_tiny_model
 
     torch.set_num_threads(1)
-    model = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
-    alone, placed = tmp_path / "alone", tmp_path / "ray"
-    tokenmill.train(_config(model, str(alone)), rewards=[digit_share])
-    cfg = load_config(RLConfig, _config(model, str(placed), backend="ray", nodes=2, cpus_per_node=3,
-                                        trainer_ranks=2, max_restarts=1, call_timeout_s=120))
-    killer = KillAtCall(RayBackend.optim_step, 5)  # step 3's first optimiser step
-    monkeypatch.setattr(RayBackend, "optim_step", lambda backend: killer(backend))
+    tmp = tmp_path_factory.mktemp("ray_train")
+    model = build_tiny_model(tmp / "m", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    tokenmill.train(_config(model, str(tmp / "alone")), rewards=[digit_share])
+    return model, _final(tmp / "alone")
+
+
+def test_training_on_ray_with_the_driver_engine_equals_one_process(ray_cluster, alone, tmp_path):
+    """cluster.engine_replicas 0: the driver's engine samples from rank 0's weights after every update."""
+    from tokenmill.config import RLConfig, load_config
+    from tokenmill.controller.ray.run import train_on_ray
+
+    model, want = alone
+    cfg = load_config(RLConfig, _config(model, str(tmp_path / "ray"), backend="ray", nodes=2, cpus_per_node=3,
+                                        trainer_ranks=2, max_restarts=0, call_timeout_s=120))
     result = train_on_ray(cfg, rewards=[digit_share], cluster=ray_cluster)
-    assert killer.killed is not None and result["restarts"] == 1
-    assert result["resumed_from"] == 2 and killer.calls == 2 * 3 - 1 + 2 * 2  # steps 1-3, then 3-4 again
-    want, got = _final(alone), _final(placed)
+    assert result["restarts"] == 0
+    got = _final(tmp_path / "ray")
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5, msg=name)
-    start = load_file(str(next(iter((tmp_path / "m").glob("*.safetensors")))))
+    start = load_file(str(next(iter(Path(model).glob("*.safetensors")))))
     assert max((want[n] - start[n]).abs().max().item() for n in want if n in start) > 1e-4  # it trained
 
 
-def test_training_with_an_engine_replica_survives_a_killed_rank(ray_cluster, tmp_path, monkeypatch):
+def test_training_with_an_engine_replica_survives_a_killed_rank(ray_cluster, alone, tmp_path, monkeypatch):
     """The issue's acceptance run: 2 trainer ranks and 1 `tokenmill serve` replica as Ray actors, chosen by the
-    `cluster:` section alone; a rank SIGKILLed in step 3; the final weights equal an uninterrupted run's with
-    a local server (same seeded requests, one process, no Ray)."""
+    `cluster:` section alone; a rank SIGKILLed in step 3; the run rebuilds the group from the step-2
+    checkpoint and finishes, and its final weights equal an uninterrupted run's with a local server (the same
+    seeded requests; one process, no Ray)."""
     import tokenmill
     from tokenmill.config import RLConfig, load_config
     from tokenmill.controller.ray.run import train_on_ray
     from tokenmill.controller.ray.workers import RayBackend
-    from tokenmill.testing import build_tiny_model
 
-    torch.set_num_threads(1)
-    model = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
-    alone, placed = tmp_path / "alone", tmp_path / "ray"
-    tokenmill.train(_config(model, str(alone)) | {"engine": {"placement": "process", "threads": 1}},
+    model, colocated = alone
+    server, placed = tmp_path / "server", tmp_path / "ray"
+    tokenmill.train(_config(model, str(server)) | {"engine": {"placement": "process", "threads": 1}},
                     rewards=[digit_share])
     cfg = load_config(RLConfig, _config(model, str(placed), backend="ray", nodes=2, cpus_per_node=3,
                                         trainer_ranks=2, engine_replicas=1, max_restarts=1, call_timeout_s=120))
@@ -98,11 +104,11 @@ def test_training_with_an_engine_replica_survives_a_killed_rank(ray_cluster, tmp
     monkeypatch.setattr(RayBackend, "optim_step", lambda backend: killer(backend))
     result = train_on_ray(cfg, rewards=[digit_share], cluster=ray_cluster)
     assert killer.killed is not None and result["restarts"] == 1 and result["resumed_from"] == 2
+    assert killer.calls == 2 * 3 - 1 + 2 * 2  # steps 1-3, then 3-4 again
     assert (placed / "config.yaml").read_text().count("placement: process") == 1  # sampled by the replica
-    want, got = _final(alone), _final(placed)
+    want, got = _final(server), _final(placed)
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5, msg=name)
-    colocated = tmp_path / "colocated"  # not the same samples as the driver's own engine: the replica sampled
-    tokenmill.train(_config(model, str(colocated)), rewards=[digit_share])
-    assert max((_final(colocated)[n] - want[n]).abs().max().item() for n in want) > 1e-4
+    # the replica's samples, not the driver engine's: another run
+    assert max((colocated[n] - want[n]).abs().max().item() for n in want) > 1e-4

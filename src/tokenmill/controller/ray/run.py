@@ -16,6 +16,7 @@ checkpoint folders and the export.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +24,17 @@ from tokenmill.controller.ray.cluster import connect
 from tokenmill.controller.ray.workers import BackendSpec, RankFailure, RayBackend, WorkerGroup
 
 
-def _backend_kwargs(cfg, run) -> dict[str, Any]:
+def _backend_kwargs(cfg) -> dict[str, Any]:
     """The keyword arguments `build_run` gives its `LocalBackend`, so that the ranks train alike."""
+    from tokenmill.controller.build import autocast_dtype, resolve_device
+
     tr, gen = cfg.training, cfg.generation
     return {
         "learning_rate": tr.learning_rate, "weight_decay": tr.weight_decay, "betas": tr.betas,
         "total_steps": cfg.controller.steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches,
         "warmup_steps": tr.warmup_steps, "lr_schedule": tr.lr_schedule, "max_grad_norm": tr.max_grad_norm,
         "micro_batch_tokens": tr.micro_batch_tokens, "temperature": gen.temperature,
-        "autocast_dtype": run.engine.autocast_dtype, "share_prompts": tr.share_prompts,
+        "autocast_dtype": autocast_dtype(cfg.model, resolve_device(cfg.model.device)), "share_prompts": tr.share_prompts,
     }
 
 
@@ -104,14 +107,16 @@ def train_on_ray(cfg, rewards=None, cluster=None) -> dict[str, Any]:
                       num_gpus=c.nodes * c.gpus_per_node if c.address is None else 0,
                       call_timeout_s=c.call_timeout_s, start_timeout_s=c.start_timeout_s)
     run = group = fleet = None
+    starting = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-engines")
+    engines = starting.submit(_start_engines, cfg, cluster)  # the replicas start while the ranks do
     try:
-        fleet = _start_engines(cfg, cluster)
-        run = _build(cfg, rewards, fleet)
         shards = Path(cfg.tracking.output_dir).resolve() / "checkpoints" / "shards"
         spec = BackendSpec(cfg.model.path, str(shards), seed=cfg.training.seed,
-                           backend_kwargs=_backend_kwargs(cfg, run))
+                           backend_kwargs=_backend_kwargs(cfg))
         group = WorkerGroup(cluster, spec, c.trainer_ranks, cpus_per_rank=c.cpus_per_rank,
                             gpus_per_rank=c.rank_gpus, strategy=c.strategy, start_timeout_s=c.start_timeout_s)
+        fleet = engines.result()
+        run = _build(cfg, rewards, fleet)
         restarts = 0
         while True:
             run.backend = RayBackend(group, mirror=run.model if fleet is not None else None)
@@ -134,6 +139,9 @@ def train_on_ray(cfg, rewards=None, cluster=None) -> dict[str, Any]:
         result["engine_restarts"] = fleet.restarts if fleet is not None else 0
         return result
     finally:
+        if fleet is None and engines.exception() is None and engines.result() is not None:
+            fleet = engines.result()  # started, but something else failed first
+        starting.shutdown()
         for part in (group, run, fleet):
             if part is not None:
                 part.close()
