@@ -104,17 +104,23 @@ def test_the_memory_estimate_shows_the_placement_and_shards_over_the_ranks():
     assert 0.5 < ratio < 0.7
 
 
-@pytest.mark.parametrize(("override", "value"), [("lora", {"rank": 4}), ("placement", "thread")])
-def test_training_on_ray_refuses_what_it_does_not_run_yet(override, value):
+@pytest.mark.parametrize(("override", "match"), [
+    ({"model": {"lora": {"rank": 4}}}, r"model.lora / critic.lora: cluster.backend ray trains full weights"),
+    ({"engine": {"placement": "thread"}}, r"engine.placement: 'thread' on Ray needs cluster.engine_replicas > 0"),
+    ({"engine": {"placement": "process"}}, r"engine.placement: 'process' on Ray needs cluster.engine_replicas"),
+    ({"engine": {"placement": "thread"}, "cluster": {"engine_replicas": 1}},
+     r"engine.placement: cluster.engine_replicas starts `tokenmill serve` replicas on Ray; leave"),
+    ({"engine": {"placement": "process", "sync": "broadcast"}, "cluster": {"engine_replicas": 1}},
+     r"engine.sync: the Ray engine replicas take weights through files"),
+    ({"cluster": {"engine_replicas": 1, "colocate": True}}, r"cluster.colocate: engine replicas sharing"),
+])
+def test_training_on_ray_refuses_what_it_does_not_run_yet(override, match):
     from tokenmill.config import RLConfig, load_config
     from tokenmill.controller.ray.run import train_on_ray
     from tokenmill.types import ConfigError
 
     tree = {"model": {"path": "tiny"}, "data": {"task": "addition"}, "cluster": {"backend": "ray"}}
-    if override == "lora":
-        tree["model"]["lora"] = value
-    else:
-        tree["engine"] = {"placement": value}
-    with pytest.raises(ConfigError, match=r"cluster.backend: ray trains full weights \(no model.lora\), with "
-                                          "training.backend local and engine.placement colocated"):
+    for section, values in override.items():
+        tree[section] = {**tree.get(section, {}), **values}
+    with pytest.raises(ConfigError, match=match):
         train_on_ray(load_config(RLConfig, tree))  # refused before any cluster is started
