@@ -72,11 +72,11 @@ def digit_share(prompts, completions, **_):
 def train_on_vllm(vllm_model):
     """Run a small GRPO job whose engines are the vLLM servers at `urls` (weights pushed by engine.sync: vllm)
     and whose final export lands in `out/final`: train_on_vllm(out, urls, steps=3, learning_rate=1e-2,
-    lora=None, **controller_fields)."""
+    lora=None, sync="vllm", **controller_fields)."""
     import tokenmill
 
     def run(out, urls: list[str], *, steps: int, learning_rate: float = 1e-2, lora: dict | None = None,
-            **controller):
+            sync: str = "vllm", **controller):
         cfg = {
             "model": {"path": vllm_model, **({"lora": lora} if lora else {})},
             "data": {"task": "addition", "num_train": 200, "num_eval": 0},
@@ -84,7 +84,7 @@ def train_on_vllm(vllm_model):
             "algorithm": {"ppo_epochs": 1, "mini_batches": 1},
             "training": {"learning_rate": learning_rate, "seed": 3},
             "controller": {"steps": steps, "prompts_per_step": 4, **controller},
-            "engine": {"placement": "remote", "urls": urls, "sync": "vllm", "timeout_s": 60},
+            "engine": {"placement": "remote", "urls": urls, "sync": sync, "timeout_s": 60},
             "tracking": {"output_dir": str(out), "console": "none"},
             "checkpoint": {"every": 0, "save_final": True},
         }

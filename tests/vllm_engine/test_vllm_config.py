@@ -8,11 +8,12 @@ from tokenmill.config import RLConfig, load_config
 from tokenmill.types import ConfigError
 
 
+@pytest.mark.parametrize("sync", ["vllm", "vllm_broadcast"])
 @pytest.mark.parametrize("placement", ["process", "thread", "colocated"])
-def test_vllm_sync_needs_remote_servers(placement):
+def test_vllm_sync_needs_remote_servers(placement, sync):
     with pytest.raises(ConfigError) as err:
         load_config(RLConfig, {"model": {"path": "m"}, "data": {"task": "addition"}},
-                    {"engine.placement": placement, "engine.sync": "vllm"})
+                    {"engine.placement": placement, "engine.sync": sync})
     assert str(err.value).startswith("engine.sync"), str(err.value)
 
 

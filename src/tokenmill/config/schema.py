@@ -337,10 +337,11 @@ class EngineConfig(Section):
     )
     urls: list[str] = Field(default_factory=list, description="Server base URLs (engine.placement remote).")
     num_servers: int = Field(1, ge=1, description="Servers spawned by engine.placement process.")
-    sync: Literal["inprocess", "files", "broadcast", "vllm"] | None = Field(
+    sync: Literal["inprocess", "files", "broadcast", "vllm", "vllm_broadcast"] | None = Field(
         None, description="How weights reach the engine: inprocess (colocated, thread), files (safetensors "
         "folder + HTTP notify), broadcast (torch.distributed) or vllm (vLLM servers at engine.urls: safetensors "
-        "folder + reload through vLLM's dev-mode routes); default: inprocess in-process, files otherwise."
+        "folder + reload through vLLM's dev-mode routes), vllm_broadcast (vLLM servers: gloo broadcast into "
+        "tokenmill's worker extension); default: inprocess in-process, files otherwise."
     )
     token: str | None = Field(None, description="Bearer token for the servers (default: $TOKENMILL_SERVE_TOKEN).")
     timeout_s: float = Field(120.0, gt=0, description="Seconds one engine request or weight update may take.")
@@ -482,10 +483,12 @@ def _check_async(cfg: RLConfig) -> None:
                          f"{eng.weight_sync!r} is for process / remote placements")
     if not in_process and eng.weight_sync == "inprocess":
         raise ValueError(f"engine.sync: inprocess cannot reach a {eng.placement} engine; use files or broadcast")
-    if eng.weight_sync == "vllm" and eng.placement != "remote":
-        raise ValueError(f"engine.sync: vllm is for vLLM servers at engine.urls (placement remote), not {eng.placement}")
+    vllm = eng.weight_sync in ("vllm", "vllm_broadcast")
+    if vllm and eng.placement != "remote":
+        raise ValueError(f"engine.sync: {eng.weight_sync} is for vLLM servers at engine.urls (placement remote), "
+                         f"not {eng.placement}")
     gen = cfg.generation
-    if eng.weight_sync == "vllm" and (gen.top_k or gen.top_p < 1.0):
+    if vllm and (gen.top_k or gen.top_p < 1.0):
         # vLLM's processed logprobs are renormalised over the kept tokens, not the trainer's full-vocabulary ones
         raise ValueError(f"generation.{'top_k' if gen.top_k else 'top_p'}: vLLM returns no logprobs the trainer "
                          "can compare with once top_k / top_p cut the vocabulary; keep top_k 0 and top_p 1.0")

@@ -41,6 +41,7 @@ from typing import Any
 import httpx
 
 from tokenmill.sync.base import NamedTensors, WeightSyncError
+from tokenmill.sync.broadcast import BroadcastSync
 from tokenmill.sync.files import write_folder
 from tokenmill.sync.http import PushFailed, Servers, collect
 from tokenmill.types import TokenmillError
@@ -72,6 +73,15 @@ WEIGHT_INFO = "/weight_info"  # answers {"weight_version": ...}
 LOAD_LORA_ADAPTER = "/v1/load_lora_adapter"  # {lora_name, lora_path, load_inplace}
 LORA_RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # serves /v1/load_lora_adapter
 LORA_ADAPTER_NAME = "tokenmill-lora"  # the model name requests sample the adapter under
+# engine.sync: vllm_broadcast — tokenmill's worker extension (engines/vllm_worker.py), loaded by the server as a
+# module of this name and called through /collective_rpc
+WORKER_EXTENSION_MODULE = "tokenmill_vllm_worker"
+WORKER_EXTENSION = f"{WORKER_EXTENSION_MODULE}.TokenmillWeightReceiver"
+WORKER_EXTENSION_FLAG = "--worker-extension-cls"
+READY_METHOD = "tokenmill_receiver_ready"
+JOIN_METHOD = "tokenmill_join_weight_group"
+RECEIVE_METHOD = "tokenmill_receive_weights"
+LEAVE_METHOD = "tokenmill_leave_weight_group"
 
 
 class VLLMError(TokenmillError, RuntimeError):
@@ -148,10 +158,14 @@ def server_command(python: Path | str, model: str, *, host: str = "127.0.0.1", p
     ]
 
 
-def server_env(*, kv_cache_gib: int = 1, weight_routes: bool = True, lora: bool = False) -> dict[str, str]:
+def server_env(*, kv_cache_gib: int = 1, weight_routes: bool = True, lora: bool = False,
+               extension_dir: Path | None = None) -> dict[str, str]:
     """The environment the server needs: offline, no usage reporting, a bounded CPU KV cache and (for weight
-    updates) dev mode. Never the trainer's venv on PATH-dependent variables."""
+    updates) dev mode. Never the trainer's venv on PATH-dependent variables; `extension_dir` (the folder holding
+    the worker extension module) is the server's only PYTHONPATH entry."""
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+    if extension_dir is not None:
+        env["PYTHONPATH"] = str(extension_dir)
     env.update({KV_CACHE_ENV: str(kv_cache_gib), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                 "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
     if weight_routes:
@@ -159,6 +173,14 @@ def server_env(*, kv_cache_gib: int = 1, weight_routes: bool = True, lora: bool 
     if lora:
         env[LORA_RUNTIME_ENV] = "1"
     return env
+
+
+def write_worker_extension(folder: Path) -> Path:
+    """Copy tokenmill's worker extension (`vllm_worker.py`, which imports nothing from tokenmill) into `folder`
+    under the module name the server imports (`WORKER_EXTENSION_MODULE`); return the folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(Path(__file__).with_name("vllm_worker.py"), folder / f"{WORKER_EXTENSION_MODULE}.py")
+    return folder
 
 
 def lora_flags(max_rank: int) -> list[str]:
@@ -173,6 +195,7 @@ class VLLMServer:
     url: str
     process: subprocess.Popen
     log: Path
+    extension_dir: Path | None = None  # the worker extension's folder (removed by stop)
     _closed: bool = field(default=False, repr=False)
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -181,16 +204,20 @@ class VLLMServer:
         if self._closed:
             return
         self._closed = True
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.process.wait(timeout=timeout_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        try:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(self.process.pid, sig)
+                except ProcessLookupError:
+                    return
+                try:
+                    self.process.wait(timeout=timeout_s)
+                    return
+                except subprocess.TimeoutExpired:
+                    continue
+        finally:
+            if self.extension_dir is not None:
+                shutil.rmtree(self.extension_dir, ignore_errors=True)
 
     def log_tail(self, chars: int = 3000) -> str:
         try:
@@ -204,19 +231,22 @@ def start_server(python: Path | str, model: str, *, port: int, host: str = "127.
                  max_model_len: int | None = 512, lora_rank: int = 0, extra: list[str] | None = None) -> VLLMServer:
     """Start a vLLM server in its own process group and wait (at most `timeout_s`) until `/health` answers
     200; on timeout or an early exit the group is killed and `VLLMError` quotes the log's end. `lora_rank` > 0:
-    LoRA adapters up to that rank can be loaded at run time."""
-    extra = [*(lora_flags(lora_rank) if lora_rank else []), *(extra or [])]
+    LoRA adapters up to that rank can be loaded at run time. With `weight_routes` the server also loads
+    tokenmill's worker extension (weights by gloo broadcast, `VLLMBroadcastSync`)."""
+    extension = write_worker_extension(Path(tempfile.mkdtemp(prefix="tokenmill-vllm-ext-"))) if weight_routes else None
+    extra = [*(lora_flags(lora_rank) if lora_rank else []),
+             *([WORKER_EXTENSION_FLAG, WORKER_EXTENSION] if extension else []), *(extra or [])]
     log = Path(log) if log is not None else Path(tempfile.gettempdir()) / f"tokenmill-vllm-{port}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(server_command(python, model, host=host, port=port, max_model_len=max_model_len,
                                                extra=extra),
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=server_env(kv_cache_gib=kv_cache_gib, weight_routes=weight_routes,
-                                               lora=lora_rank > 0),
+                                               lora=lora_rank > 0, extension_dir=extension),
                                 # its own group (stop() ends all of vLLM's processes); a caller killed with
                                 # -9 sends the API server SIGTERM, which shuts its engine processes down
                                 start_new_session=True, preexec_fn=_terminate_with_parent())  # noqa: PLW1509
-    server = VLLMServer(f"http://{host}:{port}", proc, log)
+    server = VLLMServer(f"http://{host}:{port}", proc, log, extension)
     try:
         wait_healthy(server, timeout_s)
     except BaseException:
@@ -308,6 +338,73 @@ class VLLMReloadSync:
 
     def close(self) -> None:
         self.servers.close()
+
+
+class VLLMBroadcastSync(BroadcastSync):
+    """`WeightSync` into vLLM 0.32 servers by torch.distributed broadcast (gloo, CPU tensors): the servers run
+    tokenmill's worker extension (`start_server(weight_routes=True)` loads it; by hand: `--worker-extension-cls
+    tokenmill_vllm_worker.TokenmillWeightReceiver` with `engines/vllm_worker.py` on the server's PYTHONPATH
+    under that module name) and dev mode. The group is opened once: every server's workers join the trainer's
+    gloo group through `/collective_rpc`. Each push, on every server: pause, then the control call
+    (`/collective_rpc` receive: names, dtypes, shapes) concurrently with the broadcast; the server receives
+    every tensor before it reloads the model in place (a broadcast that fails part-way leaves it on the old
+    weights); then drop the prefix cache, record the version, resume. No folder: the servers need not share a
+    filesystem with the trainer, only reach `master_address`.
+
+    vLLM's own weight-transfer routes (`/init_weight_transfer_engine`, `/update_weights`) are not used: every
+    backend vLLM 0.32 registers for them is GPU-only (docs/vllm.md)."""
+
+    def __init__(self, urls: list[str], *, token: str | None = None, timeout_s: float = 300.0,
+                 master_address: str = "127.0.0.1", master_port: int = 0, drop_failed: bool = False) -> None:
+        super().__init__(urls, api="vllm", backend="gloo", master_address=master_address, master_port=master_port,
+                         token=token, timeout_s=timeout_s, drop_failed=drop_failed)
+
+    def _route(self, which: int) -> str:
+        return COLLECTIVE_RPC
+
+    def _open(self) -> None:
+        # a server without the extension answers the join with a 500 at once, but the trainer's rendezvous
+        # would wait timeout_s for it: ask first, and say what to start the server with
+        try:
+            collect([self.servers.submit(u, COLLECTIVE_RPC, {"method": READY_METHOD}) for u in self.servers.urls])
+        except PushFailed as e:
+            if e.only_unreachable:
+                raise
+            raise PushFailed(f"{e}. engine.sync: vllm_broadcast needs vLLM servers started with "
+                             f"{WORKER_EXTENSION_FLAG} {WORKER_EXTENSION} (tokenmill vllm does)",
+                             e.unreachable, True, False) from e
+        super()._open()
+
+    def _init_body(self, port: int, rank_offset: int, world_size: int) -> dict[str, Any]:
+        return {"method": JOIN_METHOD, "kwargs": {"master_address": self.master_address, "master_port": port,
+                                                  "rank_offset": rank_offset, "world_size": world_size,
+                                                  "timeout_s": self.timeout_s}}
+
+    def _update_body(self, tensors: list[tuple[str, Any]], version: int) -> dict[str, Any]:
+        body = super()._update_body(tensors, version)["update_info"]  # names, dtype_names, shapes
+        return {"method": RECEIVE_METHOD, "kwargs": body}
+
+    def _push_once(self, tensors: list[tuple[str, Any]], version: int) -> None:
+        self.servers.post_all(PAUSE, {})
+        try:
+            super()._push_once(tensors, version)
+            self.servers.post_all(RESET_PREFIX_CACHE, {})  # KV blocks of the old weights survive a reload
+            self.servers.post_all(UPDATE_WEIGHT_VERSION, {"new_version": str(version)})
+        except BaseException:
+            try:
+                self.servers.post_all(RESUME, {})
+            except WeightSyncError:
+                pass  # the push's own error says more
+            raise
+        self.servers.post_all(RESUME, {})
+
+    def close(self) -> None:
+        if self.group is not None:
+            try:
+                self.servers.post_all(COLLECTIVE_RPC, {"method": LEAVE_METHOD})
+            except WeightSyncError:
+                pass  # a server that is gone has no group to leave
+        super().close()
 
 
 class VLLMLoRASync:

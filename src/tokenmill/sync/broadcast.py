@@ -89,6 +89,11 @@ class BroadcastSync:
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         return offsets, 1 + sum(sizes)
 
+    def _route(self, which: int) -> str:
+        """The HTTP route of the group's join (0) and of a push's control call (1); a subclass for another
+        server's routes overrides it with `_init_body` and `_update_body`."""
+        return _ROUTES[self.api][which]
+
     def _init_body(self, port: int, rank_offset: int, world_size: int) -> dict[str, Any]:
         info = {"master_address": self.master_address, "master_port": port, "rank_offset": rank_offset,
                 "world_size": world_size}
@@ -104,7 +109,7 @@ class BroadcastSync:
             offsets, world = self._ranks()
         except Exception as e:
             raise WeightSyncError(f"GET /get_world_size failed: {type(e).__name__}: {e}") from e
-        init_route = _ROUTES[self.api][0]
+        init_route = self._route(0)
         store = None
         if self.vllm_native:
             port = self.master_port or _free_port(self.master_address)
@@ -168,7 +173,7 @@ class BroadcastSync:
 
     def _push_once(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
         body = self._update_body(tensors, version)
-        calls = [self.servers.submit(u, _ROUTES[self.api][1], body) for u in self.servers.urls]
+        calls = [self.servers.submit(u, self._route(1), body) for u in self.servers.urls]
         try:
             with torch.no_grad():
                 for _, t in tensors:
