@@ -136,3 +136,12 @@ def test_bad_requests_get_clear_4xx(server, tmp_path):
     refused(409, "sample", {"sid": old.sampler_id, "prompts": [[1, 2]]}, "sid", "newer")
     with pytest.raises(RequestError, match="newer"):  # the client raises the server's message
         old.sample([[1, 2]])
+
+
+def test_serve_trainer_refuses_a_bad_folder_and_an_unsafe_bind(tmp_path, capsys, model):
+    from tokenmill.cli import main
+
+    assert main(["serve-trainer", str(tmp_path / "nothing")]) == 2
+    assert "not a model folder" in capsys.readouterr().err
+    assert main(["serve-trainer", model, "--host", "0.0.0.0"]) == 2
+    assert "allow-remote" in capsys.readouterr().err
