@@ -81,3 +81,31 @@ def test_max_tokens_1_on_addition_trips_the_truncation_alarm(tiny_model_path, tm
     assert alarms["truncation"]["value"] == 1.0
     assert alarms["truncation"]["message"].startswith(
         "100% of completions were cut at generation.max_tokens (1) for 3 steps")
+
+
+def test_an_engine_sampling_at_another_temperature_trips_the_mismatch_alarm_naming_it(tiny_model_path, tmp_path):
+    from tokenmill.config import RLConfig, load_config
+    from tokenmill.controller import build_run, run_rl
+    from tokenmill.testing.health import shift_temperature
+
+    def run_at(temperature: float, out: str) -> tuple[dict, list[dict]]:
+        # the random tiny model's logits are nearly flat, so a temperature moves its logprobs little: 1.5 against
+        # 1.0 gives a KL of ~6e-4 per token (a real model's peaked distributions move far more)
+        cfg = _config(tmp_path, tiny_model_path, health={"alarms": {"mismatch": {"threshold": 2e-4, "window": 2}}})
+        cfg["tracking"]["output_dir"] = str(tmp_path / out)
+        cfg["controller"]["steps"] = 3
+        run = build_run(load_config(RLConfig, cfg))
+        shift_temperature(run, temperature)
+        try:
+            result = run_rl(run)
+        finally:
+            run.close()
+        rows = [json.loads(x) for x in (tmp_path / out / "events.jsonl").read_text().splitlines()]
+        return result, [r for r in rows if r["event"] == "alarm" and r["name"] == "mismatch"]
+
+    result, alarms = run_at(1.0, "same")  # the in-process fp32 engine agrees with the trainer exactly
+    assert result["last_metrics"]["mismatch/kl"] <= 1e-6 and alarms == []
+    result, [alarm] = run_at(1.5, "shifted")
+    assert alarm["step"] == 2 and alarm["metric"] == "mismatch/kl" and alarm["value"] >= 2e-4
+    assert ("likely causes: the engine samples at temperature 1.5 but the trainer assumes generation.temperature 1: "
+            "make them equal") in alarm["message"]

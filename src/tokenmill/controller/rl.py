@@ -174,9 +174,10 @@ def hints(run: Run) -> dict[str, Any]:
     """Run settings the alarm messages quote."""
     gen = run.cfg.generation
     out: dict[str, Any] = {"max_tokens": gen.max_tokens, "temperature": gen.temperature}
-    engine_temperature = getattr(run.engine, "temperature", None)  # an engine that knows its own sampling
-    if isinstance(engine_temperature, (int, float)):
-        out["engine_temperature"] = float(engine_temperature)
+    for engine in (getattr(run.generator, "engine", None), run.engine):  # one that says how it samples
+        if isinstance(getattr(engine, "temperature", None), (int, float)):
+            out["engine_temperature"] = float(engine.temperature)
+            break
     return out
 
 
