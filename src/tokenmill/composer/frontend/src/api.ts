@@ -146,7 +146,7 @@ function messageOf(body: unknown, status: number): string {
   return `HTTP ${status}`;
 }
 
-async function call<T>(method: "GET" | "POST", route: string, body?: unknown): Promise<T> {
+async function call<T>(method: "GET" | "POST", route: string, body?: unknown, signal?: AbortSignal): Promise<T> {
   let res: Response;
   try {
     res = await fetch(route, {
@@ -154,8 +154,10 @@ async function call<T>(method: "GET" | "POST", route: string, body?: unknown): P
       credentials: "same-origin",
       headers: body === undefined ? {} : { "Content-Type": "application/json" },
       body: body === undefined ? undefined : JSON.stringify(body),
+      signal,
     });
   } catch (err) {
+    if ((err as Error).name === "AbortError") throw err; // cancelled by the page: not a server error
     throw new ApiError(route, 0, `${route}: server unreachable (${String(err)})`);
   }
   const text = await res.text();
@@ -187,8 +189,8 @@ export const api = {
       yaml,
       ...(rewards.length ? { rewards: rewards.map((r) => ({ name: r.name, function: r.function })) } : {}),
     }),
-  preview: (mode: Mode, config: Config, rewards: RewardDraft[], prompts: number, samples: number) =>
-    call<Preview>("POST", "/api/rewards/preview", { mode, config, rewards, prompts, samples }),
+  preview: (mode: Mode, config: Config, rewards: RewardDraft[], prompts: number, samples: number, signal?: AbortSignal) =>
+    call<Preview>("POST", "/api/rewards/preview", { mode, config, rewards, prompts, samples }, signal),
   launch: (mode: Mode, config: Config, rewards?: RewardDraft[]) =>
     call<{ id: string; argv: string[]; output_dir: string; status: string }>("POST", "/api/runs", {
       mode,

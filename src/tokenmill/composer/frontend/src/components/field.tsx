@@ -36,6 +36,7 @@ function JsonInput({ field, value, onChange }: Props) {
         class="input mono"
         rows={2}
         data-testid={testId(field.path)}
+        aria-label={field.path}
         value={text}
         onInput={(e) => setText((e.target as HTMLTextAreaElement).value)}
         onBlur={commit}
@@ -64,6 +65,7 @@ function NumberInput({ field, value, onChange, empty }: Props & { empty: unknown
       type="text"
       inputMode={field.type === "integer" ? "numeric" : "decimal"}
       data-testid={`field-${field.path}`}
+      aria-label={field.path}
       placeholder={display(field.default)}
       value={text}
       onInput={(e) => {
@@ -88,6 +90,7 @@ function Control(props: Props) {
         <input
           type="checkbox"
           data-testid={id}
+          aria-label={field.path}
           checked={checked}
           onChange={(e) => onChange((e.target as HTMLInputElement).checked)}
         />
@@ -101,6 +104,7 @@ function Control(props: Props) {
       <select
         class="input"
         data-testid={id}
+        aria-label={field.path}
         value={display(current)}
         onChange={(e) => {
           const raw = (e.target as HTMLSelectElement).value;
@@ -122,6 +126,7 @@ function Control(props: Props) {
       class="input"
       type="text"
       data-testid={id}
+      aria-label={field.path}
       placeholder={display(field.default)}
       value={display(value)}
       onInput={(e) => {

@@ -154,6 +154,30 @@ function BudgetSlider({ budget }: { budget: Budget | null }) {
   );
 }
 
+/** One recommendation: the backend when the config fits, else the first change that makes it fit. */
+function Recommendation({ estimate }: { estimate: Estimate }) {
+  const fits = estimate.devices.every((d) => d.fits !== false) && estimate.budget?.fits !== false;
+  const rec = estimate.recommendation;
+  if (fits) {
+    return rec ? (
+      <div class="alert ok" data-testid="memory-recommendation" data-fits="true">
+        <b>{rec.backend.replace(/_/g, " ")}</b>
+        {rec.num_devices ? ` on ${rec.num_devices} device(s)` : ""}: {rec.reason}
+      </div>
+    ) : null;
+  }
+  const proposals = estimate.budget?.proposals ?? [];
+  const first = proposals.find((p) => p.fits_after) ?? proposals[0];
+  return (
+    <div class="alert warn" data-testid="memory-recommendation" data-fits="false">
+      <b>Does not fit this budget.</b>{" "}
+      {first
+        ? `Recommended: ${first.action} (${first.setting}), which saves ${gib(first.saving_bytes)}${first.fits_after ? " and then fits" : ""}.`
+        : "Train LoRA adapters, shorten the sequences or add device memory."}
+    </div>
+  );
+}
+
 export function MemoryPanel() {
   const { estimate, error } = useEstimate();
   if (error) return <div class="alert error" data-testid="memory-error">{error}</div>;
@@ -161,18 +185,12 @@ export function MemoryPanel() {
   const devices = estimate.devices ?? [];
   const scale = Math.max(...devices.map((d) => Math.max(d.total_bytes, d.budget_bytes ?? 0)), 1);
   const parts = [...new Set(estimate.models.flatMap((m) => Object.keys(m.bytes)))];
-  const rec = estimate.recommendation;
   return (
     <div data-testid="memory">
       {estimate.warnings.map((w) => (
         <div class="alert warn" data-testid="memory-warning">{w}</div>
       ))}
-      {rec && (
-        <div class="alert ok" data-testid="memory-recommendation">
-          <b>{rec.backend.replace(/_/g, " ")}</b>
-          {rec.num_devices ? ` on ${rec.num_devices} device(s)` : ""}: {rec.reason}
-        </div>
-      )}
+      <Recommendation estimate={estimate} />
       <h3 style={{ marginTop: "14px" }}>Per model</h3>
       <Legend keys={parts} />
       <div class="mem-bars" data-testid="memory-models">

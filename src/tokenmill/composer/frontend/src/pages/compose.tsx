@@ -267,6 +267,7 @@ function YamlPanel({ mode, config, rewards }: { mode: Mode; config: Config; rewa
             <input
               type="file"
               accept=".yaml,.yml"
+              aria-label="YAML file to import"
               hidden
               onChange={async (e) => {
                 const file = (e.target as HTMLInputElement).files?.[0];
@@ -279,6 +280,7 @@ function YamlPanel({ mode, config, rewards }: { mode: Mode; config: Config; rewa
           class="input mono code"
           rows={12}
           data-testid="yaml-input"
+          aria-label="YAML to import"
           placeholder="Paste an existing config YAML here"
           value={incoming}
           onInput={(e) => setIncoming((e.target as HTMLTextAreaElement).value)}

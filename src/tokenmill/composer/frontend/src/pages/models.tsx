@@ -19,6 +19,35 @@ function stageNotes(mode: string, config: Config): Record<string, string> {
   };
 }
 
+/** A number above 0 (a whole one if `integer`); anything else is named under the box and not applied. */
+function PositiveInput(props: { label: string; title?: string; value: number; testId: string; integer?: boolean;
+  onValid: (v: number) => void }) {
+  const [text, setText] = useState(String(props.value));
+  const [bad, setBad] = useState<string | null>(null);
+  useEffect(() => {
+    if (Number(text) !== props.value) setText(String(props.value)); // set elsewhere: a preset, the slider
+  }, [props.value]);
+  const check = (raw: string) => {
+    setText(raw);
+    const v = Number(raw.trim());
+    if (raw.trim() === "" || !Number.isFinite(v) || v <= 0 || (props.integer && !Number.isInteger(v))) {
+      setBad(`${props.label}: "${raw}" is not ${props.integer ? "a whole number" : "a number"} above 0; the estimate keeps ${props.value}`);
+    } else {
+      setBad(null);
+      props.onValid(v);
+    }
+  };
+  return (
+    <label class="inline" title={props.title}>
+      <span class="muted small">{props.label}</span>
+      <input class="input narrow" type="text" inputMode={props.integer ? "numeric" : "decimal"} value={text}
+        data-testid={props.testId} aria-invalid={bad ? "true" : "false"}
+        onChange={(e) => check((e.target as HTMLInputElement).value)} />
+      {bad && <span class="field-error" data-testid={`${props.testId}-error`}>{bad}</span>}
+    </label>
+  );
+}
+
 export function ModelsPage() {
   const s = useStore();
   const [diagram, setDiagram] = useState<Diagram | null>(null);
@@ -64,16 +93,10 @@ export function ModelsPage() {
         <div class="card-head">
           <h2>Memory</h2>
           <div class="row">
-            <label class="inline" title="Memory of one device (GPU, or the machine's RAM on CPU).">
-              <span class="muted small">GiB per device</span>
-              <input class="input narrow" type="number" min={1} step="any" value={s.deviceMemoryGib} data-testid="device-memory"
-                onChange={(e) => update({ deviceMemoryGib: Number((e.target as HTMLInputElement).value) || 1 })} />
-            </label>
-            <label class="inline">
-              <span class="muted small">devices</span>
-              <input class="input narrow" type="number" min={1} step={1} value={s.numDevices} data-testid="num-devices"
-                onChange={(e) => update({ numDevices: Math.max(1, Math.round(Number((e.target as HTMLInputElement).value) || 1)) })} />
-            </label>
+            <PositiveInput label="GiB per device" title="Memory of one device (GPU, or the machine's RAM on CPU)."
+              value={s.deviceMemoryGib} testId="device-memory" onValid={(v) => update({ deviceMemoryGib: v })} />
+            <PositiveInput label="devices" integer value={s.numDevices} testId="num-devices"
+              onValid={(v) => update({ numDevices: v })} />
           </div>
         </div>
         <MemoryPanel />

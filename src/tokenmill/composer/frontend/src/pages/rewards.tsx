@@ -1,6 +1,6 @@
 // Rewards: reward functions written in the page (TRL's batched signature), weights, and a preview
 // that samples a few completions from the chosen model and scores each with every reward.
-import { useState } from "preact/hooks";
+import { useRef, useState } from "preact/hooks";
 import { api } from "../api";
 import type { Preview, RewardDraft } from "../api";
 import { formatNumber } from "../components/chart";
@@ -147,15 +147,22 @@ export function RewardsPage() {
   const [preview, setPreview] = useState<Preview | null>(null);
   const [busy, setBusy] = useState(false);
   const [error, setError] = useState<string | null>(null);
+  const [cancelled, setCancelled] = useState(false);
+  const pending = useRef<AbortController | null>(null);
   const total = s.rewards.reduce((a, r) => a + Math.abs(r.weight), 0);
   const run = async () => {
     setBusy(true);
     setError(null);
+    setCancelled(false);
+    const abort = new AbortController();
+    pending.current = abort;
     try {
-      setPreview(await api.preview(s.mode, s.config, s.rewards, prompts, samples));
+      setPreview(await api.preview(s.mode, s.config, s.rewards, prompts, samples, abort.signal));
     } catch (e) {
-      setError((e as Error).message);
+      if (abort.signal.aborted) setCancelled(true);
+      else setError((e as Error).message);
     } finally {
+      if (pending.current === abort) pending.current = null;
       setBusy(false);
     }
   };
@@ -195,10 +202,21 @@ export function RewardsPage() {
             <button class="btn primary" data-testid="preview-run" disabled={busy} onClick={run}>
               {busy ? "Sampling…" : "Sample and score"}
             </button>
+            {busy && (
+              <button class="btn" data-testid="preview-cancel" onClick={() => pending.current?.abort()}>
+                Cancel
+              </button>
+            )}
           </div>
         </div>
         <p class="help">Samples a few completions from the chosen model and runs every reward on them in the sandbox, with a timeout.</p>
         {error && <div class="alert error" data-testid="preview-error">{error}</div>}
+        {cancelled && (
+          <p class="muted small" data-testid="preview-cancelled">
+            Cancelled. The server still finishes the samples it started (each reward within its timeout) and
+            drops them.
+          </p>
+        )}
         {topErrors.length > 0 && (
           <div class="alert error" data-testid="preview-errors">
             {topErrors.map((e) => (

@@ -140,14 +140,14 @@ function Samples({ samples }: { samples: Row[] }) {
       <div class="card-head">
         <h2>Recent samples</h2>
         <div class="row">
-          <select class="input narrow" value={stop} onChange={(e) => setStop((e.target as HTMLSelectElement).value)} data-testid="samples-stop">
+          <select class="input narrow" value={stop} onChange={(e) => setStop((e.target as HTMLSelectElement).value)} data-testid="samples-stop" aria-label="stop reason">
             <option value="">any stop</option>
             {stops.map((s) => (
               <option value={s}>{s}</option>
             ))}
           </select>
           <input class="input narrow" type="number" step="any" placeholder="min reward" value={minReward}
-            onInput={(e) => setMinReward((e.target as HTMLInputElement).value)} data-testid="samples-min-reward" />
+            onInput={(e) => setMinReward((e.target as HTMLInputElement).value)} data-testid="samples-min-reward" aria-label="minimum reward" />
         </div>
       </div>
       <div class="table-wrap">
