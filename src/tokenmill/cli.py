@@ -97,6 +97,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     from tokenmill.controller.build import load_policy, resolve_device
     from tokenmill.data import load_rows
     from tokenmill.data.registry import task_splits
+    from tokenmill.training.dist import is_main
     from tokenmill.training.sft import run_sft
 
     cfg = load_config(SFTConfig, args.config, parse_overrides(args.overrides))
@@ -120,7 +121,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
                          messages_column=cfg.messages_column, packing=cfg.packing,
                          micro_batch_tokens=cfg.micro_batch_tokens, output_dir=cfg.output_dir,
                          log_every=max(1, cfg.steps // 10), logger=logger)
-    print(f"sft: loss {losses[0]:.3f} -> {losses[-1]:.3f}; model written to {cfg.output_dir}")
+    if is_main():  # under torchrun: one summary, not one per rank
+        print(f"sft: loss {losses[0]:.3f} -> {losses[-1]:.3f}; model written to {cfg.output_dir}")
     return 0
 
 
@@ -148,6 +150,7 @@ def cmd_preference(args: argparse.Namespace) -> int:
     from tokenmill.data.registry import HELD_OUT_SEED_OFFSET
     from tokenmill.data.tasks import addition_preferences
     from tokenmill.training import preference as pref
+    from tokenmill.training.dist import is_main
 
     cfg = load_config(PreferenceConfig, args.config, parse_overrides(args.overrides))
     check_model_and_data(cfg.model, cfg.data.path, cfg.data.split)
@@ -175,8 +178,9 @@ def cmd_preference(args: argparse.Namespace) -> int:
         with _offline_logger(cfg, cfg.objective.upper()) as logger:
             losses = pref.run_dpo(model, tok, rows, loss=cfg.objective, beta=cfg.beta, **common, logger=logger)
         report = pref.implicit_margin(model, reference, tok, held) if held else {}
-    print(json.dumps({"objective": cfg.objective, "loss_first": losses[0], "loss_last": losses[-1],
-                      "output_dir": cfg.output_dir, **{f"heldout_{k}": v for k, v in report.items()}}))
+    if is_main():  # under torchrun: one summary, not one per rank
+        print(json.dumps({"objective": cfg.objective, "loss_first": losses[0], "loss_last": losses[-1],
+                          "output_dir": cfg.output_dir, **{f"heldout_{k}": v for k, v in report.items()}}))
     return 0
 
 
