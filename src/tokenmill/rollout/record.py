@@ -107,16 +107,19 @@ def shards(folder: str | Path) -> list[Path]:
 
 
 def read_dump(folder: str | Path) -> dict[int, list[Group]]:
-    """Every step's groups in a dump folder, as the loop got them (samples and groups in order)."""
+    """Every step's groups in a dump folder, as the loop got them (samples and groups in order). A step that
+    two shards hold (a resumed run recorded it again) is taken from the newer shard."""
     import pyarrow.parquet as pq
 
     steps: dict[int, list[Group]] = {}
-    for path in shards(folder):
+    for path in sorted(shards(folder), key=lambda p: (p.stat().st_mtime_ns, p.name)):
         current: dict[tuple[int, int], list[Sample]] = {}
         for r in pq.read_table(path).to_pylist():
             current.setdefault((r["step"], r["group_id"]), []).append(row_sample(r))
+        mine: dict[int, list[Group]] = {}
         for (step, group_id), samples in current.items():
-            steps.setdefault(step, []).append(Group(group_id, tuple(samples)))
+            mine.setdefault(step, []).append(Group(group_id, tuple(samples)))
+        steps |= mine
     return steps
 
 

@@ -59,3 +59,14 @@ def test_dump_round_trips_and_opens_with_datasets(tmp_path):
 def test_replay_of_an_empty_folder_says_so(tmp_path):
     with pytest.raises(TokenmillError, match="no rollout shards"):
         read_dump(tmp_path)
+
+
+def test_a_step_recorded_twice_is_read_from_the_newer_shard(tmp_path):
+    first = RolloutRecorder(tmp_path, every=3)
+    for step in (1, 2, 3):
+        first.add(step, _groups(step))
+    again = RolloutRecorder(tmp_path, every=2)  # a resumed run records steps 2 and 3 again
+    again.add(2, _groups(2)[:1])
+    again.add(3, _groups(3)[:1])
+    back = read_dump(tmp_path)
+    assert [len(back[s]) for s in (1, 2, 3)] == [2, 1, 1]
