@@ -73,7 +73,7 @@ def tensorboard(folder: Path) -> Tracker:
 def trackio(folder: Path) -> Tracker:
     from tokenmill.tracking.sinks import TrackioTracker
 
-    # trackio reads $TRACKIO_DIR once, when first imported: keep this session's runs out of the user's cache
+    # trackio reads $TRACKIO_DIR once, when first imported: keep the test runs out of the user's cache
     os.environ.setdefault("TRACKIO_DIR", str(folder.parent / "trackio"))
     return TrackioTracker(project=f"contract-{folder.name}", name="run")
 
