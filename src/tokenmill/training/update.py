@@ -15,7 +15,7 @@ import torch
 from tokenmill.algorithms.aggregation import token_weights
 from tokenmill.algorithms.losses import LOSSES, off_policy_loss
 from tokenmill.config.schema import AlgorithmConfig
-from tokenmill.health.mismatch import mismatch_stats
+from tokenmill.health.mismatch import add_sums, finish, mismatch_stats, mismatch_sums
 from tokenmill.training.base import TrainBackend
 from tokenmill.training.batch import Batch, collate
 from tokenmill.types import Sample
@@ -83,11 +83,36 @@ def engine_trainer_mismatch(batch: Batch, trainer_logprobs_B_T: torch.Tensor, ba
     tokens, and `mismatch/temperature`: the temperature the trainer divided its logits by (the engine's
     logprobs are of softmax(logits / its temperature): a different one shows up here as a gap)."""
     trainer_B_T = trainer_logprobs_B_T.detach().float().cpu()
-    out = mismatch_stats(batch.old_logprobs_B_T.cpu(), trainer_B_T, batch.weights_B_T.cpu() > 0)
+    return mismatch_stats(batch.old_logprobs_B_T.cpu(), trainer_B_T, batch.weights_B_T.cpu() > 0) | _temperature(backend)
+
+
+class MeasuringLoss:
+    """`loss`, also collecting the `mismatch_sums` of each micro-batch it is called on: the sampler's logprobs
+    (`old_logprobs_B_T`) against the ones being trained (before the first optimiser step: the trainer's own
+    before the update), on the trained tokens. Costs no forward."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.sums = inner, []
+
+    def __call__(self, logprobs_B_T: torch.Tensor, batch: Batch):
+        mask_B_T = batch.weights_B_T > 0
+        self.sums.append(mismatch_sums(batch.old_logprobs_B_T, logprobs_B_T.detach(), mask_B_T))
+        return self.inner(logprobs_B_T, batch)
+
+
+def finish_mismatch(sums: list[dict[str, float]], backend: TrainBackend) -> dict[str, float]:
+    """`mismatch/*` of the collected micro-batches ({} when none was run)."""
+    if not sums:
+        return {}
+    total = sums[0]
+    for part in sums[1:]:
+        total = add_sums(total, part)
+    return finish(total) | _temperature(backend)
+
+
+def _temperature(backend: TrainBackend) -> dict[str, float]:
     temperature = getattr(backend, "temperature", None)
-    if isinstance(temperature, (int, float)):
-        out["mismatch/temperature"] = float(temperature)
-    return out
+    return {"mismatch/temperature": float(temperature)} if isinstance(temperature, (int, float)) else {}
 
 
 def _with_behaviour(batch: Batch, kept: Sequence[Sample], behaviour: dict[int, tuple[float, ...]]) -> Batch:
@@ -114,7 +139,8 @@ def policy_update(
 ) -> dict[str, float]:
     """Train on `samples` (advantages already set); return metrics averaged over optimiser steps. With
     `mismatch`, also the `mismatch/*` metrics of the samplers' logprobs against the trainer's before the
-    update: free with an off-policy correction (it recomputes them anyway), else one no-grad forward."""
+    update, at no extra forward: with an off-policy correction from the logprobs it recomputes for all samples,
+    else from the first optimiser step's own forward (the samples it trains: zero-advantage ones are skipped)."""
     loss_fn = _batch_loss(algo.loss, algo)
     # a zero-advantage sample still carries gradient through the KL term or the entropy bonus
     skip_zero = algo.skip_zero_advantage and reference is None and algo.entropy_coef == 0
@@ -122,9 +148,8 @@ def policy_update(
     gap: dict[str, float] = {}
     if algo.off_policy != "none":  # clip against the trainer's own logprobs; weigh by trainer / sampler
         samples, behaviour = with_trainer_logprobs(samples, backend, pad_id, gap if mismatch else None)
-    elif mismatch:
-        batch = collate(samples, [1.0] * len(samples), pad_id)
-        gap = engine_trainer_mismatch(batch, backend.forward(batch), backend)
+    elif mismatch:  # the first optimiser step's forward is the trainer before the update: measure there
+        loss_fn = MeasuringLoss(loss_fn)
     totals: dict[str, float] = {}
     steps = 0
     trained_seqs = 0
@@ -138,6 +163,8 @@ def policy_update(
         if behaviour is not None:
             batch = _with_behaviour(batch, kept, behaviour)
         metrics = backend.forward_backward(_with_reference(batch, reference), loss_fn, algo.entropy_coef)
+        if isinstance(loss_fn, MeasuringLoss):  # one step measured: the rest train with the plain loss
+            gap, loss_fn = finish_mismatch(loss_fn.sums, backend), loss_fn.inner
         trained_seqs += len(keep)
         # per-token metrics were summed with weights of the whole mini-batch: renormalise to the kept part
         mass = metrics.pop("weight", 0.0)
