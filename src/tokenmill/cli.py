@@ -319,6 +319,18 @@ def cmd_vllm(args: argparse.Namespace) -> int:
     return serve_command(args)
 
 
+def _serve_trainer_parser(sub) -> None:
+    st = sub.add_parser("serve-trainer", help="the training API (LoRA clients of one base model) over HTTP")
+    st.add_argument("model_dir", help="a Hugging Face model folder: the base model the clients' adapters train")
+    st.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    st.add_argument("--port", type=int, default=8100, help="0 picks a free port (printed when ready)")
+    st.add_argument("--token", default=None, help="bearer token (default: $TOKENMILL_TRAINER_TOKEN)")
+    st.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host (needs a token)")
+    st.add_argument("--root", default="runs/trainer", help="folder of saved states and sampler weights")
+    st.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
+    st.set_defaults(fn=cmd_serve_trainer)
+
+
 @functools.cache  # built once per process: argparse's setup costs more than validating a config
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__.split("\n")[0])
@@ -376,15 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
     srv.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (413 beyond)")
     srv.set_defaults(fn=cmd_serve)
-    st = sub.add_parser("serve-trainer", help="the training API (LoRA clients of one base model) over HTTP")
-    st.add_argument("model_dir", help="a Hugging Face model folder: the base model the clients' adapters train")
-    st.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    st.add_argument("--port", type=int, default=8100, help="0 picks a free port (printed when ready)")
-    st.add_argument("--token", default=None, help="bearer token (default: $TOKENMILL_TRAINER_TOKEN)")
-    st.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host (needs a token)")
-    st.add_argument("--root", default="runs/trainer", help="folder of saved states and sampler weights")
-    st.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
-    st.set_defaults(fn=cmd_serve_trainer)
+    _serve_trainer_parser(sub)
     vl = sub.add_parser("vllm", help="start a vLLM server for a model folder (vLLM in its own cached venv)")
     vl.add_argument("model_dir", nargs="?", default=None, help="a Hugging Face model folder")
     vl.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
