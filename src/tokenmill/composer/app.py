@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill import serving
-from tokenmill.composer import configs
+from tokenmill.composer import compare, configs
 from tokenmill.composer.presets import presets
 from tokenmill.composer.preview import REWARD_MODEL_TIMEOUT_S, Previewer, PreviewError
 from tokenmill.composer.runs import DEFAULT_MAX_RUNS, FINAL, Cursor, RunError, RunManager, read_events
@@ -93,6 +93,11 @@ class PreviewBody(ConfigBody):
 class RunBody(ConfigBody):
     rewards: list[configs.RewardCode] = Field(default_factory=list, max_length=32)
     name: str | None = Field(None, max_length=64)
+
+
+class LabelsBody(_Body):
+    name: str | None = Field(None, max_length=200)
+    tags: list[str] = Field(default_factory=list, max_length=16)
 
 
 def _mode(mode: str) -> str:
@@ -261,20 +266,24 @@ def _run_routes(app: FastAPI) -> None:
     def run_list() -> dict[str, Any]:
         return {"runs": runs.list(), "max_runs": runs.max_runs}
 
-    @app.get("/api/runs/{run_id}")
-    def run_info(run_id: str) -> dict[str, Any]:
-        info = runs.describe(run_id)
-        path = runs.folder(run_id) / "run.yaml"
-        if not path.exists():
-            path = runs.folder(run_id) / "config.yaml"
-        info["config"] = configs.import_yaml(path.read_text())["config"] if path.exists() else None
-        return info
+    @app.get("/api/compare")
+    def compare_runs(ids: str = Query(..., max_length=2000)) -> dict[str, Any]:
+        return compare.compare(runs, [i for i in ids.split(",") if i])
 
-    @app.post("/api/runs/{run_id}/stop")
+    # a run id may be a nested folder ("sweep/a"): the routes that add a suffix come before the bare one
+    @app.post("/api/runs/{run_id:path}/stop")
     def stop(run_id: str) -> dict[str, Any]:
         return runs.stop(run_id)
 
-    @app.get("/api/runs/{run_id}/events")
+    @app.post("/api/runs/{run_id:path}/labels")
+    def labels(run_id: str, body: LabelsBody) -> dict[str, Any]:
+        return compare.set_labels(runs, run_id, body.name, body.tags)
+
+    @app.get("/api/runs/{run_id:path}/report")
+    def report(run_id: str) -> dict[str, Any]:
+        return compare.efficiency_report(runs, run_id)
+
+    @app.get("/api/runs/{run_id:path}/events")
     async def events(run_id: str, request: Request, follow: int = Query(1, ge=0, le=1),
                      last_event_id: str | None = None) -> StreamingResponse:
         run_dir = runs.folder(run_id)
@@ -282,6 +291,15 @@ def _run_routes(app: FastAPI) -> None:
         stream = _sse(runs, run_id, run_dir, cursor, bool(follow), request)
         return StreamingResponse(stream, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+    @app.get("/api/runs/{run_id:path}")
+    def run_info(run_id: str) -> dict[str, Any]:
+        info = runs.describe(run_id)
+        path = runs.folder(run_id) / "run.yaml"
+        if not path.exists():
+            path = runs.folder(run_id) / "config.yaml"
+        info["config"] = configs.import_yaml(path.read_text())["config"] if path.exists() else None
+        return info
 
 
 def _frame(event: str, data: str, event_id: str) -> bytes:

@@ -31,13 +31,16 @@ from tokenmill.config.modes import MODES
 from tokenmill.types import TokenmillError
 
 FINAL = ("finished", "failed", "stopped")
+LABELS = "labels.json"  # a run's name and tags, set from the Runs page
 STREAMS = ("metrics", "samples", "log", "events")  # the cursor's four offsets, in this order
 FILES = {"metrics": "metrics.jsonl", "samples": "samples.jsonl", "log": "log.txt", "events": "events.jsonl"}
 SSE_NAMES = {"metrics": "metrics", "samples": "samples", "log": "log", "events": "stage"}
+EVENT_KINDS = {"alarm": "alarm", "efficiency_report": "efficiency"}  # events.jsonl kinds -> SSE event names
 STAGE_ORDER = ("generate", "reward", "critic", "train", "sync")
 STOP_GRACE_S = 10.0
 DEFAULT_MAX_RUNS = 1  # one training run already takes every core of a workstation (torch threads)
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_DEPTH = 3  # run folders are found this deep under runs_dir (runs/<sweep>/<group>/<run>)
 _MAX_LINES_PER_READ = 2000  # bounds one poll's work on a huge backlog; the next poll reads on
 
 
@@ -104,12 +107,26 @@ def read_events(run_dir: Path, cursor: Cursor) -> tuple[list[tuple[str, str, str
             offsets[stream] = end
             if stream == "log":
                 data = json.dumps({"line": line})
-            elif not line.strip() or (stream == "events" and _stage_record(line) is None):
-                continue  # blank, or not a stage line (kinds of event a later trainer may add)
+            elif not line.strip():
+                continue
             else:
                 data = line  # already one JSON object per line
-            events.append((SSE_NAMES[stream], data, str(Cursor(**offsets))))
+            name = SSE_NAMES[stream] if stream != "events" else _event_name(line)
+            if name is None:
+                continue  # a kind of event the page does not show
+            events.append((name, data, str(Cursor(**offsets))))
     return events, Cursor(**offsets)
+
+
+def _event_name(line: str) -> str | None:
+    """The SSE event an events.jsonl line is sent as: a stage entered, a health alarm, an efficiency report."""
+    if _stage_record(line) is not None:
+        return "stage"
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return EVENT_KINDS.get(row.get("event")) if isinstance(row, dict) else None
 
 
 def _tail(path: Path, size: int) -> bytes:
@@ -233,9 +250,11 @@ class RunManager:
 
     # ------------------------------------------------------------------------------ launch / stop
     def folder(self, run_id: str) -> Path:
-        if not _ID.match(run_id) or run_id in (".", ".."):
+        """The folder of `run_id`: a path under `runs_dir` of at most MAX_DEPTH names ("sweep/lr-1e-5")."""
+        parts = run_id.split("/")
+        if len(parts) > MAX_DEPTH or not all(_ID.match(p) and p not in (".", "..") for p in parts):
             raise RunError(404, f"run {run_id!r}: not a run id")
-        path = self.runs_dir / run_id
+        path = self.runs_dir.joinpath(*parts)
         if not path.is_dir():
             raise RunError(404, f"run {run_id!r}: no such run in {self.runs_dir}")
         return path
@@ -363,19 +382,20 @@ class RunManager:
             status = "running" if _alive(proc, meta.get("pid")) else "failed"
         else:  # a folder written by `tokenmill train` itself
             status = "finished" if (run_dir / "final").is_dir() else "unknown"
+        started = meta.get("started", _mtime(run_dir, "config.yaml"))
+        ended = final.get("ended") or (None if status == "running" else _mtime(run_dir, FILES["metrics"]))
+        labels = _read_json(run_dir / LABELS)
         return {
             "id": run_id, "mode": meta.get("mode", "rl"), "status": status, "returncode": final.get("returncode"),
-            "started": meta.get("started", _mtime(run_dir, "config.yaml")), "ended": final.get("ended"),
+            "name": labels.get("name"), "tags": labels.get("tags", []),
+            "duration_s": round((ended or time.time()) - started, 1) if started else None,
+            "started": started, "ended": ended,
             "step": row.get("step") if row else None, "total_steps": meta.get("total_steps"),
             "output_dir": str(run_dir), "argv": meta.get("argv"), "last_metrics": row, "last_eval": evaluation,
         }
 
     def list(self) -> list[dict[str, Any]]:
-        out = []
-        for path in self.runs_dir.iterdir():
-            if path.is_dir() and _ID.match(path.name) and ((path / "composer.json").exists()
-                                                         or (path / FILES["metrics"]).exists()):
-                out.append(self.describe(path.name))
+        out = [self.describe(path.relative_to(self.runs_dir).as_posix()) for path in _run_folders(self.runs_dir)]
         return sorted(out, key=lambda r: r["started"] or 0, reverse=True)
 
     def status_event(self, run_id: str) -> dict[str, Any]:
@@ -401,6 +421,20 @@ class RunManager:
         """Leave running runs alone (they outlive the Composer, like `nohup`); only forget them."""
         with self._lock:
             self._procs.clear()
+
+
+def _run_folders(folder: Path, depth: int = MAX_DEPTH) -> list[Path]:
+    """Run folders (a composer.json or a metrics.jsonl inside) under `folder`, looking `depth` levels down;
+    a run folder's own subfolders (checkpoints, rewards) are not searched."""
+    found = []
+    for path in sorted(folder.iterdir()):
+        if not path.is_dir() or not _ID.match(path.name):
+            continue
+        if (path / "composer.json").exists() or (path / FILES["metrics"]).exists():
+            found.append(path)
+        elif depth > 1:
+            found.extend(_run_folders(path, depth - 1))
+    return found
 
 
 def _alive(proc: subprocess.Popen | None, pid: int | None) -> bool:
