@@ -277,6 +277,6 @@ def build_trainer(cfg: RLConfig, model, device, amp) -> tuple[TrainBackend, Any,
                   if sharded else Critic)(
             load_critic(cfg.critic, cfg.model.path, device), learning_rate=cfg.critic.learning_rate,
             total_steps=optimizer_steps, value_clip=cfg.critic.value_clip, max_grad_norm=cfg.critic.max_grad_norm,
-            micro_batch_tokens=tr.micro_batch_tokens, autocast_dtype=amp,
+            micro_batch_tokens=tr.micro_batch_tokens, autocast_dtype=amp, share_prompts=tr.share_prompts,
         )
     return backend, reference, critic

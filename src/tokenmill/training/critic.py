@@ -9,7 +9,7 @@ state in which the policy chose token t.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -17,8 +17,9 @@ import torch
 from tokenmill.algorithms.value import explained_variance, gae, token_rewards, value_loss, whiten
 from tokenmill.config.schema import AlgorithmConfig, CriticConfig
 from tokenmill.training.batch import Batch, collate
-from tokenmill.training.local import LocalBackend
+from tokenmill.training.local import LocalBackend, packing_segments
 from tokenmill.training.lora import add_lora
+from tokenmill.training.packing import PackedRows, attention_mask, micro_packs
 from tokenmill.types import ConfigError, Sample
 
 
@@ -63,10 +64,12 @@ class Critic:
         max_grad_norm: float = 1.0,
         micro_batch_tokens: int = 8192,
         autocast_dtype: torch.dtype | None = None,
+        share_prompts: bool = True,
     ) -> None:
         self.model = model
         self.value_clip = value_clip
         self.micro_batch_tokens = micro_batch_tokens
+        self.share_prompts = share_prompts
         self.autocast_dtype = autocast_dtype
         self.optim = LocalBackend(
             model, learning_rate=learning_rate, total_steps=total_steps, max_grad_norm=max_grad_norm,
@@ -79,28 +82,52 @@ class Critic:
             out_B_T = self.model(input_ids=micro.input_ids_B_T).logits[..., 0].float()
         return torch.nn.functional.pad(out_B_T[:, :-1], (1, 0))
 
-    @torch.no_grad()
-    def values(self, batch: Batch) -> torch.Tensor:
-        """`V_t` for every token of `batch` (on the CPU, aligned with it), micro-batched."""
-        self.model.eval()
+    def _packed_values(self, packed: PackedRows, out_shape: tuple[int, int]) -> torch.Tensor:
+        """Values of the completion tokens of shared-prompt packed rows (`training.packing`), scattered into
+        `[B, T]` (0 at prompt tokens, which no loss or advantage reads)."""
         device = next(self.model.parameters()).device
-        out = torch.zeros_like(batch.old_logprobs_B_T)
+        dtype = next(self.model.parameters()).dtype
+        mask = attention_mask(packed.allowed_R_L_L, self.model, self.autocast_dtype or dtype).to(device)
+        with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            out_R_L = self.model(input_ids=packed.input_ids_R_L.to(device), attention_mask=mask,
+                                 position_ids=packed.position_ids_R_L.to(device)).logits[..., 0].float()
+        v_K = out_R_L[packed.src_row_K.to(device), packed.src_pos_K.to(device)]  # read before the token
+        dst = (packed.dst_b_K.to(device), packed.dst_t_K.to(device))
+        return torch.zeros(out_shape, dtype=torch.float32, device=device).index_put(dst, v_K)
+
+    def _micro_values(self, batch: Batch) -> Iterator[tuple[torch.Tensor, Batch, torch.Tensor]]:
+        """Per micro-batch of at most `micro_batch_tokens`: (its rows in `batch`, the micro-batch on the device,
+        its values). Groups sharing a prompt are packed like the policy's (the prompt runs once)."""
+        device = next(self.model.parameters()).device
+        segments = packing_segments(batch, share_prompts=self.share_prompts, pack_sequences=False)
+        if segments is not None:
+            for micro, packed in micro_packs(batch, self.micro_batch_tokens, segments):
+                micro = micro.to(device)
+                yield packed.batch_rows, micro, self._packed_values(packed, tuple(micro.input_ids_B_T.shape))
+            return
         start = 0
         for micro in batch.micro_batches(self.micro_batch_tokens):
-            v = self._values(micro.to(device)).cpu()
-            out[start : start + micro.size, : v.shape[1]] = v
+            micro = micro.to(device)
+            yield torch.arange(start, start + micro.size), micro, self._values(micro)
             start += micro.size
+
+    @torch.no_grad()
+    def values(self, batch: Batch) -> torch.Tensor:
+        """`V_t` for every token of `batch` (on the CPU, aligned with it), micro-batched (0 at the prompt tokens
+        of packed groups)."""
+        self.model.eval()
+        out = torch.zeros_like(batch.old_logprobs_B_T)
+        for rows, _, v in self._micro_values(batch):
+            out[rows, : v.shape[1]] = v.cpu()
         return out
 
     def forward_backward(self, batch: Batch) -> dict[str, float]:
         """Accumulate the (clipped) value-loss gradient over the micro-batches; return summed metrics."""
         self.model.train()
-        device = next(self.model.parameters()).device
         totals: dict[str, float] = {}
-        for micro in batch.micro_batches(self.micro_batch_tokens):
-            micro = micro.to(device)
+        for _, micro, values_B_T in self._micro_values(batch):
             loss, metrics = value_loss(
-                self._values(micro), micro.old_values_B_T, micro.returns_B_T, micro.weights_B_T, self.value_clip
+                values_B_T, micro.old_values_B_T, micro.returns_B_T, micro.weights_B_T, self.value_clip
             )
             loss.backward()
             metrics["value_loss"] = loss.detach()

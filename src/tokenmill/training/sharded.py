@@ -291,7 +291,7 @@ class ShardedCritic(Critic):
     def _split(self, batch: Batch) -> tuple[list[int], Batch | None, int]:
         rows = rank_rows(batch, world())[rank()]
         local = batch.select(rows) if rows else None
-        count = micro_batch_count(local, self.micro_batch_tokens, share_prompts=False, pack_sequences=False)
+        count = micro_batch_count(local, self.micro_batch_tokens, share_prompts=self.share_prompts, pack_sequences=False)
         return rows, local, max_over_ranks(count) - count
 
     @torch.no_grad()

@@ -137,3 +137,38 @@ def test_ppo_config_checks():
 def test_missing_critic_folder_names_the_field(tmp_path):
     with pytest.raises(ConfigError, match="^critic.path: cannot load a value model"):
         load_critic(CriticConfig(path=str(tmp_path / "nope")), "unused", torch.device("cpu"))
+
+
+def test_critic_packs_shared_prompts_with_the_values_and_gradients_of_padded_rows(tiny_model_path):
+    """Groups sharing a prompt run it once (token budget counts the packed rows); the values of every trained
+    token and the value-loss gradients are those of one padded row per sequence."""
+    rng = random.Random(0)
+    samples = []
+    for prompt_len, count in ((3, 4), (5, 3)):
+        prompt = [rng.randint(3, 20) for _ in range(prompt_len)]
+        for _ in range(count):
+            samples.append(sample(prompt, [rng.randint(3, 20) for _ in range(rng.randint(1, 5))], reward=rng.random()))
+    algo = AlgorithmConfig(advantage="gae", gamma=1.0, lam=0.9, whiten_advantages=False)
+    runs = {}
+    for share in (False, True):
+        torch.manual_seed(0)
+        model = load_critic(CriticConfig(), tiny_model_path, torch.device("cpu"))
+        with torch.no_grad():
+            model.score.weight.normal_(0.0, 0.5)
+        model.dropout.p = 0.0  # the head's dropout (0.1) would draw different masks for different shapes
+        critic = Critic(model, learning_rate=1e-3, total_steps=1, value_clip=0.2, micro_batch_tokens=20,
+                        share_prompts=share)
+        with_adv, _ = gae_advantages(samples, critic, algo, pad_id=0)
+        batch = collate(with_adv, [1.0] * len(with_adv), 0)
+        batch = batch.__class__(**{**batch.__dict__, "old_values_B_T": batch.old_values_B_T + 0.3})  # clip bites
+        metrics = critic.forward_backward(batch)
+        runs[share] = with_adv, metrics, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    (adv0, m0, g0), (adv1, m1, g1) = runs[False], runs[True]
+    for a, b in zip(adv0, adv1, strict=True):
+        trained = [i for i, m in enumerate(a.loss_mask) if m]
+        assert [b.values[i] for i in trained] == pytest.approx([a.values[i] for i in trained], abs=1e-5)
+        assert b.token_advantages == pytest.approx(a.token_advantages, abs=1e-5)
+    assert any(abs(v) > 0.05 for s in adv0 for v in s.values)
+    assert m1["value_loss"] == pytest.approx(m0["value_loss"], abs=1e-6) and m0["value_loss"] > 1e-3
+    for name, g in g0.items():
+        torch.testing.assert_close(g1[name], g, atol=1e-5, rtol=1e-4, msg=name)
