@@ -55,6 +55,8 @@ def head_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module
     config = getattr(model, "config", None)
     if config is None or any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_MODIFIERS):
         return None
+    if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False):
+        return None  # peft prompt tuning adds virtual tokens in its own forward
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
     if not type(base).__name__.endswith("ForCausalLM"):
         return None
