@@ -72,11 +72,11 @@ def digit_share(prompts, completions, **_):
 def train_on_vllm(vllm_model):
     """Run a small GRPO job whose engines are the vLLM servers at `urls` (weights pushed by engine.sync: vllm)
     and whose final export lands in `out/final`: train_on_vllm(out, urls, steps=3, learning_rate=1e-2,
-    lora=None, sync="vllm", **controller_fields)."""
+    lora=None, sync="vllm", health=None, **controller_fields)."""
     import tokenmill
 
     def run(out, urls: list[str], *, steps: int, learning_rate: float = 1e-2, lora: dict | None = None,
-            sync: str = "vllm", **controller):
+            sync: str = "vllm", health: dict | None = None, **controller):
         cfg = {
             "model": {"path": vllm_model, **({"lora": lora} if lora else {})},
             "data": {"task": "addition", "num_train": 200, "num_eval": 0},
@@ -87,6 +87,7 @@ def train_on_vllm(vllm_model):
             "engine": {"placement": "remote", "urls": urls, "sync": sync, "timeout_s": 60},
             "tracking": {"output_dir": str(out), "console": "none"},
             "checkpoint": {"every": 0, "save_final": True},
+            **({"health": health} if health else {}),
         }
         return tokenmill.train(cfg, rewards=[digit_share])
 

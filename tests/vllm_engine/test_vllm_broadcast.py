@@ -61,7 +61,13 @@ def test_grpo_over_broadcast_ends_with_vllm_on_the_trained_weights(vllm_server, 
     finally:
         _restore(vllm_server.url, vllm_model, tmp_path / "restore")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    # every rollout came from vLLM on the weights the trainer had: the run's own mismatch metrics and probe say so
+    assert all(r["mismatch/mean_abs"] <= 1e-4 and r["mismatch/max_abs"] <= 1e-3 for r in steps), \
+        [(r["mismatch/mean_abs"], r["mismatch/max_abs"]) for r in steps]
+    assert all(r["mismatch/out_of_range_frac"] == 0.0 for r in steps)
+    assert [r.get("probe/ok") for r in steps] == [1.0] * 3  # the weight-sync probe after each step's push
     assert version == "3"
     assert on_trained <= 1e-4, f"vLLM is {on_trained:.3g} from the trained weights"
     assert on_start > 1e-3, f"the run did not move the weights (vLLM {on_start:.3g} from the start)"

@@ -16,6 +16,9 @@ Weights (`VLLMReloadSync`, `engine.sync: vllm`): vLLM 0.32 has no "load this fol
 writes the safetensors folder tokenmill's `FileSync` writes and has each server reload from it through
 `POST /collective_rpc {"method": "reload_weights"}` between `/pause` and `/resume`, then drops the prefix
 cache (`/reset_prefix_cache`: cached KV blocks were computed with the old weights and survive a reload).
+`VLLMBroadcastSync` (`engine.sync: vllm_broadcast`) sends them by gloo broadcast instead, received by
+tokenmill's worker extension (`engines/vllm_worker.py`, which runs inside vLLM), since every weight-transfer
+backend vLLM 0.32 ships is GPU-only.
 
     >>> python = ensure_venv(default_venv())                                        # doctest: +SKIP
     >>> server = start_server(python, "path/to/model", port=8000)                   # doctest: +SKIP

@@ -4,8 +4,9 @@ tokenmill's.
 vLLM mixes this class into its worker class when the server is started with `--worker-extension-cls
 tokenmill_vllm_worker.TokenmillWeightReceiver` (`tokenmill.engines.vllm.start_server` copies this file into a
 folder of its own under that module name and puts the folder on the server's `PYTHONPATH`); its methods are then
-called by `POST /collective_rpc {"method", "kwargs"}` (dev mode). It imports nothing from tokenmill and nothing
-from vLLM: the vLLM venv has neither tokenmill nor tokenmill's dependencies.
+called by `POST /collective_rpc {"method", "kwargs"}` (dev mode). It imports nothing from tokenmill (the vLLM
+venv has neither tokenmill nor tokenmill's dependencies); from vLLM only what `_fix_cpu_lora_prompt_logprobs`
+patches.
 
 The weight group is torch.distributed's gloo backend built on a `TCPStore` the trainer hosts (rank 0), with the
 store keys laid out as `tokenmill.sync.group.open_group` lays them out under the group name `GROUP`, so
@@ -23,6 +24,43 @@ from typing import Any
 import torch
 
 GROUP = "vllm_weight_transfer"  # = tokenmill.sync.group.VLLM_GROUP (the trainer's side of the store layout)
+
+
+def _fix_cpu_lora_prompt_logprobs() -> None:
+    """vLLM 0.32's CPU LoRA wrapper computes LoRA logits with one adapter index per *sampled* request
+    (`sampler_indices`), also for `prompt_logprobs`, whose logits have one row per prompt position: with more
+    than one request in the batch the shapes disagree and the engine dies (`einsum(): subscript b has size 17
+    for operand 1 which does not broadcast with previously seen size 31`, then `EngineDeadError`), so any
+    scoring request (tokenmill's weight-sync probe, a distillation teacher) kills a server started with
+    `--enable-lora`. (The GPU wrapper maps rows by `x.size(0)` and is not affected.) When every request of the
+    batch uses the same adapter (or none), that index is the right one for every row; this patch uses it. A
+    batch mixing adapters still fails as before."""
+    try:
+        from vllm.lora.ops.torch_ops import bgmv_expand, bgmv_shrink
+        from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+    except ImportError:  # not vLLM's CPU build: nothing to fix
+        return
+    original = PunicaWrapperCPU.add_lora_logits
+    if getattr(original, "tokenmill_fixed", False):
+        return
+
+    def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None, **kwargs):
+        indices = self.sampler_indices
+        rows = x.reshape(-1, x.shape[-1]).size(0)
+        one = torch.unique(indices)
+        if indices.numel() in (1, rows) or one.numel() != 1:
+            return original(self, y, x, lora_a_stacked, lora_b_stacked, scale, buffer=buffer, **kwargs)
+        y2, x2 = y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1])
+        expanded = one.expand(rows).contiguous()
+        buf = torch.zeros((rows, lora_b_stacked.size(-1)), dtype=torch.float32, device=x.device)
+        bgmv_shrink(x2, lora_a_stacked, buf, expanded, scale)
+        bgmv_expand(buf, lora_b_stacked, y2, expanded, add_inputs=True)
+
+    add_lora_logits.tokenmill_fixed = True
+    PunicaWrapperCPU.add_lora_logits = add_lora_logits
+
+
+_fix_cpu_lora_prompt_logprobs()  # this module is imported in each vLLM worker before it builds its model
 
 
 class TokenmillWeightReceiver:
