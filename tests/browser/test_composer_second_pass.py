@@ -4,7 +4,10 @@ real server and checks what the page shows against what it was given."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -146,6 +149,163 @@ def test_the_memory_page_gives_one_recommendation_in_gib(page):
     assert answer.value.json()["devices"][0]["fits"] is True
     expect(rec).to_have_attribute("data-fits", "true")
     assert page.problems == [], page.problems
+
+
+STARTED = 1_700_000_000.0
+
+
+def _write_run(folder, config: dict, rows: list[dict], *, mode: str = "rl", seconds: float | None = 90.0,
+               pid: int | None = None, started: float = STARTED) -> None:
+    """A run folder as a launched run leaves it (composer.json, run.yaml, metrics.jsonl; status.json once ended)."""
+    folder.mkdir(parents=True)
+    (folder / "run.yaml").write_text(yaml.safe_dump(config))
+    (folder / "composer.json").write_text(json.dumps({"mode": mode, "started": started, "pid": pid,
+                                                      "total_steps": len(rows)}))
+    if seconds is not None:
+        (folder / "status.json").write_text(json.dumps({"status": "finished", "returncode": 0,
+                                                        "ended": started + seconds}))
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _append(path, row) -> None:
+    with open(path, "a") as f:
+        f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+
+
+def _rl_rows(scale: float, n: int = 3) -> list[dict]:
+    return [{"step": s, "reward/mean": scale * s, "kl": 0.01 * s, "entropy": 1.0 - 0.1 * s,
+             "timing_s/generate": 1.0, "timing_s/train": 0.5} for s in range(1, n + 1)]
+
+
+def _open_run(page, run_id: str) -> None:
+    page.get_by_test_id("nav-runs").click()
+    page.get_by_test_id(f"run-open-{run_id}").click()
+    page.get_by_test_id("run-id").filter(has_text=run_id).wait_for()
+
+
+def test_runs_in_nested_folders_are_named_tagged_and_compared(page, composer):
+    """Two runs of a sweep folder: listed with their duration, named and tagged from the page (kept in the
+    folder), then compared: their reward curves overlaid on one axis and the one config key that differs."""
+    _, _, runs_dir = composer
+    base = {"model": {"path": "m"}, "data": {"task": "addition"}, "controller": {"steps": 3}}
+    _write_run(runs_dir / "sweep" / "kl-a", {**base, "algorithm": {"kl_coef": 0.01}}, _rl_rows(1.0))
+    _write_run(runs_dir / "sweep" / "kl-b", {**base, "algorithm": {"kl_coef": 0.05}}, _rl_rows(2.0), seconds=30.0)
+    page.get_by_test_id("nav-runs").click()
+    expect(page.get_by_test_id("run-duration-sweep/kl-a")).to_have_text("1 min 30 s")
+    expect(page.get_by_test_id("run-duration-sweep/kl-b")).to_have_text("30 s")
+    expect(page.get_by_test_id("run-last-sweep/kl-b")).to_have_text("6")
+    with page.expect_response(lambda r: r.url.endswith("/labels")) as answer:
+        page.get_by_label("name of run sweep/kl-a").fill("low kl")
+        page.get_by_label("name of run sweep/kl-a").press("Tab")
+    assert answer.value.status == 200, answer.value.text()
+    with page.expect_response(lambda r: r.url.endswith("/labels")):
+        page.get_by_label("tags of run sweep/kl-a").fill("kl baseline")
+        page.get_by_label("tags of run sweep/kl-a").press("Tab")
+    labels = json.loads((runs_dir / "sweep" / "kl-a" / "labels.json").read_text())
+    assert labels == {"name": "low kl", "tags": ["kl", "baseline"]}
+    page.get_by_label("compare run sweep/kl-a").check()
+    page.get_by_label("compare run sweep/kl-b").check()
+    page.get_by_test_id("compare-runs").click()
+    chart = page.get_by_test_id("compare-chart-reward_mean")
+    expect(chart).to_have_attribute("data-points", "3")
+    legend = page.get_by_test_id("compare-chart-reward_mean-legend")
+    assert legend.locator("[data-label='low kl']").get_attribute("data-value") == "3"
+    assert legend.locator("[data-label='sweep/kl-b']").get_attribute("data-value") == "6"
+    for metric in ("kl", "entropy"):
+        expect(page.get_by_test_id(f"compare-chart-{metric}")).to_have_attribute("data-points", "3")
+    diff = page.get_by_test_id("compare-diff").locator("tbody tr")
+    assert diff.count() == 1
+    assert diff.first.inner_text().split() == ["algorithm.kl_coef", "0.01", "0.05"]
+    assert page.problems == [], page.problems
+
+
+def test_sft_curves_with_axis_titles_legend_smoothing_and_zoom(page, composer):
+    """An SFT run's own metrics (loss, accuracy, lr, grad_norm) are charted; a chart names its axes with the
+    unit, its legend shows the last value, smoothing shows the debiased moving average, and a drag zooms."""
+    _, _, runs_dir = composer
+    losses = [2.0, 1.0, 1.5, 0.5]
+    rows = [{"step": i + 1, "loss": v, "accuracy": 0.1 * (i + 1), "lr": 1e-5, "grad_norm": 2.0 - 0.1 * i}
+            for i, v in enumerate(losses)]
+    _write_run(runs_dir / "sft-run", {"model": {"path": "m"}}, rows, mode="sft")
+    _open_run(page, "sft-run")
+    for key in ("loss", "accuracy", "lr", "grad_norm"):
+        expect(page.get_by_test_id(f"chart-{key}")).to_have_attribute("data-points", "4")
+    chart = page.get_by_test_id("chart-loss")
+    # uPlot draws the axis titles on its canvas; the plot's accessible name carries the same two titles
+    assert chart.locator(".chart-body").get_attribute("aria-label") == "loss (nats) against step"
+    value = page.get_by_test_id("chart-loss-legend").locator("[data-label=loss]")
+    assert value.get_attribute("data-value") == "0.5"
+    page.get_by_test_id("smoothing").fill("0.5")
+    ema, weight = 0.0, 0.5
+    for v in losses:
+        ema = ema * weight + (1 - weight) * v
+    expected = ema / (1 - weight ** len(losses))  # by hand: 0.875 / (1 - 1/16) = 0.9333...
+    assert abs(expected - 0.875 / (15 / 16)) < 1e-12
+    assert abs(float(value.get_attribute("data-value")) - expected) < 1e-12
+    box = chart.locator(".u-over").bounding_box()
+    page.mouse.move(box["x"] + box["width"] * 0.1, box["y"] + box["height"] / 2)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * 0.6, box["y"] + box["height"] / 2, steps=5)
+    page.mouse.up()
+    expect(chart).to_have_attribute("data-zoomed", "true")
+    chart.locator(".u-over").dblclick()
+    expect(chart).to_have_attribute("data-zoomed", "false")
+    assert page.problems == [], page.problems
+
+
+def test_the_bottleneck_is_judged_over_a_window_of_steps(page, composer):
+    """Per step the slower stage alternates; the badge is the stage with the largest share of the last 10
+    steps' time (hand-summed), not the last step's, and the share of each stage is charted per step."""
+    _, _, runs_dir = composer
+    rows = []
+    for s in range(1, 13):
+        generate, train = (1.0, 0.9) if s % 2 else (0.7, 1.0)
+        rows.append({"step": s, "reward/mean": 0.1 * s, "timing_s/generate": generate, "timing_s/train": train,
+                     "bottleneck": "generate" if generate > train else "train"})
+    # steps 3-12 with step 12 changed below: generate 5 x 1.0 + 4 x 0.7 + 1.2 = 9.0 s, train 5 x 0.9 + 4 x 1.0 +
+    # 1.0 = 9.5 s: train, while step 12's own verdict is generate
+    rows[-1].update({"timing_s/generate": 1.2, "timing_s/train": 1.0, "bottleneck": "generate"})
+    _write_run(runs_dir / "flippy", {"model": {"path": "m"}}, rows)
+    _open_run(page, "flippy")
+    expect(page.get_by_test_id("stage-train")).to_have_attribute("data-bottleneck", "true")
+    assert page.get_by_test_id("stage-generate").get_attribute("data-bottleneck") == "false"
+    window = page.get_by_test_id("bottleneck-window").inner_text()
+    assert "last 10 step(s): train, 51% of their time" in window  # 9.5 / (9.0 + 9.5) = 51.4 %
+    expect(page.get_by_test_id("chart-stage-share")).to_have_attribute("data-points", "12")
+    assert page.problems == [], page.problems
+
+
+def test_a_starting_run_shows_its_stages_then_alarms_and_its_efficiency_report(page, composer):
+    """A run that has printed but not yet stepped: the start-up stages and the open log; then the trainer's
+    first stage, its first step (the start-up box goes), a health alarm (a banner) and an efficiency report
+    (its row, then report.json)."""
+    _, _, runs_dir = composer
+    folder = runs_dir / "starting"
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "tokenmill-test-run"])
+    try:
+        _write_run(folder, {"model": {"path": "m"}}, [], seconds=None, pid=alive.pid, started=time.time() - 1)
+        (folder / "log.txt").write_text("loading model m\n")
+        _open_run(page, "starting")
+        startup = page.get_by_test_id("startup")
+        expect(startup).to_have_attribute("data-phase", "1")
+        assert page.get_by_test_id("run-log-box").get_attribute("open") is not None
+        expect(page.get_by_test_id("run-log")).to_contain_text("loading model m")
+        _append(folder / "events.jsonl", {"event": "stage", "stage": "generate", "step": 1, "t": time.time()})
+        expect(startup).to_have_attribute("data-phase", "3")
+        _append(folder / "metrics.jsonl", _rl_rows(1.0, 1)[0])
+        expect(startup).to_have_count(0)
+        alarm = {"event": "alarm", "name": "reward_flat", "metric": "reward/std", "value": 0.0, "threshold": 1e-06,
+                 "policy": "warn", "message": "every group scored alike for 5 steps", "step": 1}
+        _append(folder / "events.jsonl", alarm)
+        banner = page.get_by_test_id("alarm-reward_flat")
+        expect(banner).to_contain_text("every group scored alike for 5 steps")
+        assert "reward/std = 0" in banner.inner_text() and "policy warn" in banner.inner_text()
+        _append(folder / "events.jsonl", {"event": "efficiency_report", "tokens_per_s": 1234.5})
+        expect(page.get_by_test_id("efficiency-tokens_per_s")).to_contain_text("1234.50")
+        assert page.problems == [], page.problems
+    finally:
+        alive.kill()
+        alive.wait()
 
 
 def test_a_reward_preview_can_be_cancelled(page, tiny_model_path):

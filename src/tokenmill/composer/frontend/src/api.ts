@@ -108,6 +108,27 @@ export interface RunInfo {
   output_dir: string;
   argv?: string[];
   last_metrics?: Record<string, unknown> | null;
+  name?: string | null;
+  tags?: string[];
+  duration_s?: number | null;
+}
+
+export interface Comparison {
+  runs: (RunInfo & { curves: Record<string, [number, number][]> })[];
+  metrics: string[];
+  config_diff: { path: string; values: Record<string, unknown> }[];
+}
+
+/** A health alarm the trainer wrote to events.jsonl. */
+export interface Alarm {
+  event: "alarm";
+  name: string;
+  metric: string;
+  value: number;
+  threshold: number;
+  policy: string;
+  message: string;
+  step: number;
 }
 
 export interface RunStatus {
@@ -171,6 +192,11 @@ async function call<T>(method: "GET" | "POST", route: string, body?: unknown, si
   return parsed as T;
 }
 
+/** A run id in a URL path: nested folders keep their slashes ("sweep/a"), each name encoded. */
+function runPath(id: string): string {
+  return id.split("/").map(encodeURIComponent).join("/");
+}
+
 export const api = {
   schema: (mode: Mode) => call<Schema>("GET", `/api/schema?mode=${encodeURIComponent(mode)}`),
   presets: (mode: Mode) => call<Preset[]>("GET", `/api/presets?mode=${encodeURIComponent(mode)}`),
@@ -197,17 +223,24 @@ export const api = {
       config,
       ...(rewards && rewards.length ? { rewards } : {}),
     }),
-  stop: (id: string) => call<unknown>("POST", `/api/runs/${encodeURIComponent(id)}/stop`),
+  stop: (id: string) => call<unknown>("POST", `/api/runs/${runPath(id)}/stop`),
   runs: () => call<{ runs: RunInfo[] }>("GET", "/api/runs"),
+  labels: (id: string, name: string | null, tags: string[]) =>
+    call<RunInfo>("POST", `/api/runs/${runPath(id)}/labels`, { name, tags }),
+  compare: (ids: string[]) => call<Comparison>("GET", `/api/compare?ids=${ids.map(encodeURIComponent).join(",")}`),
+  report: (id: string) => call<Record<string, unknown>>("GET", `/api/runs/${runPath(id)}/report`),
 };
+
+const STREAM_EVENTS = ["metrics", "samples", "status", "log", "stage", "alarm", "efficiency"] as const;
+type StreamEvent = (typeof STREAM_EVENTS)[number];
 
 /** Subscribe to a run's live stream; EventSource resends Last-Event-ID (a byte offset) on reconnect. */
 export function runEvents(
   id: string,
-  on: { [event in "metrics" | "samples" | "status" | "log"]?: (data: any) => void } & { error?: () => void },
+  on: { [event in StreamEvent]?: (data: any) => void } & { error?: () => void },
 ): () => void {
-  const source = new EventSource(`/api/runs/${encodeURIComponent(id)}/events`, { withCredentials: true });
-  for (const name of ["metrics", "samples", "status", "log"] as const) {
+  const source = new EventSource(`/api/runs/${runPath(id)}/events`, { withCredentials: true });
+  for (const name of STREAM_EVENTS) {
     const handler = on[name];
     if (!handler) continue;
     source.addEventListener(name, (ev) => {

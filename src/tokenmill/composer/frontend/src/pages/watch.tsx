@@ -2,12 +2,13 @@
 // throughput per stage with the bottleneck highlighted, curves, recent samples and the log.
 import { useEffect, useState } from "preact/hooks";
 import { api, runEvents } from "../api";
-import type { RunStatus } from "../api";
-import { formatNumber, formatSeconds, LineChart } from "../components/chart";
+import type { Alarm, RunStatus } from "../api";
+import { formatNumber, formatSeconds, LineChart, SmoothingControl } from "../components/chart";
 import type { Series } from "../components/chart";
+import { AlarmBanner, EfficiencyPanel, Startup, startupPhase } from "../components/runpanels";
+import type { Row } from "../components/runpanels";
 import { getPath, getState, navigate, useStore } from "../store";
 
-type Row = Record<string, unknown>;
 const STAGES = ["generate", "reward", "train", "critic", "sync"];
 const ADVICE: Record<string, string> = {
   generate: "Generation-bound: shorten completions, lower group_size, or move generation to a faster engine / more GPUs.",
@@ -24,8 +25,29 @@ interface Live {
   samples: Row[];
   log: string[];
   status: RunStatus | null;
+  alarms: Alarm[];
+  efficiency: Row | null;
+  stageSeen: boolean; // the trainer has entered a stage of its first step
+  opened: number; // when this page opened the run (ms)
 }
-const EMPTY: Live = { rows: [], evals: [], samples: [], log: [], status: null };
+const EMPTY: Live = { rows: [], evals: [], samples: [], log: [], status: null, alarms: [], efficiency: null, stageSeen: false, opened: 0 };
+// the bottleneck is judged over this many steps: one step's noise must not flip it
+export const WINDOW = 10;
+
+/** A held-out evaluation row (logged at step 0 and after the last step) rather than a training step's. */
+function isEval(row: Row): boolean {
+  return !("reward/mean" in row) && Object.keys(row).some((k) => k.startsWith("eval/"));
+}
+
+/** The stage with the largest share of the time of the last `window` steps. */
+export function windowBottleneck(rows: Row[], window: number): { stage: string; share: number } | null {
+  const recent = rows.slice(-window);
+  const totals = STAGES.map((s) => recent.reduce((a, r) => a + (num(r, `timing_s/${s}`) ?? 0), 0));
+  const sum = totals.reduce((a, b) => a + b, 0);
+  if (sum <= 0) return null;
+  const best = totals.indexOf(Math.max(...totals));
+  return { stage: STAGES[best], share: totals[best] / sum };
+}
 const ENDED = new Set(["finished", "failed", "stopped"]);
 
 function num(row: Row, key: string): number | null {
@@ -36,16 +58,16 @@ function num(row: Row, key: string): number | null {
 function useRun(id: string | null): Live {
   const [live, setLive] = useState<Live>(EMPTY);
   useEffect(() => {
-    setLive(EMPTY);
+    setLive({ ...EMPTY, opened: Date.now() });
     if (!id) return;
     // An ended run's stream sends its backlog between a first and a last `status`, then closes; the
     // browser would reconnect and replay the final status forever, so once ended, a closed stream is final.
     let ended = false;
     const close = runEvents(id, {
-      metrics: (row: Row) =>
-        setLive((l) =>
-          "timing_s/step" in row || "reward/mean" in row ? { ...l, rows: [...l.rows, row] } : { ...l, evals: [...l.evals, row] },
-        ),
+      metrics: (row: Row) => setLive((l) => (isEval(row) ? { ...l, evals: [...l.evals, row] } : { ...l, rows: [...l.rows, row] })),
+      stage: () => setLive((l) => (l.stageSeen ? l : { ...l, stageSeen: true })),
+      alarm: (a: Alarm) => setLive((l) => ({ ...l, alarms: [...l.alarms, a] })),
+      efficiency: (row: Row) => setLive((l) => ({ ...l, efficiency: row })),
       samples: (row: Row) => setLive((l) => ({ ...l, samples: [...l.samples.slice(-199), row] })),
       log: (d: { line?: string } | string) =>
         setLive((l) => ({ ...l, log: [...l.log.slice(-299), typeof d === "string" ? d : d.line ?? ""] })),
@@ -60,8 +82,11 @@ function useRun(id: string | null): Live {
   return live;
 }
 
-function Stages({ last, status }: { last: Row | undefined; status: RunStatus | null }) {
-  const bottleneck = (last?.bottleneck as string | undefined) ?? status?.bottleneck ?? null;
+function Stages({ rows, status }: { rows: Row[]; status: RunStatus | null }) {
+  const last = rows[rows.length - 1];
+  const judged = windowBottleneck(rows, WINDOW);
+  // timings of the last WINDOW steps decide; without timings, the trainer's own word (async: which side waits)
+  const bottleneck = judged?.stage ?? (last?.bottleneck as string | undefined) ?? status?.bottleneck ?? null;
   // async runs have two sides busy at once (the producer generating while the trainer trains): mark both
   const sides = Object.entries(status?.sides ?? {});
   const current = new Map<string, string>(sides.length ? sides.map(([side, st]) => [st, side]) : status?.stage ? [[status.stage, ""]] : []);
@@ -94,6 +119,11 @@ function Stages({ last, status }: { last: Row | undefined; status: RunStatus | n
           );
         })}
       </div>
+      {judged && (
+        <p class="muted small" data-testid="bottleneck-window">
+          bottleneck over the last {Math.min(WINDOW, rows.length)} step(s): {judged.stage}, {Math.round(100 * judged.share)}% of their time
+        </p>
+      )}
       {bottleneck && ADVICE[bottleneck] && (
         <p class="help" data-testid="bottleneck-advice">
           {ADVICE[bottleneck]}
@@ -103,26 +133,70 @@ function Stages({ last, status }: { last: Row | undefined; status: RunStatus | n
   );
 }
 
-function Charts({ rows, klOff }: { rows: Row[]; klOff: boolean }) {
+const HIDDEN = /^(step|timing_s\/|timing_share\/|throughput\/)/;
+const SHOWN_RL = new Set(["reward/mean", "kl", "entropy", "response_len/mean", "response_len/max"]);
+const UNITS: Record<string, string> = { lr: "", grad_norm: "", loss: "nats", "response_len/mean": "tokens" };
+
+/** Every numeric key of the rows, in first-seen order. */
+function numericKeys(rows: Row[]): string[] {
+  const keys = new Set<string>();
+  rows.forEach((r) => Object.entries(r).forEach(([k, v]) => typeof v === "number" && keys.add(k)));
+  return [...keys];
+}
+
+function Charts({ rows, klOff, smoothing }: { rows: Row[]; klOff: boolean; smoothing: number }) {
   const steps = rows.map((r) => num(r, "step") ?? 0);
   const col = (key: string) => rows.map((r) => num(r, key));
-  const perReward = [...new Set(rows.flatMap((r) => Object.keys(r)))]
+  const keys = numericKeys(rows);
+  const rl = keys.includes("reward/mean");
+  const perReward = keys
     .filter((k) => /^reward\/.+\/mean$/.test(k))
     .map((k, i): Series => ({ label: k.slice(7, -5), values: col(k), color: COLORS[(i + 1) % COLORS.length] }));
+  const others = keys.filter((k) => !HIDDEN.test(k) && !SHOWN_RL.has(k) && !perReward.some((p) => `reward/${p.label}/mean` === k));
+  const shares = STAGES.filter((s) => keys.includes(`timing_s/${s}`)).map((s, i): Series => ({
+    label: s,
+    values: rows.map((r) => {
+      const total = STAGES.reduce((a, x) => a + (num(r, `timing_s/${x}`) ?? 0), 0);
+      const t = num(r, `timing_s/${s}`);
+      return t === null || total <= 0 ? null : t / total;
+    }),
+    color: COLORS[i % COLORS.length],
+  }));
+  const chart = (k: string, i: number) => (
+    <LineChart title={k} testId={`chart-${k.replace(/[^A-Za-z0-9_-]/g, "_")}`} steps={steps} unit={UNITS[k]} smoothing={smoothing}
+      series={[{ label: k, values: col(k), color: COLORS[i % COLORS.length] }]} />
+  );
   return (
-    <div class="chart-grid">
-      <LineChart title="Reward" testId="chart-reward" steps={steps}
-        series={[{ label: "total", values: col("reward/mean"), color: COLORS[0] }, ...perReward]} />
-      <LineChart title="KL to reference" testId="chart-kl" steps={steps} note={klOff ? "off (kl_coef 0)" : undefined}
-        series={[{ label: "kl", values: col("kl"), color: COLORS[4] }]} />
-      <LineChart title="Entropy" testId="chart-entropy" steps={steps}
-        series={[{ label: "entropy", values: col("entropy"), color: COLORS[2] }]} />
-      <LineChart title="Response length" testId="chart-length" steps={steps}
-        series={[
-          { label: "mean", values: col("response_len/mean"), color: COLORS[3] },
-          { label: "max", values: col("response_len/max"), color: COLORS[5] },
-        ]} />
-    </div>
+    <>
+      <div class="chart-grid">
+        {rl && (
+          <>
+            <LineChart title="Reward" testId="chart-reward" steps={steps} smoothing={smoothing} unit="score"
+              series={[{ label: "total", values: col("reward/mean"), color: COLORS[0] }, ...perReward]} />
+            <LineChart title="KL to reference" testId="chart-kl" steps={steps} note={klOff ? "off (kl_coef 0)" : undefined}
+              smoothing={smoothing} unit="nats/token" series={[{ label: "kl", values: col("kl"), color: COLORS[4] }]} />
+            <LineChart title="Entropy" testId="chart-entropy" steps={steps} smoothing={smoothing} unit="nats/token"
+              series={[{ label: "entropy", values: col("entropy"), color: COLORS[2] }]} />
+            <LineChart title="Response length" testId="chart-length" steps={steps} smoothing={smoothing} unit="tokens"
+              series={[
+                { label: "mean", values: col("response_len/mean"), color: COLORS[3] },
+                { label: "max", values: col("response_len/max"), color: COLORS[5] },
+              ]} />
+          </>
+        )}
+        {!rl && others.map(chart)}
+        {shares.length > 0 && (
+          <LineChart title="Stage share of step time" testId="chart-stage-share" steps={steps} unit="fraction" smoothing={smoothing}
+            series={shares} />
+        )}
+      </div>
+      {rl && others.length > 0 && (
+        <details class="card" data-testid="more-metrics">
+          <summary>All metrics ({others.length} more)</summary>
+          <div class="chart-grid">{others.map(chart)}</div>
+        </details>
+      )}
+    </>
   );
 }
 
@@ -213,10 +287,13 @@ function Launcher() {
 export function WatchPage() {
   const s = useStore();
   const live = useRun(s.runId);
-  const last = live.rows[live.rows.length - 1];
   const status = live.status;
   const klOff = s.mode === "rl" && Number(getPath(s.config, "algorithm.kl_coef") ?? 0) === 0;
   const [stopping, setStopping] = useState(false);
+  const [smoothing, setSmoothing] = useState(0);
+  const ended = ENDED.has(status?.status ?? "");
+  const phase = startupPhase({ logLines: live.log.length, stageSeen: live.stageSeen || status?.stage_source === "reported",
+    evals: live.evals.length, rows: live.rows.length, ended });
   return (
     <div class="page" data-testid="page-watch">
       <header class="page-head">
@@ -244,15 +321,22 @@ export function WatchPage() {
       <Launcher />
       {s.runId && (
         <>
-          <Stages last={last} status={status} />
-          <Charts rows={live.rows} klOff={klOff} />
+          <AlarmBanner alarms={live.alarms} />
+          {phase < 4 && <Startup phase={phase} since={live.opened} />}
+          <Stages rows={live.rows} status={status} />
+          <div class="row">
+            <SmoothingControl value={smoothing} onChange={setSmoothing} />
+            <span class="muted small">drag across a chart to zoom, double-click to zoom out</span>
+          </div>
+          <Charts rows={live.rows} klOff={klOff} smoothing={smoothing} />
           {live.evals.length > 0 && (
             <p class="muted small" data-testid="evals">
               held-out: {live.evals.map((r) => `step ${r.step}: accuracy ${num(r, "eval/accuracy") === null ? "—" : formatNumber(num(r, "eval/accuracy")!)}`).join(" · ")}
             </p>
           )}
-          <Samples samples={live.samples} />
-          <details class="card" open={status?.status === "failed"}>
+          <EfficiencyPanel runId={s.runId} row={live.efficiency} />
+          {live.samples.length > 0 && <Samples samples={live.samples} />}
+          <details class="card" open={status?.status === "failed" || phase < 4} data-testid="run-log-box">
             <summary>Log ({live.log.length} lines)</summary>
             <pre class="code log" data-testid="run-log">{live.log.join("\n")}</pre>
           </details>
