@@ -452,10 +452,10 @@ class ReplayFeed:
         self.run, self.steps = run, read_dump(run.cfg.record.replay)
 
     def get(self, step: int) -> tuple[list[Group], dict[str, float]] | None:
-        if step not in self.steps:  # the dump ends here: so does the run
-            self.run.logger.message(f"replay: the dump has no step {step}; stopping after step {step - 1}")
+        if step not in self.steps and step > max(self.steps):  # the dump ends here: so does the run
+            self.run.logger.message(f"replay: the dump ends at step {max(self.steps)}; stopping there")
             return None
-        return self.steps[step], {}
+        return self.steps.get(step, []), {}  # a step the dump skips had no groups
 
     def push(self, step: int) -> None:
         self.run.engine.update_weights((), version=step)

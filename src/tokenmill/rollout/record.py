@@ -86,13 +86,16 @@ class RolloutRecorder:
 
     def flush(self) -> Path | None:
         """Write what is held as one shard (atomically); None when nothing is."""
-        if not self.steps:
+        if not self.rows:  # steps without a group (nothing to train): a replay gives them none either
+            self.steps = []
             return None
+        import pyarrow.parquet as pq
         from datasets import Dataset
 
         path = self.folder / f"steps_{self.steps[0]:08d}-{self.steps[-1]:08d}.parquet"
         tmp = path.with_name(f".{path.name}.tmp")
-        Dataset.from_list(self.rows, features=features()).to_parquet(str(tmp))
+        # the table `datasets` builds (its features in the schema's metadata), written without a progress bar
+        pq.write_table(Dataset.from_list(self.rows, features=features()).data.table, str(tmp))
         os.replace(tmp, path)
         self.rows, self.steps = [], []
         self.written.append(path)

@@ -70,3 +70,11 @@ def test_a_step_recorded_twice_is_read_from_the_newer_shard(tmp_path):
     again.add(3, _groups(3)[:1])
     back = read_dump(tmp_path)
     assert [len(back[s]) for s in (1, 2, 3)] == [2, 1, 1]
+
+
+def test_a_step_without_groups_writes_nothing(tmp_path):
+    rec = RolloutRecorder(tmp_path, every=1)
+    rec.add(1, [])
+    rec.add(2, _groups(2))
+    assert [p.name for p in rec.written] == ["steps_00000002-00000002.parquet"]
+    assert sorted(read_dump(tmp_path)) == [2]
