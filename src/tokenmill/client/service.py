@@ -12,6 +12,7 @@ what it would be alone on the server.
 
 from __future__ import annotations
 
+import inspect
 import re
 import threading
 from collections.abc import Callable
@@ -167,7 +168,14 @@ class TrainerService:
         if callable(loss_fn):
             fn = loss_fn
         elif loss_fn in NAMED_LOSSES:
-            named, extra = NAMED_LOSSES[loss_fn], dict(loss_fn_config or {})
+            named, extra = NAMED_LOSSES[loss_fn], loss_fn_config or {}
+            fixed = {"logprobs_B_T", "old_logprobs_B_T", "advantages", "weights_B_T"}
+            try:
+                if not isinstance(extra, dict) or fixed & set(extra):
+                    raise TypeError(f"an object of the loss's settings, not {sorted(fixed & set(extra)) or extra!r}")
+                inspect.signature(named).bind_partial(**extra)
+            except TypeError as exc:
+                raise RequestError(f"loss_fn_config: {exc}", "loss_fn_config") from None
 
             def fn(logprobs_B_T, batch):
                 return named(logprobs_B_T, old_logprobs_B_T=batch.old_logprobs_B_T, advantages=batch.advantages,
@@ -176,11 +184,7 @@ class TrainerService:
             raise RequestError(f"loss_fn: {loss_fn!r} is not one of {', '.join(sorted(NAMED_LOSSES))}", "loss_fn")
         batch = self._batch(data)
         with self.lock:
-            trainee = self._trainee(cid)
-            try:
-                metrics = trainee.backend.forward_backward(batch, fn)
-            except TypeError as exc:
-                raise RequestError(f"loss_fn_config: {exc}", "loss_fn_config") from None
+            metrics = self._trainee(cid).backend.forward_backward(batch, fn)
         return {"metrics": metrics}
 
     def forward(self, cid: str, data: Any) -> dict[str, Any]:

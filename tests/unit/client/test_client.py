@@ -124,6 +124,8 @@ def test_bad_requests_get_clear_4xx(server, tmp_path):
     refused(400, "forward", {"cid": cid, "data": [], "colour": 1}, text="colour")
     refused(404, "forward", {"cid": "t99", "data": [DATUM.wire()]}, "client_id", "no training client")
     refused(400, "forward_backward", {"cid": cid, "data": [DATUM.wire()], "loss_fn": "magic"}, "loss_fn", "magic")
+    refused(400, "forward_backward", {"cid": cid, "data": [DATUM.wire()], "loss_fn": "ppo",
+                                      "loss_fn_config": {"clip": 0.1}}, "loss_fn_config", "clip")
     refused(400, "forward", {"cid": cid, "data": [{"tokens": [1, 10**6]}]}, "data.0.tokens", "token ids")
     refused(400, "forward", {"cid": cid, "data": [{"tokens": [1, 2, 3], "weights": [1.0]}]}, "data.0.weights",
             "one number per token (3)")
