@@ -319,7 +319,8 @@ def cmd_vllm(args: argparse.Namespace) -> int:
     return serve_command(args)
 
 
-def _serve_trainer_parser(sub) -> None:
+def _with_serve_trainer(parser: argparse.ArgumentParser, sub) -> argparse.ArgumentParser:
+    """`parser` with the `serve-trainer` command added to its subcommands `sub`."""
     st = sub.add_parser("serve-trainer", help="the training API (LoRA clients of one base model) over HTTP")
     st.add_argument("model_dir", help="a Hugging Face model folder: the base model the clients' adapters train")
     st.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
@@ -329,6 +330,7 @@ def _serve_trainer_parser(sub) -> None:
     st.add_argument("--root", default="runs/trainer", help="folder of saved states and sampler weights")
     st.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
     st.set_defaults(fn=cmd_serve_trainer)
+    return parser
 
 
 @functools.cache  # built once per process: argparse's setup costs more than validating a config
@@ -388,7 +390,6 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
     srv.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (413 beyond)")
     srv.set_defaults(fn=cmd_serve)
-    _serve_trainer_parser(sub)
     vl = sub.add_parser("vllm", help="start a vLLM server for a model folder (vLLM in its own cached venv)")
     vl.add_argument("model_dir", nargs="?", default=None, help="a Hugging Face model folder")
     vl.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
@@ -411,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--max-runs", type=int, default=1,
                       help="runs the page may have running at once; a launch beyond it is refused (409)")
     comp.set_defaults(fn=cmd_composer)
-    return parser
+    return _with_serve_trainer(parser, sub)
 
 
 def _quiet_libraries() -> None:
