@@ -80,7 +80,7 @@ def page(browser, composer):
     """A logged-in page: `/?token=` sets the HttpOnly cookie and redirects to the app. Console errors and
     uncaught page errors are collected in `page.problems`."""
     base, token, _ = composer
-    context = browser.new_context(viewport={"width": 1360, "height": 900})
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
     pg = context.new_page()
     pg.problems = []
     pg.on("pageerror", lambda exc: pg.problems.append(f"page error: {exc}"))

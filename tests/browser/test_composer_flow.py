@@ -42,9 +42,19 @@ def _fill(page, path: str, value: str) -> None:
 
 
 def _shot(page, shots, name: str) -> None:
-    """A full-page screenshot from the top (the sidebar is sticky: scrolled, it would be drawn mid-page)."""
+    """Full-page screenshots from the top (the sidebar is sticky: scrolled, it would be drawn mid-page), at
+    1280 x 800 and on a phone, 390 x 844, where the page must not scroll sideways."""
     page.evaluate("window.scrollTo(0, 0)")
     page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
+    page.set_viewport_size({"width": 390, "height": 844})
+    try:
+        page.wait_for_timeout(300)  # charts resize on their ResizeObserver
+        page.evaluate("window.scrollTo(0, 0)")
+        widths = page.evaluate("[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+        assert widths[0] <= widths[1] == 390, (name, widths)
+        page.screenshot(path=str(shots / f"{name}-phone.png"), full_page=True)
+    finally:
+        page.set_viewport_size({"width": 1280, "height": 800})
 
 
 def _set_code(page, index: int, code: str) -> None:

@@ -308,6 +308,30 @@ def test_a_starting_run_shows_its_stages_then_alarms_and_its_efficiency_report(p
         alive.wait()
 
 
+def test_the_models_page_shows_the_placement_of_a_ray_cluster_config(page, tiny_model_path):
+    """A config with cluster settings: the Models page lists the devices of each role as `tokenmill plan`
+    lays them out (the server's plan; nothing is started): 8 ranks on 2 nodes of 8 GPUs, 4 engine replicas
+    of 2 GPUs each on the GPUs the ranks leave."""
+    cluster = {"backend": "ray", "nodes": 2, "gpus_per_node": 8, "cpus_per_node": 16, "trainer_ranks": 8,
+               "engine_replicas": 4, "gpus_per_engine": 2}
+    page.get_by_test_id("yaml-input").fill(yaml.safe_dump({
+        "mode": "rl", "model": {"path": tiny_model_path}, "data": {"task": "addition"}, "cluster": cluster}))
+    page.get_by_test_id("import-yaml").click()
+    expect(page.get_by_test_id("validation-status")).to_have_text("valid")
+    with page.expect_response(lambda r: r.url.endswith("/api/estimate")) as answer:
+        page.get_by_test_id("nav-models").click()
+    placement = answer.value.json()["placement"]
+    trainer = placement["trainer_devices"]
+    engines = placement["engine_devices"]
+    assert trainer == [f"node 0 cuda:{g}" for g in range(8)]  # PACK: the first node's 8 GPUs
+    assert engines == [f"node 1 cuda:{2 * i},cuda:{2 * i + 1}" for i in range(4)]  # the second node, 2 each
+    expect(page.get_by_test_id("placement-trainer")).to_have_attribute("data-devices", "|".join(trainer))
+    expect(page.get_by_test_id("placement-engine")).to_have_attribute("data-devices", "|".join(engines))
+    assert page.get_by_test_id("placement-trainer").inner_text().startswith("8 trainer rank(s)")
+    assert page.get_by_test_id("placement-lines").text_content() == "\n".join(placement["lines"])
+    assert page.problems == [], page.problems
+
+
 def test_a_reward_preview_can_be_cancelled(page, tiny_model_path):
     """Cancel gives the page back at once while a slow reward is still being scored. (Last in this file: the
     server finishes the cancelled preview in the background.)"""

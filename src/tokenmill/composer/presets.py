@@ -11,6 +11,8 @@ are Hugging Face hub names; any local folder of the same architecture works.
 from __future__ import annotations
 
 import copy
+import os
+from pathlib import Path
 from typing import Any
 
 from tokenmill.composer.schema_ui import fixed_values
@@ -99,14 +101,34 @@ def _fit(mode: str, config: dict[str, Any], memory_gib: float) -> dict[str, Any]
     return config
 
 
-def presets(mode: str = "rl") -> list[dict[str, Any]]:
-    """The body of GET /api/presets?mode=..."""
+MODELS_DIR_ENV = "TOKENMILL_MODELS_DIR"
+
+
+def local_model(hub_id: str, models_dir: str | Path | None) -> Path | None:
+    """The folder `models_dir/<name>` for hub id `org/<name>` when it holds a model (a config.json)."""
+    if not models_dir:
+        return None
+    folder = Path(models_dir).expanduser() / hub_id.rsplit("/", 1)[-1]
+    return folder.resolve() if (folder / "config.json").is_file() else None
+
+
+def presets(mode: str = "rl", models_dir: str | Path | None = None) -> list[dict[str, Any]]:
+    """The body of GET /api/presets?mode=...; a preset whose model is found in `models_dir` (default:
+    $TOKENMILL_MODELS_DIR) points at that folder instead of the Hub, and says so (`model_source`)."""
     if mode not in MODES:
         raise ValueError(f"mode: unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    models_dir = models_dir if models_dir is not None else os.environ.get(MODELS_DIR_ENV)
     out = []
     for t in _TARGETS:
         model = copy.deepcopy(t["model"])
+        folder = local_model(model["path"], models_dir)
+        source = (f"local folder {folder}" if folder else
+                  f"{model['path']} from the Hugging Face Hub (downloaded on first use; offline, set "
+                  f"{MODELS_DIR_ENV} to a folder holding {model['path'].rsplit('/', 1)[-1]}/)")
+        if folder:
+            model["path"] = str(folder)
         config = _fit(mode, {"model": model, **_BY_MODE[mode](t), **fixed_values(mode)}, t["memory"])
         out.append({"id": t["id"], "title": t["title"], "description": t["description"], "mode": mode,
-                    "config": config, "device_memory_gib": t["memory"], "num_devices": t["devices"]})
+                    "config": config, "device_memory_gib": t["memory"], "num_devices": t["devices"],
+                    "model_source": source, "local": folder is not None})
     return out

@@ -402,7 +402,7 @@ class RunManager:
         info = self.describe(run_id)
         row = info["last_metrics"]
         running = info["status"] == "running"
-        out = {"status": info["status"], "returncode": info["returncode"], "step": info["step"],
+        out = {"status": info["status"], "mode": info["mode"], "returncode": info["returncode"], "step": info["step"],
                "total_steps": info["total_steps"], "stage": None, "stage_step": None, "stage_source": None,
                "sides": {}, "bottleneck": row.get("bottleneck") if row else None}
         if not running:

@@ -101,3 +101,17 @@ def test_alarms_and_efficiency_reports_are_streamed_and_report_json_is_served(cl
     folder = Path(client.get("/api/runs/sweep/lr-a").json()["output_dir"])
     (folder / "report.json").write_text(json.dumps({"tokens_per_s": 1234.5, "stages": {"train": 0.6}}))
     assert client.get("/api/runs/sweep/lr-a/report").json() == {"tokens_per_s": 1234.5, "stages": {"train": 0.6}}
+
+
+def test_a_preset_points_at_a_local_model_folder_and_says_so(tmp_path, tiny_model_path):
+    """With a models folder holding `<name>/config.json` for a preset's hub id, the preset's model.path is that
+    folder and its model_source names it; the other presets still name the Hub."""
+    from tokenmill.composer.presets import presets
+
+    (tmp_path / "Qwen2.5-0.5B-Instruct").symlink_to(Path(tiny_model_path), target_is_directory=True)
+    laptop, gpu = presets("rl", models_dir=tmp_path)[:2]
+    local = (tmp_path / "Qwen2.5-0.5B-Instruct").resolve()
+    assert laptop["config"]["model"]["path"] == str(local) and laptop["local"] is True
+    assert laptop["model_source"] == f"local folder {local}"
+    assert gpu["config"]["model"]["path"] == "Qwen/Qwen2.5-1.5B-Instruct" and gpu["local"] is False
+    assert "TOKENMILL_MODELS_DIR" in gpu["model_source"]

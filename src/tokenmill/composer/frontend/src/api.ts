@@ -37,6 +37,9 @@ export interface Preset {
   device_memory_gib: number;
   num_devices: number;
   description?: string;
+  /** Where the model comes from: a local folder, or the Hub id (downloaded on first use). */
+  model_source?: string;
+  local?: boolean;
 }
 
 export interface FieldError {
@@ -133,6 +136,7 @@ export interface Alarm {
 
 export interface RunStatus {
   status: RunInfo["status"];
+  mode?: string;
   returncode: number | null;
   step: number | null;
   total_steps: number | null;

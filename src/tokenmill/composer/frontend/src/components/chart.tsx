@@ -36,6 +36,20 @@ export function align(curves: [number, number][][]): { steps: number[]; values: 
   return { steps, values };
 }
 
+/** The y range: uPlot's own, except for a (nearly) constant series, such as a fixed learning rate or a ratio
+ * of 1.0000001, where its tick loop cannot step (the increment rounds away) and overflows an array ("Invalid
+ * array length"): such a range is widened to at least a thousandth of the values' magnitude. */
+function yRange(_u: uPlot, min: number | null, max: number | null): [number, number] {
+  if (min === null || max === null || !Number.isFinite(min) || !Number.isFinite(max)) return [0, 1];
+  const mag = Math.max(Math.abs(min), Math.abs(max));
+  if (max - min <= mag * 1e-6) {
+    const pad = mag * 0.1 || 1;
+    return [min - pad, max + pad];
+  }
+  if (max - min < mag * 1e-3) return [min - mag * 1e-3, max + mag * 1e-3];
+  return uPlot.rangeNum(min, max, 0.1, true) as [number, number];
+}
+
 function faint(color: string): string {
   return `${color}55`;
 }
@@ -69,7 +83,7 @@ export function LineChart(props: {
       height: 180,
       legend: { show: false },
       cursor: { drag: { x: true, y: false, setScale: true } },
-      scales: { x: { time: false } },
+      scales: { x: { time: false }, y: { range: yRange } },
       axes: [
         { ...axis, label: "step" },
         { ...axis, size: 52, label: yLabel },

@@ -42,12 +42,24 @@ interface Budget {
   bytes_per_token: number;
   proposals: { action: string; setting: string; saving_bytes: number; fits_after: boolean }[];
 }
+export interface Placement {
+  nodes: number;
+  trainer_ranks: number;
+  engine_replicas: number;
+  colocate: boolean;
+  trainer_devices: string[];
+  engine_devices: string[];
+  lines: string[];
+}
+
 export interface Estimate {
   models: ModelMem[];
   devices: DeviceMem[];
   warnings: string[];
   recommendation: { backend: string; num_devices: number | null; reason: string } | null;
   budget: Budget | null;
+  /** Where a `cluster: {backend: ray}` config puts its trainer ranks and engine replicas (`tokenmill plan`). */
+  placement?: Placement;
   settings?: Record<string, unknown>;
   model?: Record<string, unknown>;
 }
@@ -154,6 +166,35 @@ function BudgetSlider({ budget }: { budget: Budget | null }) {
   );
 }
 
+/** The plan of `tokenmill plan`: devices per role, computed by the server without starting anything. */
+function PlacementView({ placement }: { placement: Placement }) {
+  const roles: [string, string, string[]][] = [
+    ["trainer", `${placement.trainer_ranks} trainer rank(s)`, placement.trainer_devices],
+    ["engine", `${placement.engine_replicas} engine replica(s)${placement.colocate ? ", colocated with the ranks" : ""}`, placement.engine_devices],
+  ];
+  return (
+    <div data-testid="placement">
+      <h3 style={{ marginTop: "14px" }}>Placement on {placement.nodes} node(s)</h3>
+      <div class="table-wrap">
+        <table class="table">
+          <tbody>
+            {roles.map(([role, title, devices]) => (
+              <tr data-testid={`placement-${role}`} data-devices={devices.join("|")}>
+                <td>{title}</td>
+                <td class="mono small">{devices.join(" · ") || "—"}</td>
+              </tr>
+            ))}
+          </tbody>
+        </table>
+      </div>
+      <details>
+        <summary class="small">as <span class="mono">tokenmill plan</span> prints it</summary>
+        <pre class="code" data-testid="placement-lines">{placement.lines.join("\n")}</pre>
+      </details>
+    </div>
+  );
+}
+
 /** One recommendation: the backend when the config fits, else the first change that makes it fit. */
 function Recommendation({ estimate }: { estimate: Estimate }) {
   const fits = estimate.devices.every((d) => d.fits !== false) && estimate.budget?.fits !== false;
@@ -191,6 +232,7 @@ export function MemoryPanel() {
         <div class="alert warn" data-testid="memory-warning">{w}</div>
       ))}
       <Recommendation estimate={estimate} />
+      {estimate.placement && <PlacementView placement={estimate.placement} />}
       <h3 style={{ marginTop: "14px" }}>Per model</h3>
       <Legend keys={parts} />
       <div class="mem-bars" data-testid="memory-models">

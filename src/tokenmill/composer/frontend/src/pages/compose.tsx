@@ -85,6 +85,11 @@ function Presets({ presets, current }: { presets: Preset[]; current: string | nu
             {p.device_memory_gib} GiB · {MODE_TITLES[p.mode] ?? p.mode}
           </span>
           {p.description && <span class="help">{p.description}</span>}
+          {p.model_source && (
+            <span class={`small${p.local ? "" : " muted"}`} data-testid={`preset-source-${p.id}`}>
+              model: {p.model_source}
+            </span>
+          )}
         </button>
       ))}
     </div>

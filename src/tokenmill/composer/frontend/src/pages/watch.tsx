@@ -144,11 +144,12 @@ function numericKeys(rows: Row[]): string[] {
   return [...keys];
 }
 
-function Charts({ rows, klOff, smoothing }: { rows: Row[]; klOff: boolean; smoothing: number }) {
+function Charts({ rows, klOff, smoothing, mode }: { rows: Row[]; klOff: boolean; smoothing: number; mode?: string }) {
   const steps = rows.map((r) => num(r, "step") ?? 0);
   const col = (key: string) => rows.map((r) => num(r, key));
   const keys = numericKeys(rows);
-  const rl = keys.includes("reward/mean");
+  // RL's charts wait, empty, for a launched RL run's first step; any other run shows the keys it logs
+  const rl = keys.includes("reward/mean") || (rows.length === 0 && mode === "rl");
   const perReward = keys
     .filter((k) => /^reward\/.+\/mean$/.test(k))
     .map((k, i): Series => ({ label: k.slice(7, -5), values: col(k), color: COLORS[(i + 1) % COLORS.length] }));
@@ -328,7 +329,7 @@ export function WatchPage() {
             <SmoothingControl value={smoothing} onChange={setSmoothing} />
             <span class="muted small">drag across a chart to zoom, double-click to zoom out</span>
           </div>
-          <Charts rows={live.rows} klOff={klOff} smoothing={smoothing} />
+          <Charts rows={live.rows} klOff={klOff} smoothing={smoothing} mode={status?.mode} />
           {live.evals.length > 0 && (
             <p class="muted small" data-testid="evals">
               held-out: {live.evals.map((r) => `step ${r.step}: accuracy ${num(r, "eval/accuracy") === null ? "—" : formatNumber(num(r, "eval/accuracy")!)}`).join(" · ")}
