@@ -302,6 +302,10 @@ def test_a_starting_run_shows_its_stages_then_alarms_and_its_efficiency_report(p
         assert "reward/std = 0" in banner.inner_text() and "policy warn" in banner.inner_text()
         _append(folder / "events.jsonl", {"event": "efficiency_report", "tokens_per_s": 1234.5})
         expect(page.get_by_test_id("efficiency-tokens_per_s")).to_contain_text("1234.50")
+        (folder / "report.json").write_text(json.dumps({"efficiency": 0.8625, "shares": {"train": 0.25}}))
+        _append(folder / "events.jsonl", {"event": "efficiency_report", "efficiency": 0.8625})
+        expect(page.get_by_test_id("efficiency-shares.train")).to_contain_text("0.2500")  # report.json's, nested
+        page.wait_for_timeout(300)  # the report request has answered: a 404 would be a console error
         assert page.problems == [], page.problems
     finally:
         alive.kill()

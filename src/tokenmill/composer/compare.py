@@ -119,12 +119,14 @@ def compare(runs: RunManager, ids: list[str]) -> dict[str, Any]:
 
 
 def efficiency_report(runs: RunManager, run_id: str) -> dict[str, Any]:
-    """The run's report.json (written by the trainer's efficiency report); RunError 404 when it has none."""
+    """`{"report": <the run's report.json>}`, the trainer's efficiency report; `{"report": null}` while it
+    has none (not a 404: the page asks as soon as the report's events.jsonl row arrives, and a browser logs
+    every failed request as a console error)."""
     path = runs.folder(run_id) / "report.json"
     try:
         report = json.loads(path.read_text())
     except FileNotFoundError:
-        raise RunError(404, f"run {run_id!r}: no report.json yet") from None
+        return {"report": None}
     except (OSError, ValueError) as exc:
         raise RunError(422, f"run {run_id!r}: report.json is not JSON ({exc})") from None
-    return report if isinstance(report, dict) else {"report": report}
+    return {"report": report}

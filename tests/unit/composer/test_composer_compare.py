@@ -96,11 +96,11 @@ def test_alarms_and_efficiency_reports_are_streamed_and_report_json_is_served(cl
     assert kinds.count("stage") == 1 and kinds.count("alarm") == 1 and kinds.count("efficiency") == 1
     alarm = next(f for f in frames if "event: alarm" in f)
     assert json.loads(alarm.split("data: ", 1)[1]) == ALARM
-    missing = client.get("/api/runs/sweep/lr-a/report")
-    assert missing.status_code == 404 and "no report.json" in missing.json()["error"]
+    assert client.get("/api/runs/sweep/lr-a/report").json() == {"report": None}
     folder = Path(client.get("/api/runs/sweep/lr-a").json()["output_dir"])
     (folder / "report.json").write_text(json.dumps({"tokens_per_s": 1234.5, "stages": {"train": 0.6}}))
-    assert client.get("/api/runs/sweep/lr-a/report").json() == {"tokens_per_s": 1234.5, "stages": {"train": 0.6}}
+    assert client.get("/api/runs/sweep/lr-a/report").json() == {"report": {"tokens_per_s": 1234.5,
+                                                                           "stages": {"train": 0.6}}}
 
 
 def test_a_preset_points_at_a_local_model_folder_and_says_so(tmp_path, tiny_model_path):

@@ -232,7 +232,7 @@ export const api = {
   labels: (id: string, name: string | null, tags: string[]) =>
     call<RunInfo>("POST", `/api/runs/${runPath(id)}/labels`, { name, tags }),
   compare: (ids: string[]) => call<Comparison>("GET", `/api/compare?ids=${ids.map(encodeURIComponent).join(",")}`),
-  report: (id: string) => call<Record<string, unknown>>("GET", `/api/runs/${runPath(id)}/report`),
+  report: (id: string) => call<{ report: Record<string, unknown> | null }>("GET", `/api/runs/${runPath(id)}/report`),
 };
 
 const STREAM_EVENTS = ["metrics", "samples", "status", "log", "stage", "alarm", "efficiency"] as const;

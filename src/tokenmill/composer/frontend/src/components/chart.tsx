@@ -50,6 +50,8 @@ function yRange(_u: uPlot, min: number | null, max: number | null): [number, num
   return uPlot.rangeNum(min, max, 0.1, true) as [number, number];
 }
 
+const STEP_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 1000000];
+
 function faint(color: string): string {
   return `${color}55`;
 }
@@ -85,8 +87,8 @@ export function LineChart(props: {
       cursor: { drag: { x: true, y: false, setScale: true } },
       scales: { x: { time: false }, y: { range: yRange } },
       axes: [
-        { ...axis, label: "step" },
-        { ...axis, size: 52, label: yLabel },
+        { ...axis, label: "step", incrs: STEP_INCRS },
+        { ...axis, size: 52, label: props.unit || props.title }, // the card's head names the chart: the axis its unit
       ],
       series: [{ label: "step" }, ...lines, ...raw],
       hooks: {

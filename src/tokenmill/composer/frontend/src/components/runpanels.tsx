@@ -86,7 +86,7 @@ export function EfficiencyPanel({ runId, row }: { runId: string; row: Row | null
     setReport(null);
     if (!row) return;
     let live = true;
-    api.report(runId).then((r) => live && setReport(r), () => undefined); // no report.json (yet): the row alone
+    api.report(runId).then((r) => live && setReport(r.report), () => undefined); // none (yet): the row alone
     return () => {
       live = false;
     };
