@@ -95,12 +95,13 @@ class RemoteEngine:
         return [_prompt_logprobs(s, a["choices"][0], top_k) for s, a in zip(sequences, answers, strict=True)]
 
     def score_each(self, sequences: list[list[int]], top_k: int = 0) -> dict[str, list[PromptLogprobs]]:
-        """`score` on every server (url -> scores): what the weight-sync probe compares, one server at a time."""
+        """`score` on every live server (url -> scores, for the servers that answered every sequence): what the
+        weight-sync probe compares, one server at a time."""
         out: dict[str, list[PromptLogprobs]] = {}
         for s in sequences:
-            for url, answer in self.pool.post_all("/v1/completions", self._score_body(s, top_k)).items():
+            for url, answer in self.pool.post_live("/v1/completions", self._score_body(s, top_k)).items():
                 out.setdefault(url, []).append(_prompt_logprobs(s, answer["choices"][0], top_k))
-        return out
+        return {url: scores for url, scores in out.items() if len(scores) == len(sequences)}
 
     def _score_body(self, ids: list[int], top_k: int) -> dict[str, Any]:
         return {"model": self.model, "prompt": [int(t) for t in ids], "max_tokens": 1, "temperature": 1.0,

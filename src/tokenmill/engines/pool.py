@@ -121,6 +121,18 @@ class EndpointPool:
             raise EngineUnavailable(f"POST {path} failed on {len(errors)} server(s): " + "; ".join(errors))
         return results
 
+    def post_live(self, path: str, body: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """POST the same body to every live server once; one that fails is marked down and left out of the
+        answer (the weight-sync probe: a dead server is failover's business, not a missed push)."""
+        results: dict[str, dict[str, Any]] = {}
+        now = time.monotonic()
+        for ep in [e for e in self.endpoints if e.is_up(now)]:
+            try:
+                results[ep.url] = self._post_one(ep, path, body)
+            except (EngineServerError, *_WIRE_ERRORS) as exc:
+                self._mark_down(ep, exc)
+        return results
+
     def _post_one(self, ep: Endpoint, path: str, body: dict[str, Any]) -> dict[str, Any]:
         with ep.lock:
             ep.outstanding += 1

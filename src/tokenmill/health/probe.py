@@ -19,6 +19,8 @@ between rollouts): it is not probed. Nor is an fsdp2 run (its sharded module for
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 DTYPE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 1e-1, torch.float16: 2e-2}
@@ -45,10 +47,11 @@ def probe_gap(engine, model: torch.nn.Module, sequence: list[int]) -> float:
         [(trainer, _)] = score_sequences(model, [sequence])
     finally:
         model.train(was_training)
-    each = getattr(engine, "score_each", None)  # a remote engine: every server must have the weights
+    each = getattr(engine, "score_each", None)  # a remote engine: every live server must have the weights
     scores = [s[0] for s in each([sequence]).values()] if each is not None else engine.score([sequence])
     want = torch.tensor(trainer.token_logprobs, dtype=torch.float64)
-    return max(float((torch.tensor(s.token_logprobs, dtype=torch.float64) - want).abs().max()) for s in scores)
+    gaps = [float((torch.tensor(s.token_logprobs, dtype=torch.float64) - want).abs().max()) for s in scores]
+    return max(gaps, default=float("nan"))  # no server answered: failover's alarm, the probe says nothing
 
 
 def probed_engine(feed, run):
@@ -89,4 +92,6 @@ class WeightProbe:
         if self.engine is None or self.pushes % self.every:
             return {}
         gap = probe_gap(self.engine, self.model, self.sequence)
+        if math.isnan(gap):  # no live server to probe
+            return {}
         return {"probe/max_abs": gap, "probe/ok": float(gap <= self.tolerance)}
