@@ -183,7 +183,7 @@ def _open_run(page, run_id: str) -> None:
     page.get_by_test_id("run-id").filter(has_text=run_id).wait_for()
 
 
-def test_runs_in_nested_folders_are_named_tagged_and_compared(page, composer):
+def test_runs_in_nested_folders_are_named_tagged_and_compared(page, composer, shots):
     """Two runs of a sweep folder: listed with their duration, named and tagged from the page (kept in the
     folder), then compared: their reward curves overlaid on one axis and the one config key that differs."""
     _, _, runs_dir = composer
@@ -216,6 +216,12 @@ def test_runs_in_nested_folders_are_named_tagged_and_compared(page, composer):
     diff = page.get_by_test_id("compare-diff").locator("tbody tr")
     assert diff.count() == 1
     assert diff.first.inner_text().split() == ["algorithm.kl_coef", "0.01", "0.05"]
+    page.evaluate("window.scrollTo(0, 0)")
+    page.screenshot(path=str(shots / "compare.png"), full_page=True)
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.wait_for_timeout(300)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390  # no sideways scroll on a phone
+    page.screenshot(path=str(shots / "compare-phone.png"), full_page=True)
     assert page.problems == [], page.problems
 
 
