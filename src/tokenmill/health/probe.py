@@ -12,8 +12,9 @@ The tolerance is `health.probe_tolerance`, or by the trainer's dtype (`DTYPE_TOL
 to ~1e-6, half-precision ones only to their rounding (a bf16 logit carries 8 bits of mantissa).
 
 Which engine is probed depends on the feed: the trainer's own engine (colocated: it shares the module, so the
-check is trivially passed, and it is cheap), the servers of a process / remote placement, or proxy mode's
-serving copy. A thread placement's engine copy takes its weights later (staged, applied by the producer
+check passes by construction), the servers of a process / remote placement, or proxy mode's
+serving copy. (An engine whose `model` is the trainer's module object is not scored at all: both sides would
+run the same forward on the same tensors, so its gap is 0 by construction.) A thread placement's engine copy takes its weights later (staged, applied by the producer
 between rollouts): it is not probed. Nor is an fsdp2 run (its sharded module forwards only collectively).
 """
 
@@ -91,6 +92,8 @@ class WeightProbe:
         self.pushes += 1
         if self.engine is None or self.pushes % self.every:
             return {}
+        if getattr(self.engine, "model", None) is self.model:  # the engine samples from the trainer's own module:
+            return {"probe/max_abs": 0.0, "probe/ok": 1.0}  # the same forward on the same weights, no need to run it
         gap = probe_gap(self.engine, self.model, self.sequence)
         if math.isnan(gap):  # no live server to probe
             return {}
