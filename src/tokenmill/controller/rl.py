@@ -173,7 +173,8 @@ def log_step(run: Run, step: int, groups: list[Group], step_metrics: dict[str, A
 def hints(run: Run) -> dict[str, Any]:
     """Run settings the alarm messages quote."""
     gen = run.cfg.generation
-    out: dict[str, Any] = {"max_tokens": gen.max_tokens, "temperature": gen.temperature}
+    out: dict[str, Any] = {"max_tokens": gen.max_tokens, "temperature": gen.temperature,
+                           "distillation": run.teacher is not None}
     for engine in (getattr(run.generator, "engine", None), run.engine):  # one that says how it samples
         if isinstance(getattr(engine, "temperature", None), (int, float)):
             out["engine_temperature"] = float(engine.temperature)

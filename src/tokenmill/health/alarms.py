@@ -77,7 +77,8 @@ class _Streak:
 
 class Alarms:
     """The run's alarms. `say`: the console line; `save(step)`: the checkpoint a `stop` writes first;
-    `hints`: run settings the messages quote (`group_size`, `max_tokens`, `temperature`, `engine_temperature`)."""
+    `hints`: run settings the messages quote (`group_size`, `max_tokens`, `temperature`, `engine_temperature`), and
+    `distillation` (true: a teacher sets the advantages, so flat groups are no alarm)."""
 
     def __init__(self, cfg: AlarmsConfig, *, say: Callable[[str], None] = print,
                  save: Callable[[int], None] | None = None, hints: dict[str, Any] | None = None) -> None:
@@ -146,6 +147,8 @@ class Alarms:
 
     def _flat_groups(self, step, metrics, groups) -> list[Fired | None]:
         cfg, key = self.cfg.flat_groups, "groups/zero_variance_fraction"
+        if self.hints.get("distillation"):  # the teacher gives every token a signal, whatever the rewards
+            return []
         value = _num(metrics.get(key))
         if not self._streak("flat_groups", value, value is not None and value >= cfg.threshold):
             return []

@@ -51,6 +51,12 @@ def test_flat_groups_fires_at_the_fifth_flat_step_once_and_names_the_fix():
                    groups)[-1:] == [(6, "flat_groups")]
 
 
+def test_flat_groups_is_no_alarm_when_a_teacher_sets_the_advantages():
+    # on-policy distillation: the per-token reverse KL is the signal, equal rewards take nothing from it
+    alarms = _alarms("flat_groups", policy="warn", threshold=1.0, window=2, hints={"distillation": True})
+    assert _stream(alarms, [{"groups/zero_variance_fraction": 1.0}] * 4) == []
+
+
 def test_truncation_fires_at_the_threshold_not_below_it():
     alarms = _alarms("truncation", hints={"max_tokens": 1}, policy="warn", threshold=0.5, window=2)
     rows = [{"response_len/clip_ratio": v} for v in [0.49, 0.5, 0.49, 0.5, 0.5]]
