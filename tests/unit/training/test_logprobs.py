@@ -3,17 +3,16 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from tokenmill.algorithms import token_weights
 from tokenmill.config import AlgorithmConfig
+from tokenmill.testing.samples import uneven_groups
 from tokenmill.training import LocalBackend, collate
 from tokenmill.training.logprobs import head_parts, sequence_token_stats, token_entropy, token_logprobs
 from tokenmill.training.update import _batch_loss
-from tokenmill.types import Sample, StopReason
+from tokenmill.types import Sample
 
 TOL = {"atol": 1e-6, "rtol": 1e-6}  # fp32: equal up to rounding (entropies are ~4)
 
@@ -27,19 +26,7 @@ def _same_grad(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
 
 def _samples(vocab: int, seed: int = 0) -> list[Sample]:
     """Three prompts of 2-5 tokens with 2-4 completions of 1-7 tokens each; random advantages and old logprobs."""
-    rng = random.Random(seed)
-    out = []
-    for prompt_len, count in ((2, 4), (4, 3), (5, 2)):
-        prompt = [rng.randint(3, vocab - 1) for _ in range(prompt_len)]
-        for _ in range(count):
-            completion = [rng.randint(3, vocab - 1) for _ in range(rng.randint(1, 7))]
-            out.append(Sample(
-                tokens=tuple(prompt + completion), loss_mask=(0,) * prompt_len + (1,) * len(completion),
-                logprobs=(0.0,) * prompt_len + tuple(-rng.uniform(1.0, 4.0) for _ in completion),
-                prompt_len=prompt_len, prompt="p", completion="c", stop_reason=StopReason.STOP,
-                advantage=rng.uniform(-1.5, 1.5),
-            ))
-    return out
+    return uneven_groups(seed, vocab, ((2, 4, 7), (4, 3, 7), (5, 2, 7)))
 
 
 def _chunk_mib(model, tokens: int) -> float:
