@@ -319,14 +319,19 @@ def cmd_vllm(args: argparse.Namespace) -> int:
     return serve_command(args)
 
 
+def _server_args(parser: argparse.ArgumentParser, *, port: int, token_env: str) -> None:
+    """The bind flags every token-guarded server takes: loopback unless allowed, a bearer token."""
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    parser.add_argument("--port", type=int, default=port, help="0 picks a free port (printed when ready)")
+    parser.add_argument("--token", default=None, help=f"bearer token (default: ${token_env})")
+    parser.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host (needs a token)")
+
+
 def _with_serve_trainer(parser: argparse.ArgumentParser, sub) -> argparse.ArgumentParser:
     """`parser` with the `serve-trainer` command added to its subcommands `sub`."""
     st = sub.add_parser("serve-trainer", help="the training API (LoRA clients of one base model) over HTTP")
     st.add_argument("model_dir", help="a Hugging Face model folder: the base model the clients' adapters train")
-    st.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    st.add_argument("--port", type=int, default=8100, help="0 picks a free port (printed when ready)")
-    st.add_argument("--token", default=None, help="bearer token (default: $TOKENMILL_TRAINER_TOKEN)")
-    st.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host (needs a token)")
+    _server_args(st, port=8100, token_env="TOKENMILL_TRAINER_TOKEN")
     st.add_argument("--root", default="runs/trainer", help="folder of saved states and sampler weights")
     st.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
     st.set_defaults(fn=cmd_serve_trainer)
@@ -367,11 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     env = sub.add_parser("env", help="environment tools").add_subparsers(dest="env_command", required=True)
     srv = env.add_parser("serve", help="serve an environment over HTTP (JSON) for `env.url` in a config")
     srv.add_argument("env", help="'module:Class' of your environment, or a built-in name (guess_number, coding)")
-    srv.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    srv.add_argument("--port", type=int, default=8765)
-    srv.add_argument("--token", default=None, help="bearer token (default: $TOKENMILL_ENV_TOKEN)")
-    srv.add_argument("--allow-remote", action="store_true",
-                     help="allow a non-loopback --host (needs a token)")
+    _server_args(srv, port=8765, token_env="TOKENMILL_ENV_TOKEN")
     srv.add_argument("--kwargs", default="{}", help="JSON object of constructor arguments")
     srv.add_argument("--max-episodes", type=int, default=1024, help="live episodes at once")
     srv.add_argument("--step-timeout-s", type=float, default=60.0, help="seconds one reset / step / close may take")
@@ -379,10 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(fn=cmd_env_serve)
     srv = sub.add_parser("serve", help="OpenAI-compatible engine server with continuous batching")
     srv.add_argument("model_dir", help="a Hugging Face model folder (config.json, weights, tokenizer)")
-    srv.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    srv.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed when ready)")
-    srv.add_argument("--token", default=None, help="bearer token (default: $TOKENMILL_SERVE_TOKEN)")
-    srv.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host (needs a token)")
+    _server_args(srv, port=8000, token_env="TOKENMILL_SERVE_TOKEN")
     srv.add_argument("--served-model-name", default=None, help="the model id in answers (default: folder name)")
     srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     srv.add_argument("--max-batch", type=int, default=256, help="running sequences at most")
