@@ -209,8 +209,8 @@ def test_runs_in_nested_folders_are_named_tagged_and_compared(page, composer, sh
     chart = page.get_by_test_id("compare-chart-reward_mean")
     expect(chart).to_have_attribute("data-points", "3")
     legend = page.get_by_test_id("compare-chart-reward_mean-legend")
-    assert legend.locator("[data-label='low kl']").get_attribute("data-value") == "3"
-    assert legend.locator("[data-label='sweep/kl-b']").get_attribute("data-value") == "6"
+    expect(legend.locator("[data-label='low kl']")).to_have_attribute("data-value", "3")
+    expect(legend.locator("[data-label='sweep/kl-b']")).to_have_attribute("data-value", "6")
     for metric in ("kl", "entropy"):
         expect(page.get_by_test_id(f"compare-chart-{metric}")).to_have_attribute("data-points", "3")
     diff = page.get_by_test_id("compare-diff").locator("tbody tr")
@@ -238,7 +238,7 @@ def test_sft_curves_with_axis_titles_legend_smoothing_and_zoom(page, composer):
         expect(page.get_by_test_id(f"chart-{key}")).to_have_attribute("data-points", "4")
     chart = page.get_by_test_id("chart-loss")
     # uPlot draws the axis titles on its canvas; the plot's accessible name carries the same two titles
-    assert chart.locator(".chart-body").get_attribute("aria-label") == "loss (nats) against step"
+    expect(chart.locator(".chart-body")).to_have_attribute("aria-label", "loss (nats) against step")
     value = page.get_by_test_id("chart-loss-legend").locator("[data-label=loss]")
     expect(value).to_have_attribute("data-value", "0.5")
     page.get_by_test_id("smoothing").fill("0.5")
