@@ -218,26 +218,39 @@ def test_preview_workers_die_with_the_composer(tmp_path, tiny_model_path):
            "TOKENMILL_COMPOSER_TOKEN": TOKEN}
     composer = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "composer", "--port", "0", "--runs-dir",
                                  str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    output: list[str] = []
+    answer: list[str] = []
     worker = None
+    pid_file = tmp_path / "worker.pid"
     try:
         url = re.search(r"http://[^/\s]+", composer.stdout.readline()).group(0)
-        spin = {"name": "spin", "code": "def spin(prompts, completions, **kw):\n    while True:\n        pass\n",
-                "function": "spin", "timeout_s": 120}
+        # the rest of the Composer's output is drained, so a full pipe never blocks it, and shown on failure
+        threading.Thread(target=lambda: output.extend(composer.stdout), daemon=True).start()
+        code = (f"import os\ndef spin(prompts, completions, **kw):\n"
+                f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n    while True:\n        pass\n")
+        spin = {"name": "spin", "code": code, "function": "spin", "timeout_s": 300}
         body = {**_preview_body(tiny_model_path, []), "rewards": [spin]}
 
         def post() -> None:
-            with contextlib.suppress(httpx.HTTPError):
-                httpx.post(f"{url}/api/rewards/preview", json=body, headers=AUTH, timeout=150, trust_env=False)
+            try:
+                r = httpx.post(f"{url}/api/rewards/preview", json=body, headers=AUTH, timeout=330, trust_env=False)
+                answer.append(f"{r.status_code} {r.text[:2000]}")
+            except httpx.HTTPError as e:
+                answer.append(repr(e))
 
         threading.Thread(target=post, daemon=True).start()
-        deadline = time.monotonic() + 90
-        while worker is None and time.monotonic() < deadline:  # the reward's forked worker, spinning
-            worker = next((pid for pid in _children(composer.pid) if _state(pid) == "R"), None)
+        deadline = time.monotonic() + 300  # seconds alone; minutes on a loaded machine
+        while worker is None and not answer and time.monotonic() < deadline:  # the reward's forked worker, spinning
+            with contextlib.suppress(OSError, ValueError):
+                worker = int(pid_file.read_text())
             time.sleep(0.1)
-        assert worker is not None, "no reward worker was forked"
+        children = {pid: _state(pid) for pid in _children(composer.pid)}
+        assert worker is not None, (f"no reward worker ran; preview answered {answer}; children and states {children}; "
+                                    f"Composer said {output[-40:]}")
+        assert worker in _children(composer.pid) and not _gone(worker)
         composer.kill()  # SIGKILL: no cleanup code runs in the Composer
         composer.wait(timeout=10)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while not _gone(worker) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _gone(worker), f"reward worker {worker} outlived the Composer"
