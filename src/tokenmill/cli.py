@@ -17,7 +17,6 @@ from typing import Any
 from tokenmill.types import ConfigError, TokenmillError
 
 CONFIG_COMMANDS = {"train", "sft", "eval", "validate", "preference", "plan"}
-LIGHT_COMMANDS = {"validate", "plan"}  # load no model: transformers / datasets stay unimported (validate answers in < 1 s)
 MAX_LINE = 600  # characters of one error line shown (a message quoting a huge value is cut)
 
 
@@ -414,12 +413,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quiet_libraries() -> None:
-    """No per-file progress bars from transformers / datasets on our console (our own lines say what runs)."""
-    from datasets.utils.logging import disable_progress_bar as datasets_quiet
-    from transformers.utils.logging import disable_progress_bar as transformers_quiet
-
-    transformers_quiet()
-    datasets_quiet()
+    """No per-file progress bars from transformers / datasets / the hub on our console (our own lines say what
+    runs). Through their environment switches, read when they are imported: importing datasets just to call
+    its switch cost every command about a second at start. Where main() runs in a process that imported them
+    already, their own functions."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers follows the hub's switch
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
 
 
 def _clipped(message: str, max_lines: int = 50) -> str:
@@ -438,8 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, overrides = argv[:head], argv[head:]
     args = build_parser().parse_args(argv)
     args.overrides = overrides
-    if args.command not in LIGHT_COMMANDS:
-        _quiet_libraries()
+    _quiet_libraries()
     try:
         return args.fn(args)
     except ConfigError as exc:

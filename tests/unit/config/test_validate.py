@@ -4,6 +4,7 @@ one line naming the field, exit 2, no traceback; and it answers fast because it 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -308,3 +309,16 @@ def test_names_the_os_refuses_are_one_short_line(argv, line, capsys):
     code, _, err = run_cli(argv, capsys)
     assert code == 2
     assert err.splitlines()[1:] == [line]
+
+
+def test_the_libraries_progress_bars_are_off_without_importing_them():
+    """The CLI turns transformers', datasets' and the hub's progress bars off through their environment switches,
+    so that no command pays for importing a library just to silence it."""
+    probe = ("import os, sys; from tokenmill.cli import _quiet_libraries; _quiet_libraries(); "
+             "print('HEAVY', [m for m in ('transformers', 'datasets') if m in sys.modules]); "
+             "import datasets, transformers; "
+             "print('BARS', transformers.utils.logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled())")
+    env = {k: v for k, v in os.environ.items() if "PROGRESS_BARS" not in k}
+    done = subprocess.run([sys.executable, "-c", probe], check=False, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "HEAVY []" in done.stdout and "BARS False False" in done.stdout, done.stdout
