@@ -17,6 +17,8 @@ from typing import Any
 from tokenmill.types import ConfigError, TokenmillError
 
 CONFIG_COMMANDS = {"train", "sft", "eval", "validate", "preference", "plan"}
+TRAIN_FLAGS = ("--replay DIR: train from the rollouts recorded in DIR, with no engine (record.replay); "
+               "--rollout-only: generate and score, record, never train (record.rollout_only).")
 MAX_LINE = 600  # characters of one error line shown (a message quoting a huge value is cut)
 
 
@@ -357,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("plan", cmd_plan, "print where a config's trainer ranks and engines run (starts nothing)"),
         ("preference", cmd_preference, "DPO / IPO / SimPO or a reward model on preference pairs"),
     ]:
-        p = sub.add_parser(name, help=text,
+        p = sub.add_parser(name, help=text, epilog=TRAIN_FLAGS if name == "train" else None,
                            description=f"{text}. Override any field with --section.field VALUE.")
         p.add_argument("config", nargs="?", default=None, help="YAML config file")
         p.set_defaults(fn=fn, overrides=[])

@@ -88,3 +88,14 @@ def test_cli_rollout_only_dumps_and_trains_nothing(tmp_path, capsys):
     assert all(torch.equal(init[k], final[k]) for k in final.keys() & init.keys())
     assert main(["train", str(cfg), "--replay", str(tmp_path / "nothing")]) == 1
     assert "no rollout shards" in capsys.readouterr().err
+
+
+def test_train_help_names_replay_and_rollout_only(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--help"])
+    assert done.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--replay DIR: train from the rollouts recorded in DIR" in help_text
+    assert "--rollout-only: generate and score, record, never train" in help_text
