@@ -114,6 +114,9 @@ class RemoteEngine:
                                "(tokenmill.sync), or set engine.sync in the config")
         self.sync.push(named_tensors, version)
         self.version = version
+        servers = getattr(self.sync, "servers", None)  # files and broadcast syncs drop a server that did not answer
+        if servers is not None:
+            self.pool.retire({e.url for e in self.pool.endpoints} - {u.rstrip("/") for u in servers.urls})
 
     def state_dict(self) -> dict[str, Any]:
         """Empty: the servers sample with their own RNGs (seeded per request when asked)."""

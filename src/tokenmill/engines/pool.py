@@ -52,10 +52,11 @@ class Endpoint:
     failures: int = 0
     down_until: float = 0.0
     last_error: str = ""
+    retired: bool = False  # missed a weight push: never routed to again (a replacement takes its place)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def is_up(self, now: float) -> bool:
-        return now >= self.down_until
+        return not self.retired and now >= self.down_until
 
 
 class EndpointPool:
@@ -170,10 +171,23 @@ class EndpointPool:
             ep.down_until = time.monotonic() + self.cooldown_s
         log.warning("engine server %s failed (%s); sending its requests elsewhere", ep.url, ep.last_error)
 
+    def retire(self, urls: set[str]) -> None:
+        """Never route to these servers again: a weight sync dropped them, so they hold older weights, and a
+        health probe must not bring them back. `replace` swaps one for a fresh server."""
+        urls = {u.rstrip("/") for u in urls}
+        for ep in self.endpoints:
+            if ep.url in urls and not ep.retired:
+                ep.retired, ep.last_error = True, "retired: missed a weight push (it holds older weights)"
+                log.warning("engine server %s missed a weight push; no longer sent requests", ep.url)
+
     def probe(self) -> dict[str, bool]:
-        """Ask every server for `/health`; a server that answers is live again at once."""
+        """Ask every server for `/health`; a server that answers is live again at once (a retired one is not
+        asked: it stays out)."""
         status = {}
         for ep in self.endpoints:
+            if ep.retired:
+                status[ep.url] = False
+                continue
             try:
                 ok = ep.client.get("/health", timeout=5.0).status_code == 200
             except _WIRE_ERRORS as exc:
@@ -197,7 +211,7 @@ class EndpointPool:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         now = time.monotonic()
-        return {e.url: {"served": e.served, "outstanding": e.outstanding, "up": e.is_up(now),
+        return {e.url: {"served": e.served, "outstanding": e.outstanding, "up": e.is_up(now), "retired": e.retired,
                         "failures": e.failures, "last_error": e.last_error} for e in self.endpoints}
 
     def close(self) -> None:

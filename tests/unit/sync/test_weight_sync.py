@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -305,3 +306,41 @@ def test_two_servers_then_one_dies(server, tiny_model_path, tiny_model, tmp_path
     finally:
         for sync in syncs.values():
             sync.close()
+
+
+def test_a_server_dropped_by_the_sync_is_never_routed_to_again(server, tiny_model_path, tiny_model, tmp_path):
+    """A server that misses a push (here: frozen with SIGSTOP past the sync's timeout) is dropped by a tolerant
+    sync and misses the next push too; once it answers again it is healthy but holds older weights, so the engine's pool must not bring it
+    back on a health probe, and every later request goes to the server that took the push."""
+    from tokenmill.engines.openai import RemoteEngine
+    from tokenmill.types import SamplingParams
+
+    laggard = Server(tiny_model_path)
+    sync = FileSync([server.url, laggard.url], tmp_path / "w", drop_failed=True, timeout_s=3, token=TOKEN)
+    engine = RemoteEngine([server.url, laggard.url], pad_id=0, token=TOKEN, timeout_s=30, cooldown_s=0, sync=sync,
+                          model="tiny")
+    params = SamplingParams(max_tokens=3, n=2, temperature=1.0)
+    try:
+        for _ in range(3):
+            engine.generate([[5, 6, 7]] * 4, params)
+        assert engine.pool.stats()[laggard.url]["served"] > 0  # both servers take requests at first
+        os.kill(laggard.proc.pid, signal.SIGSTOP)
+        try:
+            for seed in (77, 78):  # the first push times out on the laggard, the second goes to the other alone
+                version = server.version() + 1
+                perturb(tiny_model, seed=seed)
+                engine.update_weights(trainable(tiny_model), version)
+        finally:
+            os.kill(laggard.proc.pid, signal.SIGCONT)
+        assert sync.servers.urls == [server.url]
+        assert_in_sync(server, tiny_model, version)
+        assert laggard.version() < version  # alive and healthy again, but on its old weights
+        assert engine.pool.probe() == {server.url: True, laggard.url: False}
+        served = engine.pool.stats()[laggard.url]["served"]
+        for _ in range(3):
+            engine.generate([[5, 6, 7]] * 4, params)
+        stats = engine.pool.stats()[laggard.url]
+        assert stats["served"] == served and stats["retired"] and not stats["up"]
+    finally:
+        engine.close()
+        laggard.stop()
