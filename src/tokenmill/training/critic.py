@@ -46,6 +46,9 @@ def load_critic(cfg: CriticConfig, policy_path: str, device: torch.device) -> to
         with torch.no_grad():
             for p in model.score.parameters():
                 p.zero_()
+    for module in model.modules():  # a token-classification head brings dropout (0.1 by default): values must
+        if isinstance(module, torch.nn.Dropout):  # not be noisy while training nor differ from the no-grad pass
+            module.p = 0.0
     if cfg.lora.rank > 0:  # adapters + the value head train; the head's trained copy starts from the zeroed one
         model = add_lora(model, cfg.lora, task_type="TOKEN_CLS", field="critic.lora")
     return model.to(device)

@@ -134,6 +134,17 @@ def test_ppo_config_checks():
         load_config(RLConfig, base, {"critic.value_clip": -1})
 
 
+def test_the_critic_has_no_dropout_so_its_values_do_not_depend_on_train_mode(tiny_model_path):
+    model = load_critic(CriticConfig(), tiny_model_path, torch.device("cpu"))
+    with torch.no_grad():
+        model.score.weight.normal_()  # a trained head: non-zero values
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    values = [model.train()(ids).logits for _ in range(2)] + [model.eval()(ids).logits]
+    assert values[0].abs().max() > 0
+    torch.testing.assert_close(values[0], values[1], rtol=0, atol=0)
+    torch.testing.assert_close(values[0], values[2], rtol=0, atol=0)
+
+
 def test_missing_critic_folder_names_the_field(tmp_path):
     with pytest.raises(ConfigError, match="^critic.path: cannot load a value model"):
         load_critic(CriticConfig(path=str(tmp_path / "nope")), "unused", torch.device("cpu"))
