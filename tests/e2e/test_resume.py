@@ -139,3 +139,35 @@ def test_cli_resume_skips_a_damaged_checkpoint_and_refuses_when_none_is_usable(t
     assert main(["train", str(path), "--checkpoint.resume", "true"]) == 0
     assert any("step_00000002 is unusable: trainer.pt has" in r.getMessage() for r in caplog.records)
     assert (out / "final" / "config.json").is_file() and (checkpoints / ".corrupt-step_00000002").is_dir()
+
+
+def test_resume_reads_an_older_engine_key_and_refuses_a_checkpoint_of_another_kind_of_run(tmp_path, capsys):
+    """A trainer state that keeps the sampling RNG under the older `engine_rng` key resumes like the current one;
+    a GRPO checkpoint resumed by a PPO config (no critic in it) is one message naming the field, exit 2."""
+    import hashlib
+
+    from tokenmill.cli import main
+
+    torch.set_num_threads(1)
+    model = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    out = tmp_path / "run"
+    cfg = _config(model, str(out), steps=3, max_steps_per_run=2)
+    cfg["checkpoint"]["every"] = 2
+    tokenmill.train(cfg, rewards=[digit_share])  # step 2 saved, 1 step left
+    folder = out / "checkpoints" / "step_00000002"
+    state = torch.load(folder / "trainer.pt", weights_only=False)
+    state["engine_rng"] = state.pop("engine")["rng"]
+    torch.save(state, folder / "trainer.pt")
+    meta = json.loads((folder / "meta.json").read_text())
+    data = (folder / "trainer.pt").read_bytes()
+    meta["files"]["trainer.pt"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    ppo = dict(cfg, algorithm={**cfg["algorithm"], **PPO}, controller={**cfg["controller"], "max_steps_per_run": 0})
+    path = tmp_path / "ppo.yaml"
+    path.write_text(json.dumps(ppo))
+    assert main(["train", str(path), "--checkpoint.resume", "true"]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint.resume: {folder} lacks critic" in err and "Traceback" not in err
+    cfg["controller"]["max_steps_per_run"] = 0
+    again = tokenmill.train(cfg, rewards=[digit_share], checkpoint__resume=True)
+    assert again["resumed_from"] == 2 and again["last_metrics"]

@@ -21,7 +21,7 @@ from tokenmill.training.critic import gae_advantages
 from tokenmill.training.dist import barrier, is_main
 from tokenmill.training.teacher import distill_groups
 from tokenmill.training.update import policy_update, value_update
-from tokenmill.types import Group, Sample
+from tokenmill.types import ConfigError, Group, Sample
 
 
 def run_rl(run: Run) -> dict[str, Any]:
@@ -240,6 +240,15 @@ def resume(run: Run) -> tuple[int, dict]:
         run.logger.message("resume: no complete checkpoint found, starting from scratch")
         return 0, {}
     path, step, state = found
+    if "engine" not in state and "engine_rng" in state:  # written before the engine kept a state dict
+        state["engine"] = {"rng": state["engine_rng"]}
+    missing = [k for k in ("trainer", "engine", "update_rng", "rng", "data") if k not in state]
+    if run.critic is not None and "critic" not in state:
+        missing.append("critic (a PPO run resumed from the checkpoint of a run without one)")
+    if missing:
+        raise ConfigError(f"checkpoint.resume: {path} lacks {', '.join(missing)}; it was written by another kind "
+                          "of run or an older tokenmill: resume from a checkpoint of this run, or start afresh "
+                          "(checkpoint.resume false, or another tracking.output_dir)")
     run.backend.load_state_dict(state["trainer"])
     run.engine.load_state_dict(state["engine"])
     version, internal, gauss = state["update_rng"]
