@@ -101,7 +101,7 @@ class ContinuousEngine(HFEngine):
     def __init__(self, model, tokenizer, *, seed: int = 0, max_batch: int = 256, max_waiting: int = 4096,
                  max_prefill_tokens: int = 8192, interrupt_in_flight: bool = False,
                  request_timeout_s: float = 3600.0, autocast_dtype: torch.dtype | None = None,
-                 prefix_cache_tokens: int = 0) -> None:
+                 prefix_cache_tokens: int = 0, fast_decode: bool = True) -> None:
         if _has_sliding_layers(model.config):
             raise ValueError("ContinuousEngine needs full-attention layers (this model has sliding-window ones, "
                              "whose caches cannot be re-aligned); use HFEngine")
@@ -109,7 +109,7 @@ class ContinuousEngine(HFEngine):
             raise ValueError(f"need max_batch, max_waiting, max_prefill_tokens >= 1, got {max_batch}, "
                              f"{max_waiting}, {max_prefill_tokens}")
         super().__init__(model, tokenizer, seed=seed, autocast_dtype=autocast_dtype,
-                         prefix_cache_tokens=prefix_cache_tokens)
+                         prefix_cache_tokens=prefix_cache_tokens, fast_decode=fast_decode)
         self.model.eval()
         self.max_batch, self.max_waiting, self.max_prefill_tokens = max_batch, max_waiting, max_prefill_tokens
         self.interrupt_in_flight = interrupt_in_flight
@@ -356,16 +356,10 @@ class ContinuousEngine(HFEngine):
 
     def _decode_step(self) -> None:
         mask_B_L = torch.cat([self._mask_B_L, self._mask_B_L.new_ones((len(self._rows), 1))], dim=1)
-        out = self.model(
-            input_ids=self._tok_B[:, None],
-            attention_mask=None if bool(mask_B_L.all()) else self._decode_mask(mask_B_L),
-            position_ids=self._pos_B[:, None],
-            past_key_values=self._cache,
-            use_cache=True,
-        )
+        logits_B_V = self._step(self._tok_B, self._pos_B, None if bool(mask_B_L.all()) else mask_B_L, self._cache)
         self._mask_B_L, self._pos_B = mask_B_L, self._pos_B + 1
         self.steps += 1
-        tok_B, keep = self._advance(self._rows, out.logits[:, -1, :])
+        tok_B, keep = self._advance(self._rows, logits_B_V)
         if len(keep) == len(self._rows):
             self._tok_B = tok_B
             return
