@@ -24,6 +24,8 @@ import torch.nn.functional as F
 # decoder-layer classes whose forward is: x + attn(norm(x)); x + mlp(norm(x)) (q_norm / k_norm per head for
 # Qwen3), full attention, rotary positions; the step below is that forward for one token
 KNOWN_LAYERS = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer"})
+# RMS norms that are `weight * (x / rms(x))` in fp32, cast back: one fused `F.rms_norm` computes the same
+KNOWN_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
 
 
 def _causal_lm(model):
@@ -134,7 +136,8 @@ class FastDecoder:
             size = max(need, 2 * (self._cos.shape[0] if self._cos is not None else 256))
             positions = torch.arange(size, device=pos_B.device)[None]
             cos, sin = self.decoder.rotary_emb(like, positions)
-            self._cos, self._sin = cos[0], sin[0]
+            half = cos.shape[-1] // 2  # rotate_half(x) * sin == x.roll(half) * (sin with its first half negated)
+            self._cos, self._sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
         return self._cos[pos_B][:, None, None, :], self._sin[pos_B][:, None, None, :]
 
     def step(self, tok_B: torch.Tensor, pos_B: torch.Tensor, mask_B_K: torch.Tensor | None, cache) -> torch.Tensor:
@@ -146,11 +149,11 @@ class FastDecoder:
         cos, sin = self._rotary(pos_B, hidden_B_1_H)
         mask = None if mask_B_K is None else mask_B_K[:, None, None, :]
         for i, layer in enumerate(self.layers):
-            hidden_B_1_H = hidden_B_1_H + self._attend(layer.self_attn, layer.input_layernorm(hidden_B_1_H),
+            hidden_B_1_H = hidden_B_1_H + self._attend(layer.self_attn, _norm(layer.input_layernorm, hidden_B_1_H),
                                                        cos, sin, mask, kv, i)
-            hidden_B_1_H = hidden_B_1_H + layer.mlp(layer.post_attention_layernorm(hidden_B_1_H))
+            hidden_B_1_H = hidden_B_1_H + layer.mlp(_norm(layer.post_attention_layernorm, hidden_B_1_H))
         kv.advance()
-        return self.head(self.decoder.norm(hidden_B_1_H))[:, 0, :]
+        return self.head(_norm(self.decoder.norm, hidden_B_1_H))[:, 0, :]
 
     @staticmethod
     def _attend(attn, x_B_1_H, cos, sin, mask, kv, index: int) -> torch.Tensor:
@@ -159,10 +162,11 @@ class FastDecoder:
         k = attn.k_proj(x_B_1_H).view(batch, -1, dim)
         v = attn.v_proj(x_B_1_H).view(batch, -1, dim)
         if hasattr(attn, "q_norm"):  # Qwen3: RMS norm of each head's query and key
-            q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
         q, k, v = q[:, :, None, :], k[:, :, None, :], v[:, :, None, :]  # [B, heads, 1, D]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        half = dim // 2
+        q = q * cos + q.roll(half, dims=-1) * sin
+        k = k * cos + k.roll(half, dims=-1) * sin
         keys, values = kv.update(k, v, index)
         kv_heads = keys.shape[1]
         # grouped queries: one query token, so a key/value head's query heads stand in the query-length axis
@@ -171,6 +175,9 @@ class FastDecoder:
         return attn.o_proj(out.reshape(batch, 1, -1))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _norm(module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` for an RMS norm, fused where it is a known one."""
+    if type(module).__name__ not in KNOWN_NORMS:
+        return module(x)
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=module.variance_epsilon)
+    return module.weight * normed.to(x.dtype)
