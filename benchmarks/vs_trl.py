@@ -147,6 +147,7 @@ def run_parent(args: argparse.Namespace) -> None:
         "seed": args.seed,
         "threads": args.threads,
         "eval_every": args.eval_every,
+        "fast_decode": not args.no_fast_decode,
     }
     if eval_rows > spec["num_eval"]:
         raise SystemExit(f"--eval-rows {eval_rows} exceeds the {spec['num_eval']} held-out problems")
@@ -255,6 +256,8 @@ def main(argv: list[str] | None = None) -> None:
         help="accuracy for the time-to-accuracy row (default: the lower of the two best accuracies)",
     )
     p.add_argument("--threads", type=int, default=2, help="torch threads in each child")
+    p.add_argument("--no-fast-decode", action="store_true",
+                   help="tokenmill decodes through the transformers forward (engine.fast_decode: false)")
     p.add_argument("--order", default="tokenmill,trl", help="order the children run in")
     p.add_argument(
         "--workdir", default="/tmp/tokenmill_vs_trl", help="models and run folders (warm start cached)"

@@ -54,6 +54,7 @@ def tokenmill_config(spec: dict[str, Any], output_dir: str) -> dict[str, Any]:
             "eval_every": spec["eval_every"],
             "eval_max_rows": spec["eval_rows"],
         },
+        "engine": {"fast_decode": spec.get("fast_decode", True)},
         "tracking": {"output_dir": output_dir, "console": "none", "log_samples": 2},
         "checkpoint": {"every": 0, "save_final": False},
     }
