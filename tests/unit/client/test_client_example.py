@@ -53,6 +53,7 @@ def warm(tmp_path_factory):
 @pytest.mark.slow
 def test_the_example_learns_in_process(tmp_path, warm):
     before, after = run_example(tmp_path, 900, MODEL=str(warm))
+    print(f"in process: held-out accuracy {before:.3f} -> {after:.3f}")
     assert after - before >= 0.10, (before, after)
 
 
@@ -68,6 +69,7 @@ def test_the_example_learns_over_http(tmp_path, warm):
                 break
         assert port, "serve-trainer printed no ready line"
         before, after = run_example(tmp_path, 900, TRAINER_URL=f"http://127.0.0.1:{port}")
+        print(f"over HTTP: held-out accuracy {before:.3f} -> {after:.3f}")
         assert after - before >= 0.10, (before, after)
     finally:
         server.terminate()
