@@ -369,3 +369,14 @@ def test_a_reward_preview_can_be_cancelled(page, tiny_model_path):
     expect(page.get_by_test_id("preview-run")).to_have_text("Sample and score")
     assert time.monotonic() - started < 5 and page.get_by_test_id("preview-error").count() == 0
     assert page.problems == [], page.problems
+
+
+def test_the_models_page_asks_for_a_model_before_estimating(page):
+    """With no model chosen yet the Models page says what to do and sends no estimate request (one could only
+    be refused, and the browser would log the refusal as a console error)."""
+    asked: list[str] = []
+    page.on("request", lambda r: "/api/estimate" in r.url and asked.append(r.url))
+    page.get_by_test_id("nav-models").click()
+    expect(page.get_by_test_id("memory-no-model")).to_contain_text("Choose a model (model.path")
+    page.wait_for_timeout(600)  # past the estimate's 200 ms debounce
+    assert asked == [] and page.problems == [], (asked, page.problems)

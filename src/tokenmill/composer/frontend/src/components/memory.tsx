@@ -88,11 +88,18 @@ function Bar({ items, scale, budget }: { items: [string, number][]; scale: numbe
   );
 }
 
+const NO_MODEL = "Choose a model (model.path on the Compose page) to see its memory estimate.";
+
 function useEstimate(): { estimate: Estimate | null; error: string | null } {
   const s = useStore();
   const [out, setOut] = useState<{ estimate: Estimate | null; error: string | null }>({ estimate: null, error: null });
   useEffect(() => {
     let live = true;
+    if (!getPath(s.config, "model.path")) {
+      // nothing to estimate yet: no request (it could only be refused), a hint instead
+      setOut({ estimate: null, error: NO_MODEL });
+      return;
+    }
     const timer = setTimeout(() => {
       api.estimate(s.mode, s.config, s.deviceMemoryGib, s.numDevices).then(
         (estimate) => live && setOut({ estimate: estimate as unknown as Estimate, error: null }),
@@ -221,6 +228,7 @@ function Recommendation({ estimate }: { estimate: Estimate }) {
 
 export function MemoryPanel() {
   const { estimate, error } = useEstimate();
+  if (error === NO_MODEL) return <p class="muted" data-testid="memory-no-model">{error}</p>;
   if (error) return <div class="alert error" data-testid="memory-error">{error}</div>;
   if (!estimate) return <p class="muted">Estimating…</p>;
   const devices = estimate.devices ?? [];

@@ -305,12 +305,21 @@ export function ComposePage() {
   const [presets, setPresets] = useState<Preset[]>([]);
   const [schema, setSchema] = useState<Schema | null>(null);
   const [loadError, setLoadError] = useState<string | null>(null);
+  // an answer for a mode left meanwhile is dropped: a slow RL schema must not replace the next mode's form
   useEffect(() => {
-    api.presets(s.mode).then(setPresets, (e) => setLoadError(e.message));
+    let live = true;
+    api.presets(s.mode).then((p) => live && setPresets(p), (e) => live && setLoadError(e.message));
+    return () => {
+      live = false;
+    };
   }, [s.mode]);
   useEffect(() => {
+    let live = true;
     setSchema(null);
-    loadSchema(s.mode).then(setSchema, (e) => setLoadError(e.message));
+    loadSchema(s.mode).then((x) => live && setSchema(x), (e) => live && setLoadError(e.message));
+    return () => {
+      live = false;
+    };
   }, [s.mode]);
   const validation = useValidation(s.mode, s.config);
   // errors on fields not on screen (another level, a whole section, "config") are listed above the form
