@@ -1,5 +1,5 @@
 """On-policy distillation through `tokenmill.train`: the reverse KL to the teacher falls within a few steps
-(CI), and on the addition task a quickstart-size student distilled from a stronger teacher gets within 10
+(CI), the trainer's gradient on packed and padded batches is each token's own advantage's (CI), and on the addition task a quickstart-size student distilled from a stronger teacher gets within 10
 points of it sooner than GRPO reaches its plateau (slow; the same run as `benchmarks/learning.py --only
 distill`)."""
 
@@ -42,6 +42,56 @@ def test_reverse_kl_to_the_teacher_falls_over_a_few_steps(tmp_path):
     assert len(kl) == 15 and all("distill/teacher_logprob" in r for r in rows if "distill/reverse_kl" in r)
     first, last = sum(kl[:3]) / 3, sum(kl[-3:]) / 3
     assert first > 0.5 and last < 0.8 * first, kl
+
+
+
+@pytest.mark.parametrize("share_prompts", [True, False], ids=["packed", "padded"])
+def test_each_token_is_trained_with_its_own_advantage_on_the_trainers_path(tmp_path, share_prompts):
+    """The trainer's gradient (collate, packed groups sharing a prompt or padded rows, micro-batches, the
+    policy loss) equals the hand-computed -sum_t w_t A_t d logp_t of plain forwards: each token is pushed by
+    its own distillation advantage, none by its sequence's mean."""
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.algorithms import ppo_clip_loss
+    from tokenmill.algorithms.aggregation import token_weights
+    from tokenmill.training.batch import collate
+    from tokenmill.training.local import LocalBackend
+    from tokenmill.types import Sample, StopReason
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1),
+                                                 dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[3, 4, 5, 6, 7], [8, 9, 10, 11]]
+    seqs = [(0, [12, 13, 2]), (0, [14, 2]), (0, [12, 15, 16, 2]), (1, [17, 2]), (1, [18, 19, 2])]
+
+    def logprobs_of(tokens):
+        ids = torch.tensor([tokens])
+        return torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+
+    samples = []
+    for p, completion in seqs:
+        tokens, n = prompts[p] + completion, len(prompts[p])
+        with torch.no_grad():
+            old = [0.0, *logprobs_of(tokens).tolist()]
+        adv = [0.0] * n + (torch.rand(len(completion), generator=gen) * 6 - 3).tolist()
+        samples.append(Sample(tokens=tuple(tokens), loss_mask=(0,) * n + (1,) * len(completion),
+                              logprobs=tuple(old), prompt_len=n, prompt=None, completion="",
+                              stop_reason=StopReason.STOP, advantage=sum(adv) / len(completion),
+                              token_advantages=tuple(adv), returns=(0.0,) * len(tokens),
+                              values=(0.0,) * len(tokens)))
+    weights = token_weights([sum(s.loss_mask) for s in samples], "token_mean")
+    backend = LocalBackend(model, learning_rate=1e-3, total_steps=1, share_prompts=share_prompts,
+                           micro_batch_tokens=16)
+    backend.forward_backward(collate(samples, weights, 0), lambda lp, b: ppo_clip_loss(
+        lp, b.old_logprobs_B_T, b.advantages, b.weights_B_T))
+    trainer = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    hand = sum(-w * (torch.tensor(s.token_advantages[1:]) * torch.tensor(s.loss_mask[1:]) * logprobs_of(s.tokens)).sum()
+               for s, w in zip(samples, weights, strict=True))
+    hand.backward()
+    for got, want in zip(trainer, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert sum(float(g.abs().sum()) for g in trainer) > 0
 
 
 @pytest.mark.slow
