@@ -3,6 +3,7 @@
     python benchmarks/vs_trl.py                 # 200 steps, 1000 held-out problems
     python benchmarks/vs_trl.py --quick         # 30 steps, 200 held-out problems (smoke test)
     python benchmarks/vs_trl.py --steps 1500 --out benchmarks/results/vs_trl_1500.json
+    python benchmarks/vs_trl.py --decode-only --out benchmarks/results/decode_8x8.json --prompts 8
 
 The parent process builds the shared tiny model once (a random-init Llama with the character tokenizer, then a
 short supervised warm start on the addition task; cached in --workdir), then runs each trainer in its own
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from vs_trl_parts.children import child_tokenmill, child_trl
+from vs_trl_parts.decode import compare_decode, print_decode
 from vs_trl_parts.measure import current_rss_mib, peak_rss_mib
 from vs_trl_parts.report import full_curve, print_report, summarise, time_to_accuracy
 
@@ -152,6 +154,17 @@ def run_parent(args: argparse.Namespace) -> None:
     if eval_rows > spec["num_eval"]:
         raise SystemExit(f"--eval-rows {eval_rows} exceeds the {spec['num_eval']} held-out problems")
     model_info = prepare_model(spec, args.sft_steps, args.rebuild)
+    if args.decode_only:
+        decode = compare_decode(spec)
+        print_decode(spec, decode)
+        report_decode = {"spec": spec, "model": model_info, "decode": decode,
+                         "machine": {"cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg(),
+                                     "date": time.strftime("%Y-%m-%d %H:%M:%S")}}
+        out = Path(args.out) if Path(args.out).is_absolute() else REPO / args.out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report_decode, indent=1, default=str))
+        print(f"results written to {out}")
+        return
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
 
@@ -258,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads in each child")
     p.add_argument("--no-fast-decode", action="store_true",
                    help="tokenmill decodes through the transformers forward (engine.fast_decode: false)")
+    p.add_argument("--decode-only", action="store_true",
+                   help="no training: tokenmill's engine with fast decode on and off, interleaved generate() calls")
     p.add_argument("--order", default="tokenmill,trl", help="order the children run in")
     p.add_argument(
         "--workdir", default="/tmp/tokenmill_vs_trl", help="models and run folders (warm start cached)"
