@@ -35,8 +35,12 @@ def _causal_lm(model):
 
 
 def has_forward_hooks(model) -> bool:
-    """Hooks on the model's own forward, which a step that calls its submodules would skip."""
-    return any(m._forward_hooks or m._forward_pre_hooks for m in {id(x): x for x in (model, _causal_lm(model))}.values())
+    """Hooks on the forward of the model, its decoder or a decoder layer (FSDP2's gathers, a user's hook), which
+    a step that calls the layers' submodules would skip."""
+    lm = _causal_lm(model)
+    decoder = getattr(lm, "model", None)
+    modules = [model, lm, decoder, *getattr(decoder, "layers", ())]
+    return any(m is not None and (m._forward_hooks or m._forward_pre_hooks) for m in modules)
 
 
 def fast_decode_blocker(model) -> str | None:

@@ -131,3 +131,14 @@ def test_static_cache_writes_in_place_and_selects_rows():
     assert keys.shape == (4, 1, 4, 2) and keys.data_ptr() == buffer and kv.length == 4
     kv.batch_select_indices(torch.tensor([3, 0]))
     assert torch.equal(kv.keys[0][0, :, :3], k[0][1]) and float(kv.keys[0][1, 0, 3, 0]) == -1.0
+
+
+def test_hooked_models_decode_through_transformers(tiny_model, tokenizer, prompts):
+    engine = HFEngine(tiny_model, tokenizer)
+    assert engine._fast is not None
+    calls = []  # a hook on a decoder layer (as FSDP2's parameter gathering) added after the engine was built
+    tiny_model.model.layers[0].register_forward_pre_hook(lambda module, args: calls.append(1))
+    params = SamplingParams(max_tokens=4, greedy=True)
+    [[c]] = engine.generate(prompts[:1], params)
+    assert len(c.token_ids) == 4 and len(calls) == 4  # the prompt's forward and three decode steps
+    assert "hooks" in HFEngine(tiny_model, tokenizer).fast_decode_off
