@@ -6,10 +6,8 @@ Every test leaves the server on the model's starting weights."""
 
 from __future__ import annotations
 
-import json
-
 import torch
-from test_vllm_weight_sync import _restore, _weight_version, _worst
+from test_vllm_weight_sync import _restore, _weight_version, _worst, train_and_compare
 
 from tokenmill.engines import vllm
 from tokenmill.engines.openai import RemoteEngine
@@ -45,22 +43,8 @@ def test_a_broadcast_push_lands_and_a_second_one_replaces_it(vllm_server, vllm_m
 
 def test_grpo_over_broadcast_ends_with_vllm_on_the_trained_weights(vllm_server, vllm_model, hf_model,
                                                                     train_on_vllm, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path / "run"
-    try:
-        train_on_vllm(out, [vllm_server.url], steps=3, sync="vllm_broadcast")
-        trained = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()
-        engine = RemoteEngine([vllm_server.url], pad_id=0)
-        try:
-            prompts = [[10, 11, 12, 13], [20, 30, 40], [50, 8, 9, 60, 61]]
-            on_trained, on_start = _worst(engine, trained, prompts), _worst(engine, hf_model, prompts)
-        finally:
-            engine.close()
-        version = _weight_version(vllm_server.url)
-    finally:
-        _restore(vllm_server.url, vllm_model, tmp_path / "restore")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows, on_trained, on_start, version = train_and_compare(vllm_server, vllm_model, hf_model, train_on_vllm,
+                                                            tmp_path, sync="vllm_broadcast")
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     # every rollout came from vLLM on the weights the trainer had: the run's own mismatch metrics and probe say so

@@ -44,6 +44,29 @@ def _restore(url: str, model_path: str, folder) -> None:
         sync.close()
 
 
+def train_and_compare(vllm_server, vllm_model, hf_model, train_on_vllm, tmp_path, **train) -> tuple[list, float, float, str]:
+    """A 3-step GRPO run with vLLM as the engine; then the run's metric rows, how far vLLM's logprobs are from
+    the trained weights and from the start (worst absolute difference), and vLLM's weight version. The server
+    is put back on the model folder's weights afterwards."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    try:
+        train_on_vllm(out, [vllm_server.url], steps=3, **train)
+        trained = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()
+        engine = RemoteEngine([vllm_server.url], pad_id=0)
+        try:
+            prompts = [[10, 11, 12, 13], [20, 30, 40], [50, 8, 9, 60, 61]]
+            on_trained, on_start = _worst(engine, trained, prompts), _worst(engine, hf_model, prompts)
+        finally:
+            engine.close()
+        version = _weight_version(vllm_server.url)
+    finally:
+        _restore(vllm_server.url, vllm_model, tmp_path / "restore")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return rows, on_trained, on_start, version
+
+
 def test_a_push_lands_and_the_prefix_cache_is_dropped(vllm_server, vllm_model, hf_model, tmp_path):
     long_prompt = [7 + (i * 13) % 96 for i in range(300)]  # many KV blocks: cached across requests
     short = [[10, 11, 12], [40, 41]]
@@ -69,22 +92,8 @@ def test_a_push_lands_and_the_prefix_cache_is_dropped(vllm_server, vllm_model, h
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_grpo_with_vllm_as_the_engine_ends_with_vllm_on_the_trained_weights(vllm_server, vllm_model, hf_model,
                                                                              train_on_vllm, tmp_path, staleness):
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path / "run"
-    try:
-        train_on_vllm(out, [vllm_server.url], steps=3, max_staleness=staleness)
-        trained = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()
-        engine = RemoteEngine([vllm_server.url], pad_id=0)
-        try:
-            prompts = [[10, 11, 12, 13], [20, 30, 40], [50, 8, 9, 60, 61]]
-            on_trained, on_start = _worst(engine, trained, prompts), _worst(engine, hf_model, prompts)
-        finally:
-            engine.close()
-        version = _weight_version(vllm_server.url)
-    finally:
-        _restore(vllm_server.url, vllm_model, tmp_path / "restore")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows, on_trained, on_start, version = train_and_compare(vllm_server, vllm_model, hf_model, train_on_vllm,
+                                                            tmp_path, max_staleness=staleness)
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3]
     assert version == "3"
     assert on_trained <= 1e-4, f"vLLM is {on_trained:.3g} from the trained weights"
