@@ -316,13 +316,15 @@ class Guard:
 
 # ------------------------------------------------------------------------------------------ sockets
 def bind(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (host, port) (port 0: any free one; read it with `.getsockname()[1]`).
-    Raises ExposureError naming the address when the bind fails."""
+    """A TCP socket bound to (host, port) (port 0: any free one; read it with `.getsockname()[1]`) and already
+    listening, so a client that connects as soon as the URL is printed waits in the backlog until the server
+    accepts, instead of being refused. Raises ExposureError naming the address when the bind fails."""
     name = normalise_host(host)
     sock = socket.socket(socket.AF_INET6 if ":" in name else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((name, port))
+        sock.listen(2048)  # uvicorn's own backlog
     except OSError as exc:
         sock.close()
         raise ExposureError(f"cannot bind {host}:{port}: {exc.strerror or exc}") from None

@@ -249,7 +249,11 @@ def test_sft_curves_with_axis_titles_legend_smoothing_and_zoom(page, composer):
     expected = ema / (1 - weight ** len(losses))  # by hand: 0.875 / (1 - 1/16) = 0.9333...
     assert abs(expected - 0.875 / (15 / 16)) < 1e-12
     assert abs(float(value.get_attribute("data-value")) - expected) < 1e-12
-    box = chart.locator(".u-over").bounding_box()
+    # smoothing re-created the plot (a raw series joined it): measure the new overlay once it is laid out
+    overlay = chart.locator(".u-over")
+    expect(overlay).to_be_visible()
+    box = overlay.bounding_box()
+    assert box is not None and box["width"] > 0, box
     page.mouse.move(box["x"] + box["width"] * 0.1, box["y"] + box["height"] / 2)
     page.mouse.down()
     page.mouse.move(box["x"] + box["width"] * 0.6, box["y"] + box["height"] / 2, steps=5)

@@ -3,6 +3,7 @@ guard and body cap on all three servers (engine, environment, Composer), each on
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -64,11 +65,20 @@ def test_exposure_needs_the_flag_and_a_token_named_as_the_cli_names_them():
 def test_bind_picks_a_free_port_and_names_a_taken_one():
     sock = serving.bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    sock.listen()
     try:
         assert port > 0
         with pytest.raises(ExposureError, match=f"cannot bind 127.0.0.1:{port}"):
             serving.bind("127.0.0.1", port).close()
+    finally:
+        sock.close()
+
+
+def test_a_client_that_connects_before_the_server_runs_waits_instead_of_being_refused():
+    """A server prints its URL right after `bind` (the Composer does), a moment before uvicorn serves: a client
+    that connects in that moment must wait in the listening socket's backlog, not get "connection refused"."""
+    sock = serving.bind("127.0.0.1", 0)
+    try:
+        socket.create_connection(("127.0.0.1", sock.getsockname()[1]), timeout=5).close()
     finally:
         sock.close()
 
