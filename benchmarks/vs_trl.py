@@ -157,13 +157,7 @@ def run_parent(args: argparse.Namespace) -> None:
     if args.decode_only:
         decode = compare_decode(spec)
         print_decode(spec, decode)
-        report_decode = {"spec": spec, "model": model_info, "decode": decode,
-                         "machine": {"cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg(),
-                                     "date": time.strftime("%Y-%m-%d %H:%M:%S")}}
-        out = Path(args.out) if Path(args.out).is_absolute() else REPO / args.out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report_decode, indent=1, default=str))
-        print(f"results written to {out}")
+        write_report(args.out, {"spec": spec, "model": model_info, "machine": machine(), "decode": decode})
         return
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
@@ -194,29 +188,40 @@ def run_parent(args: argparse.Namespace) -> None:
     report = {
         "spec": spec,
         "model": model_info,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "loadavg_at_end": os.getloadavg(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        },
+        "machine": machine(),
         "summary": summary,
         "ratios": ratios,
         "eval_curves": curves,
         "tokenmill": tm,
         "trl": tr,
     }
+    print_report(spec, report)
+    write_report(args.out, report)
+
+
+def machine() -> dict[str, Any]:
+    """Where the numbers were measured (the load average at the end says how busy the machine was)."""
+    info: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "loadavg_at_end": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     try:
         import torch
         import transformers
 
-        report["machine"]["torch"] = torch.__version__
-        report["machine"]["transformers"] = transformers.__version__
+        info["torch"] = torch.__version__
+        info["transformers"] = transformers.__version__
     except ImportError:
         pass
-    print_report(spec, report)
-    out = Path(args.out)
+    return info
+
+
+def write_report(out_arg: str, report: dict[str, Any]) -> None:
+    """`report` as JSON at `out_arg` (relative paths: under the repository)."""
+    out = Path(out_arg)
     if not out.is_absolute():
         out = REPO / out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """On-policy distillation through `tokenmill.train`: the reverse KL to the teacher falls within a few steps
-(CI), the trainer's gradient on packed and padded batches is each token's own advantage's (CI), and on the addition task a quickstart-size student distilled from a stronger teacher gets within 10
-points of it sooner than GRPO reaches its plateau (slow; the same run as `benchmarks/learning.py --only
-distill`)."""
+(CI), the trainer's gradient on packed and padded batches is each token's own advantage's (CI), and on the
+addition task a quickstart-size student distilled from a stronger teacher gets within 10 points of it sooner
+than GRPO reaches its plateau (slow; the same run as `benchmarks/learning.py --only distill`)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,6 @@ def test_reverse_kl_to_the_teacher_falls_over_a_few_steps(tmp_path):
     assert len(kl) == 15 and all("distill/teacher_logprob" in r for r in rows if "distill/reverse_kl" in r)
     first, last = sum(kl[:3]) / 3, sum(kl[-3:]) / 3
     assert first > 0.5 and last < 0.8 * first, kl
-
 
 
 @pytest.mark.parametrize("share_prompts", [True, False], ids=["packed", "padded"])
