@@ -144,8 +144,7 @@ def test_cli_resume_skips_a_damaged_checkpoint_and_refuses_when_none_is_usable(t
 def test_resume_reads_an_older_engine_key_and_refuses_a_checkpoint_of_another_kind_of_run(tmp_path, capsys):
     """A trainer state that keeps the sampling RNG under the older `engine_rng` key resumes like the current one;
     a GRPO checkpoint resumed by a PPO config (no critic in it) is one message naming the field, exit 2."""
-    import hashlib
-
+    from tokenmill.checkpoint.atomic import file_sha256
     from tokenmill.cli import main
 
     torch.set_num_threads(1)
@@ -159,8 +158,8 @@ def test_resume_reads_an_older_engine_key_and_refuses_a_checkpoint_of_another_ki
     state["engine_rng"] = state.pop("engine")["rng"]
     torch.save(state, folder / "trainer.pt")
     meta = json.loads((folder / "meta.json").read_text())
-    data = (folder / "trainer.pt").read_bytes()
-    meta["files"]["trainer.pt"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    state_file = folder / "trainer.pt"
+    meta["files"]["trainer.pt"] = {"bytes": state_file.stat().st_size, "sha256": file_sha256(state_file)}
     (folder / "meta.json").write_text(json.dumps(meta))
     ppo = dict(cfg, algorithm={**cfg["algorithm"], **PPO}, controller={**cfg["controller"], "max_steps_per_run": 0})
     path = tmp_path / "ppo.yaml"
