@@ -310,8 +310,9 @@ def test_two_servers_then_one_dies(server, tiny_model_path, tiny_model, tmp_path
 
 def test_a_server_dropped_by_the_sync_is_never_routed_to_again(server, tiny_model_path, tiny_model, tmp_path):
     """A server that misses a push (here: frozen with SIGSTOP past the sync's timeout) is dropped by a tolerant
-    sync and misses the next push too; once it answers again it is healthy but holds older weights, so the engine's pool must not bring it
-    back on a health probe, and every later request goes to the server that took the push."""
+    sync and misses the next push too; once it answers again it is healthy but holds older weights, so the
+    engine's pool must not bring it back on a health probe, and every later request goes to the server that
+    took the push."""
     from tokenmill.engines.openai import RemoteEngine
     from tokenmill.types import SamplingParams
 
