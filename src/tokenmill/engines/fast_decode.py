@@ -106,6 +106,23 @@ class StaticKV:
         self.values = [v[index] for v in self.values]
 
 
+class ColumnKV:
+    """A `StaticKV`'s buffers written at the column held by the one-element device tensor `column`, with the
+    attention over every column (the caller masks the ones not yet written): a step whose tensor shapes
+    and addresses never change, which a CUDA graph can record once and replay (`engines.cuda_graphs`)."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], column: torch.Tensor) -> None:
+        self.keys, self.values, self.column = keys, values, column
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys[layer].index_copy_(2, self.column, key)
+        self.values[layer].index_copy_(2, self.column, value)
+        return self.keys[layer], self.values[layer]
+
+    def advance(self, columns: int = 1) -> None:
+        """The caller moves `column` (and the `StaticKV` it views)."""
+
+
 class _DynamicKV:
     """The step's view of a transformers `DynamicCache` (grows by concatenation; the continuous engine's)."""
 
@@ -132,10 +149,11 @@ class FastDecoder:
         self.head = lm.get_output_embeddings()
         self._cos = self._sin = None  # rotary tables [positions, head_dim], built on first use
 
-    def _rotary(self, pos_B: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rotary(self, pos_B: torch.Tensor, like: torch.Tensor, need: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `[B, 1, 1, head_dim]` of each row's position, read from tables the rotary module built
-        once (the same numbers as its per-call output: each entry is one position's product, cos and sin)."""
-        need = int(pos_B.max()) + 1
+        once (the same numbers as its per-call output: each entry is one position's product, cos and sin).
+        `need`: positions the tables must cover (None: read off `pos_B`, which waits for the device)."""
+        need = int(pos_B.max()) + 1 if need is None else need
         if self._cos is None or self._cos.shape[0] < need or self._cos.dtype != like.dtype:
             size = max(need, 2 * (self._cos.shape[0] if self._cos is not None else 256))
             positions = torch.arange(size, device=pos_B.device)[None]
@@ -144,13 +162,15 @@ class FastDecoder:
             self._cos, self._sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
         return self._cos[pos_B][:, None, None, :], self._sin[pos_B][:, None, None, :]
 
-    def step(self, tok_B: torch.Tensor, pos_B: torch.Tensor, mask_B_K: torch.Tensor | None, cache) -> torch.Tensor:
+    def step(self, tok_B: torch.Tensor, pos_B: torch.Tensor, mask_B_K: torch.Tensor | None, cache,
+             positions: int | None = None) -> torch.Tensor:
         """Read one token per row (`tok_B` at positions `pos_B`) after the cached keys, append its key/value
-        states to `cache` (a `StaticKV` or a transformers `DynamicCache`) and return the next-token logits
-        `[B, vocab]`. `mask_B_K` (bool, True = attend) covers the cached keys plus the new one; None: all."""
-        kv = cache if isinstance(cache, StaticKV) else _DynamicKV(cache)
+        states to `cache` (a `StaticKV`, a `ColumnKV` or a transformers `DynamicCache`) and return the
+        next-token logits `[B, vocab]`. `mask_B_K` (bool, True = attend) covers the cached keys plus the new
+        one; None: all. `positions` (a bound on `pos_B`) spares the step its one wait for the device."""
+        kv = cache if isinstance(cache, (StaticKV, ColumnKV)) else _DynamicKV(cache)
         hidden_B_1_H = self.decoder.embed_tokens(tok_B[:, None])
-        cos, sin = self._rotary(pos_B, hidden_B_1_H)
+        cos, sin = self._rotary(pos_B, hidden_B_1_H, positions)
         mask = None if mask_B_K is None else mask_B_K[:, None, None, :]
         for i, layer in enumerate(self.layers):
             hidden_B_1_H = hidden_B_1_H + self._attend(layer.self_attn, _norm(layer.input_layernorm, hidden_B_1_H),

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from tokenmill.engines.cuda_graphs import GraphedDecode, graphs_blocker
 from tokenmill.engines.fast_decode import FastDecoder, StaticKV, fast_decode_blocker, has_forward_hooks
 from tokenmill.engines.prefix_cache import PrefixCache
 from tokenmill.types import Completion, PromptLogprobs, SamplingParams, StopReason
@@ -67,6 +68,7 @@ class HFEngine:
         autocast_dtype: torch.dtype | None = None,
         prefix_cache_tokens: int = 0,
         fast_decode: bool = True,
+        cuda_graphs: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -87,6 +89,10 @@ class HFEngine:
         # is not one it knows; `fast_decode_off` says why it is off
         self.fast_decode_off = "turned off" if not fast_decode else fast_decode_blocker(model)
         self._fast = FastDecoder(model) if self.fast_decode_off is None else None
+        # on a GPU the fast step replays from a CUDA graph (`engines.cuda_graphs`); `cuda_graphs_off` says why not
+        self.cuda_graphs_off = ("turned off" if not cuda_graphs else self.fast_decode_off
+                                or graphs_blocker(self.device))
+        self._graphed = GraphedDecode(self._fast) if self.cuda_graphs_off is None else None
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of key/value state one token takes in the cache (all layers)."""
@@ -163,6 +169,8 @@ class HFEngine:
                 rows = self._decode(prompts, params)
         finally:
             self.model.train(was_training)
+            if self._graphed is not None:  # its recording reads this call's buffers (and autocast's copies)
+                self._graphed.reset()
         n = params.n
         return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
 
@@ -281,6 +289,8 @@ class HFEngine:
     def _step(self, tok_B: torch.Tensor, pos_B: torch.Tensor, mask_B_K: torch.Tensor | None, cache) -> torch.Tensor:
         """One decode step: each row's next-token logits `[B, V]`; `mask_B_K` (None: no padding) covers the cached
         keys and the new one."""
+        if self._graphed is not None and isinstance(cache, StaticKV):
+            return self._graphed.step(tok_B, pos_B, None if mask_B_K is None else mask_B_K.bool(), cache)
         if self._fast is not None and (isinstance(cache, StaticKV) or not has_forward_hooks(self.model)):
             return self._fast.step(tok_B, pos_B, None if mask_B_K is None else mask_B_K.bool(), cache)
         out = self.model(
