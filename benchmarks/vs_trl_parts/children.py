@@ -170,12 +170,12 @@ def trl_args(spec: dict[str, Any], output_dir: str):
         mask_truncated_completions=False,
         seed=spec["seed"],
         data_seed=spec["seed"],
-        # at its best on CPU (benchmarks/README.md, "How comparisons are run")
-        bf16=False,
+        # at its best on CPU (benchmarks/README.md, "How comparisons are run"); bf16 autocast on a GPU
+        bf16=spec.get("bf16", False),
         fp16=False,
         gradient_checkpointing=False,
         use_vllm=False,
-        use_cpu=True,
+        use_cpu=spec.get("device", "cpu") == "cpu",
         dataloader_num_workers=0,
         # logging every step, no console printout, no saving, no in-training eval
         logging_steps=1,

@@ -101,7 +101,7 @@ class GraphedDecode:
                 inputs.run()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads may use the GPU
             self._logits = inputs.run()
         self._graph, self._inputs = graph, inputs
         self.recordings += 1
