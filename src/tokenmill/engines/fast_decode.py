@@ -86,7 +86,9 @@ class StaticKV:
         for layer in cache.layers:
             for src, out in ((layer.keys, keys), (layer.values, values)):
                 rows, heads, _, dim = src.shape
-                buf = src.new_empty((rows * repeat, heads, length + extra, dim))
+                # zeros, not garbage: a CUDA-graph step attends over every column, masked, and a masked NaN
+                # still poisons the sum (0 x NaN)
+                buf = src.new_zeros((rows * repeat, heads, length + extra, dim))
                 buf.view(rows, repeat, heads, length + extra, dim)[:, :, :, :length] = src[:, None]
                 out.append(buf)
         return cls(keys, values, length)

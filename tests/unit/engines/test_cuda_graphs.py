@@ -70,6 +70,7 @@ def test_masked_columns_are_never_read(tokenizer, prompts):
     def poisoned(cls, cache, extra, repeat=1):
         kv = original(cls, cache, extra, repeat)
         for buf in kv.keys + kv.values:
+            assert not buf[:, :, kv.length :].any()  # zeros (a masked NaN would still reach the sum)
             buf[:, :, kv.length :] = 1e4  # huge keys/values where nothing was written yet
         return kv
 
