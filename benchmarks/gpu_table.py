@@ -58,6 +58,7 @@ def build_model(shape: dict, dtype: torch.dtype, device: str, seed: int = 0):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config.eos_token_id = tok.eos_token_id
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters()), "random init left non-finite weights"
     return model.eval(), tok
 
 
