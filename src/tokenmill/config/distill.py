@@ -7,6 +7,7 @@
       kl_coef: 1.0                             # weight of the reverse KL in each token's advantage
       task_weight: 0.0                         # weight of the task reward's group advantage (0: pure distillation)
       top_k: 0                                 # 0: the teacher's logprob of each sampled token; k: its top-k only
+      loss: auto                               # full: the exact reverse KL at each position; sampled: one token's
 
 Several teachers: `teachers: {math: {url: http://127.0.0.1:8000}, code: {path: ...}}` with `route_by: task`
 (each row goes to the teacher its `task` column names) or without it (every token scored by the mixture of
@@ -15,7 +16,7 @@ all of them).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -40,7 +41,8 @@ class TeacherConfig(Section):
 
 
 class DistillConfig(Section):
-    """On-policy distillation: each sampled token's advantage is minus the reverse KL to the teacher."""
+    """On-policy distillation: the student's own samples are pushed toward the teacher by the reverse KL,
+    exactly over the vocabulary at each position (`loss: full`) or by its sampled-token estimate (`sampled`)."""
 
     teacher: TeacherConfig | None = Field(None, description="The teacher (or give several in `teachers`).")
     teachers: dict[str, TeacherConfig] = Field(
@@ -48,9 +50,15 @@ class DistillConfig(Section):
     route_by: str | None = Field(
         None, description="Data column whose value names the teacher for each row (teachers only); unset: every "
         "token is scored by the mixture (mean probability) of all teachers.")
-    kl_coef: float = Field(1.0, gt=0.0, description="Weight of the reverse KL (student - teacher logprob) per token.")
+    kl_coef: float = Field(1.0, gt=0.0, description="Weight of the reverse KL: of each token's log ratio in its "
+                           "advantage (loss sampled), of the full KL term in the loss (loss full).")
     task_weight: float = Field(
         0.0, ge=0.0, description="Weight of the task reward's group advantage (GRPO) added to every token's.")
+    loss: Literal["auto", "full", "sampled"] = Field(
+        "auto", description="full: the exact reverse KL over the vocabulary at every position of the student's "
+        "sample, a loss term differentiated through the student (needs one in-process `teacher`, top_k 0); "
+        "sampled: its one-token estimate at the sampled token as a per-token advantage (any teacher, top_k, "
+        "mixtures); auto: full where it can be computed, else sampled (see docs/distillation.md).")
     top_k: int = Field(
         0, ge=0, le=1024, description="0: the teacher's logprob of each sampled token; k > 0: only its k most "
         "likely tokens per position, the rest bucketed as one 'other' outcome (see docs/distillation.md).")
@@ -61,10 +69,19 @@ class DistillConfig(Section):
             raise ValueError("set exactly one of teacher or teachers")
         if self.route_by is not None and not self.teachers:
             raise ValueError("route_by: routes rows between several `teachers`; with one `teacher` leave it unset")
+        if self.loss == "full" and not self.full_possible:
+            raise ValueError("loss: 'full' needs the teacher's whole distribution at every position: one teacher "
+                             "loaded in this process (teacher.path, top_k 0); use loss 'sampled' for a server, "
+                             "top-k or several teachers")
         if self.top_k and len(self.named) > 1 and self.route_by is None:
             raise ValueError("top_k: a mixture of teachers needs each teacher's logprob of the sampled token; "
                              "use top_k 0 or route_by")
         return self
+
+    @property
+    def full_possible(self) -> bool:
+        """Whether the teacher's whole distribution is at hand: one in-process teacher, top_k 0."""
+        return self.teacher is not None and self.teacher.path is not None and not self.top_k
 
     @property
     def named(self) -> dict[str, TeacherConfig]:
@@ -86,6 +103,18 @@ def check_distill(cfg: Any) -> None:
     if algo.loss == "gspo":
         raise ValueError("algorithm.loss: 'gspo' clips a sequence ratio; distillation's advantages are per "
                          "token (use ppo_clip or cispo)")
+    if dist.loss == "full" and cfg.training.backend != "local":
+        raise ValueError("distillation.loss: 'full' computes the teacher's distribution inside the local "
+                         "trainer; with training.backend 'fsdp2' set loss 'sampled'")
     if dist.task_weight > 0 and cfg.generation.group_size < 2:
         raise ValueError("generation.group_size: distillation.task_weight > 0 mixes in the group advantage of "
                          "the task reward, which needs generation.group_size >= 2")
+
+
+def full_kl(cfg: Any) -> bool:
+    """Whether a run distils with the full reverse KL: `loss: full`, or `auto` where the teacher's whole
+    distribution is at hand and the trainer is the local one (fsdp2 and servers fall back to `sampled`)."""
+    dist = cfg.distillation
+    if dist is None or dist.loss == "sampled":
+        return False
+    return dist.loss == "full" or (dist.full_possible and cfg.training.backend == "local")

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import yaml
 
+from tokenmill.config.distill import full_kl
 from tokenmill.config.imports import resolve
 from tokenmill.config.schema import LoRAConfig, ModelConfig, RewardFunctionConfig, RLConfig
 from tokenmill.data.prompts import PromptSource, load_rows, split_held_out
@@ -230,7 +231,8 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
         actor=actor,
         source=PromptSource(train_rows, seed=cfg.training.seed, shuffle=cfg.data.shuffle),
         eval_rows=eval_rows, logger=logger, update_rng=random.Random(cfg.training.seed + 1), output_dir=out,
-        teacher=build_teacher(cfg.distillation, model, tokenizer, device, autocast_dtype=amp),
+        teacher=build_teacher(cfg.distillation, model, tokenizer, device, autocast_dtype=amp, backend=backend,
+                              full=full_kl(cfg)),
     )
 
 

@@ -10,6 +10,7 @@ from tokenmill.algorithms.advantages import assign_advantages
 from tokenmill.algorithms.shaping import has_spread, shape_overlong
 from tokenmill.checkpoint.atomic import load_latest, rng_state, save_checkpoint, set_rng_state
 from tokenmill.checkpoint.export import export_atomic
+from tokenmill.config.distill import full_kl
 from tokenmill.controller.build import Run, parameter_counts
 from tokenmill.controller.evaluate import evaluate, evaluate_agent, rollout_metrics, sample_records
 from tokenmill.controller.feeds import Feed, rollout_feed
@@ -119,7 +120,7 @@ def advantages(run: Run, groups: list[Group]) -> tuple[list[Group], list[Sample]
         with stage("teacher"):
             return distill_groups(groups, run.teacher, run.cfg.distillation, scale_rewards=algo.scale_rewards,
                                   student=run.model, temperature=run.cfg.generation.temperature,
-                                  pad_id=run.engine.pad_id)
+                                  pad_id=run.engine.pad_id, full=full_kl(run.cfg))
     if run.critic is None:
         groups = assign_advantages(groups, algo.advantage, scale_rewards=algo.scale_rewards)
         return groups, [s for g in groups for s in g.samples if s.trainable], {}

@@ -40,33 +40,35 @@ def micro_token_stats(
     entropy_grad: bool = False,
     autocast_dtype: torch.dtype | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_MIB << 20,
-) -> Iterator[tuple[torch.Tensor, Batch, torch.Tensor, torch.Tensor | None]]:
+    teacher: torch.nn.Module | None = None,
+) -> Iterator[tuple[torch.Tensor, ...]]:
     """Per micro-batch: (its rows in `batch`, the micro-batch on the model's device, its token logprobs, its
     token entropies or None). Groups sharing a prompt are packed (`training.packing`; only completion tokens
     get values there); with `pack_sequences` whole sequences are packed side by side (SFT); otherwise
     length-bucketed padded rows. Gradients flow unless the caller disables them. The LM head runs on chunks
-    of at most `chunk_bytes` of fp32 logits (`training.logprobs`; 0 = the model's full logits)."""
+    of at most `chunk_bytes` of fp32 logits (`training.logprobs`; 0 = the model's full logits). With a
+    `teacher` module each tuple has a fifth tensor: the reverse KL to it per token (`logprobs.reverse_kl`)."""
     device = next(model.parameters()).device
     segments = packing_segments(batch, share_prompts=share_prompts, pack_sequences=pack_sequences)
     if segments is not None:
         for micro, packed in micro_packs(batch, token_budget, segments):
             micro = micro.to(device)
-            logprobs, ent = packed_token_stats(
+            stats = packed_token_stats(
                 model, packed, tuple(micro.input_ids_B_T.shape), temperature=temperature, entropy=entropy,
-                entropy_grad=entropy_grad, autocast_dtype=autocast_dtype, chunk_bytes=chunk_bytes,
+                entropy_grad=entropy_grad, autocast_dtype=autocast_dtype, chunk_bytes=chunk_bytes, teacher=teacher,
             )
-            yield packed.batch_rows, micro, logprobs, ent
+            yield packed.batch_rows, micro, *stats
         return
     start = 0
     for micro in batch.micro_batches(token_budget):
         micro = micro.to(device)
-        logprobs, ent = sequence_token_stats(
+        stats = sequence_token_stats(
             model, micro.input_ids_B_T, lengths_B=micro.lengths_B, temperature=temperature, chunk_bytes=chunk_bytes,
-            entropy=entropy, entropy_grad=entropy_grad, autocast_dtype=autocast_dtype,
+            entropy=entropy, entropy_grad=entropy_grad, autocast_dtype=autocast_dtype, teacher=teacher,
         )
         rows = torch.arange(start, start + micro.size)
         start += micro.size
-        yield rows, micro, logprobs, ent
+        yield rows, micro, *stats
 
 
 @torch.no_grad()
@@ -148,7 +150,14 @@ def _adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.AdamW
 
 class LocalBackend:
     """Trains one module in this process. `temperature` matches the sampler's (logits are divided by it). The
-    LM head runs on chunks of `logits_chunk_mib` MiB of fp32 logits (`training.logprobs`; 0 = full logits)."""
+    LM head runs on chunks of `logits_chunk_mib` MiB of fp32 logits (`training.logprobs`; 0 = full logits).
+
+    `distill_teacher` (set after construction; on-policy distillation's `loss: full`): a frozen module with
+    the policy's vocabulary; every micro-batch's loss then adds `distill_coef` x the weighted reverse KL
+    from the policy to it at each trained position (`logprobs.reverse_kl`), reported as `distill/reverse_kl`."""
+
+    distill_teacher: torch.nn.Module | None = None
+    distill_coef: float = 1.0
 
     def __init__(
         self,
@@ -195,15 +204,19 @@ class LocalBackend:
             self.model, batch, temperature=self.temperature, token_budget=self.micro_batch_tokens,
             share_prompts=self.share_prompts, pack_sequences=self.pack_sequences,
             entropy=self.track_entropy or bonus, entropy_grad=bonus,
-            autocast_dtype=self.autocast_dtype, chunk_bytes=self.chunk_bytes,
+            autocast_dtype=self.autocast_dtype, chunk_bytes=self.chunk_bytes, teacher=self.distill_teacher,
         )
-        for _, micro, logprobs_B_T, ent in stats:
+        for _, micro, logprobs_B_T, ent, *kl in stats:
             loss, metrics = loss_fn(logprobs_B_T, micro)
             if ent is not None:
                 weighted = (ent * micro.weights_B_T).sum()
                 metrics["entropy"] = weighted.detach()
                 if bonus:
                     loss = loss - entropy_coef * weighted
+            if kl:  # on-policy distillation's full reverse KL to the teacher, per trained token
+                weighted = (kl[0] * micro.weights_B_T).sum()
+                metrics["distill/reverse_kl"] = weighted.detach()
+                loss = loss + self.distill_coef * weighted
             loss.backward()
             metrics["loss"] = loss.detach()
             metrics["weight"] = micro.weights_B_T.sum()

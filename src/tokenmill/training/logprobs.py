@@ -9,6 +9,11 @@ chunk is checkpointed (`torch.utils.checkpoint`): its logits are computed again 
 at a time, so neither pass ever holds more than one chunk of logits. The numbers are those of the plain path
 (the same matmul, row by row; `tests/unit/training/test_logprobs.py` checks 1e-6 in fp32).
 
+On-policy distillation's full reverse KL (`distillation.loss: full`) rides on the same chunks: given a
+teacher's hidden states at the same positions (and its head), each chunk also returns
+`sum_v p_s(v) (log p_s(v) - log p_t(v))`, differentiable through the student, with the teacher's logits
+computed chunk by chunk under no_grad (`reverse_kl`).
+
 `head_parts` says whether a model's logits are exactly `head(decoder(...))`; where not (a final logit
 soft-cap or scale, an FSDP2-sharded root whose head is gathered only inside its own forward), callers use
 the model's own forward.
@@ -46,6 +51,30 @@ def token_entropy(logits_B_T_V: torch.Tensor, temperature: float) -> torch.Tenso
     return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
 
 
+def reverse_kl(student_logp_N_V: torch.Tensor, teacher_logits_N_V: torch.Tensor) -> torch.Tensor:
+    """KL(student || teacher) at each of N positions, `sum_v p_s(v) (log p_s(v) - log p_t(v))`, from the
+    student's log-softmax (gradients flow through it) and the teacher's logits (temperature 1, no gradient).
+    Its gradient with respect to the student's logit z_v is `p_s(v) (log p_s(v) - log p_t(v) - KL)`."""
+    teacher_logp_N_V = torch.log_softmax(teacher_logits_N_V.detach().float(), dim=-1)
+    return (student_logp_N_V.exp() * (student_logp_N_V - teacher_logp_N_V)).sum(-1)
+
+
+def token_reverse_kl(logits_B_T_V: torch.Tensor, teacher_logits_B_T_V: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`reverse_kl` at each position from full logits, aligned like `token_logprobs` (the plain path)."""
+    logp = torch.log_softmax(logits_B_T_V[:, :-1, :].float() / temperature, dim=-1)
+    return torch.nn.functional.pad(reverse_kl(logp, teacher_logits_B_T_V[:, :-1, :]), (1, 0))
+
+
+def teacher_states(teacher: torch.nn.Module, chunked: bool, **inputs) -> tuple[torch.Tensor, torch.nn.Module]:
+    """(states, head) with `teacher(...).logits == head(states)`, no gradient: its decoder's hidden states and
+    its LM head where `head_parts` allows and `chunked`, else its full logits and the identity."""
+    parts = head_parts(teacher) if chunked else None
+    with torch.no_grad():
+        if parts is None:
+            return teacher(**inputs, use_cache=False).logits, torch.nn.Identity()
+        return hidden_states(parts[0], **inputs), parts[1]
+
+
 def head_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
     """(decoder, head) when `model(...).logits == head(decoder(...).last_hidden_state)`, else None."""
     from torch.distributed.fsdp import FSDPModule
@@ -78,21 +107,28 @@ def chunk_tokens(head: torch.nn.Module, chunk_bytes: int) -> int:
 def _chunk_stats(
     head: torch.nn.Module, hidden_N_H: torch.Tensor, target_N: torch.Tensor, temperature: float,
     entropy: bool, entropy_grad: bool, autocast_dtype: torch.dtype | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    with torch.autocast(hidden_N_H.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+    teacher_head: torch.nn.Module | None = None, teacher_N_H: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    autocast = torch.autocast(hidden_N_H.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+    with autocast:
         logits_N_V = head(hidden_N_H)
     logits_N_V = logits_N_V.float()
     if temperature != 1.0:
         logits_N_V = logits_N_V / temperature
     lse_N = torch.logsumexp(logits_N_V, dim=-1)
     logprob_N = logits_N_V.gather(-1, target_N[:, None]).squeeze(-1) - lse_N
+    kl_N = torch.zeros_like(logprob_N)
+    if teacher_head is not None:
+        with torch.no_grad(), autocast:
+            teacher_logits_N_V = teacher_head(teacher_N_H)
+        kl_N = reverse_kl(logits_N_V - lse_N[:, None], teacher_logits_N_V)
     if not entropy:
-        return logprob_N, torch.zeros_like(logprob_N)
+        return logprob_N, torch.zeros_like(logprob_N), kl_N
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         logp_N_V = logits_N_V - lse_N[:, None]  # the log-softmax, from the log-sum-exp already taken
         logp_N_V = logp_N_V if entropy_grad else logp_N_V.detach()
         ent_N = -(logp_N_V.exp() * logp_N_V).sum(-1)
-    return logprob_N, ent_N
+    return logprob_N, ent_N, kl_N
 
 
 def head_token_stats(
@@ -105,23 +141,28 @@ def head_token_stats(
     entropy: bool = False,
     entropy_grad: bool = False,
     autocast_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(target_n) (and the entropy) of the head's softmax at each of the N hidden states, computed
-    `chunk_tokens` positions at a time (all at once with `chunk_bytes` 0); with gradients, each chunk's logits
-    are computed again in the backward instead of kept."""
+    teacher: tuple[torch.nn.Module, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(log p(target_n), the entropy or None, the reverse KL to `teacher` or None) of the head's softmax at
+    each of the N hidden states, computed `chunk_tokens` positions at a time (all at once with `chunk_bytes`
+    0); with gradients, each chunk's logits are computed again in the backward instead of kept. `teacher`:
+    (its head, its states at the same N positions), see `teacher_states`."""
     n = hidden_N_H.shape[0]
     size = chunk_tokens(head, chunk_bytes) if chunk_bytes > 0 else n
     extra = (temperature, entropy, entropy_grad, autocast_dtype)
+    t_head, t_N_H = teacher if teacher is not None else (None, None)
     if n <= size:  # one chunk: nothing to save by recomputing it
-        lp_N, ent_N = _chunk_stats(head, hidden_N_H, target_N, *extra)
-        return lp_N, ent_N if entropy else None
-    grad = torch.is_grad_enabled() and (hidden_N_H.requires_grad or any(p.requires_grad for p in head.parameters()))
-    parts = []
-    for start in range(0, n, size):
-        args = (head, hidden_N_H[start : start + size], target_N[start : start + size], *extra)
-        parts.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if grad else _chunk_stats(*args))
-    lp_N = torch.cat([lp for lp, _ in parts])
-    return lp_N, torch.cat([e for _, e in parts]) if entropy else None
+        parts = [_chunk_stats(head, hidden_N_H, target_N, *extra, t_head, t_N_H)]
+    else:
+        grad = torch.is_grad_enabled() and (hidden_N_H.requires_grad or any(p.requires_grad for p in head.parameters()))
+        parts = []
+        for start in range(0, n, size):
+            cut = slice(start, start + size)
+            args = (head, hidden_N_H[cut], target_N[cut], *extra, t_head, None if t_N_H is None else t_N_H[cut])
+            parts.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if grad else _chunk_stats(*args))
+    lp_N = torch.cat([p[0] for p in parts])
+    ent_N = torch.cat([p[1] for p in parts]) if entropy else None
+    return lp_N, ent_N, torch.cat([p[2] for p in parts]) if teacher is not None else None
 
 
 def hidden_states(decoder: torch.nn.Module, **inputs) -> torch.Tensor:
@@ -139,10 +180,12 @@ def sequence_token_stats(
     entropy: bool = False,
     entropy_grad: bool = False,
     autocast_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    teacher: torch.nn.Module | None = None,
+) -> tuple[torch.Tensor, ...]:
     """`(token_logprobs, token_entropy or None)` of right-padded rows, aligned with the tokens (position 0
     gets 0; so do padding positions on the chunked path): through the chunked head where `head_parts` allows
-    and `chunk_bytes > 0`, else from the model's full logits."""
+    and `chunk_bytes > 0`, else from the model's full logits. With a `teacher` module (same vocabulary), a
+    third tensor: the reverse KL from the model to it at each position (`reverse_kl`)."""
     device = input_ids_B_T.device
     autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     parts = head_parts(model) if chunk_bytes > 0 else None
@@ -152,18 +195,26 @@ def sequence_token_stats(
         ent = None
         if entropy:
             ent = token_entropy(logits_B_T_V if entropy_grad else logits_B_T_V.detach(), temperature)
-        return token_logprobs(logits_B_T_V, input_ids_B_T, temperature), ent
+        out = (token_logprobs(logits_B_T_V, input_ids_B_T, temperature), ent)
+        if teacher is None:
+            return out
+        with autocast:
+            teacher_logits_B_T_V, _ = teacher_states(teacher, False, input_ids=input_ids_B_T)
+        return (*out, token_reverse_kl(logits_B_T_V, teacher_logits_B_T_V, temperature))
     decoder, head = parts
     B, T = input_ids_B_T.shape
     with autocast:
         hidden_B_T_H = hidden_states(decoder, input_ids=input_ids_B_T)
+        taught = None if teacher is None else teacher_states(teacher, True, input_ids=input_ids_B_T)
     lengths = torch.full((B,), T, dtype=torch.long) if lengths_B is None else lengths_B.cpu()
     real_B_T = torch.arange(T)[None, :] < lengths[:, None]  # position t >= 1 is predicted from t - 1
     real_B_T[:, 0] = False
     b_N, t_N = (i.to(device) for i in real_B_T.nonzero(as_tuple=True))
-    lp_N, ent_N = head_token_stats(
+    lp_N, ent_N, kl_N = head_token_stats(
         head, hidden_B_T_H[b_N, t_N - 1], input_ids_B_T[b_N, t_N], temperature=temperature,
         chunk_bytes=chunk_bytes, entropy=entropy, entropy_grad=entropy_grad, autocast_dtype=autocast_dtype,
+        teacher=None if taught is None else (taught[1], taught[0][b_N, t_N - 1]),
     )
     zeros_B_T = torch.zeros((B, T), dtype=torch.float32, device=device)
-    return zeros_B_T.index_put((b_N, t_N), lp_N), None if ent_N is None else zeros_B_T.index_put((b_N, t_N), ent_N)
+    out = (zeros_B_T.index_put((b_N, t_N), lp_N), None if ent_N is None else zeros_B_T.index_put((b_N, t_N), ent_N))
+    return out if kl_N is None else (*out, zeros_B_T.index_put((b_N, t_N), kl_N))

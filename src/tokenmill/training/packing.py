@@ -20,7 +20,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from tokenmill.training.batch import Batch
-from tokenmill.training.logprobs import DEFAULT_CHUNK_MIB, head_parts, head_token_stats, hidden_states
+from tokenmill.training.logprobs import (
+    DEFAULT_CHUNK_MIB,
+    head_parts,
+    head_token_stats,
+    hidden_states,
+    teacher_states,
+)
 
 
 @dataclass(frozen=True)
@@ -167,9 +173,11 @@ def packed_token_stats(
     entropy_grad: bool = False,
     autocast_dtype: torch.dtype | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_MIB << 20,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    teacher: torch.nn.Module | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Logprobs (and entropies) of every completion token, scattered into a `[B, T]` tensor (0 elsewhere).
-    The LM head runs on chunks of `chunk_bytes` of fp32 logits where `head_parts` allows (0: full logits)."""
+    The LM head runs on chunks of `chunk_bytes` of fp32 logits where `head_parts` allows (0: full logits).
+    With a `teacher` module, a third tensor: the reverse KL to it (`logprobs.reverse_kl`), packed the same way."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     mask = attention_mask(packed.allowed_R_L_L, model, autocast_dtype or dtype).to(device)
@@ -177,16 +185,23 @@ def packed_token_stats(
               "attention_mask": mask}
     src = (packed.src_row_K.to(device), packed.src_pos_K.to(device))
     parts = head_parts(model) if chunk_bytes > 0 else None
+    taught = None
     with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         if parts is None:  # full logits; only the predicting positions go through the log-softmax
             picked_K_H, head = model(**inputs, use_cache=False).logits[src], torch.nn.Identity()
         else:
             picked_K_H, head = hidden_states(parts[0], **inputs)[src], parts[1]
-    logprob_K, ent_K = head_token_stats(
+        if teacher is not None:
+            t_dtype = next(teacher.parameters()).dtype
+            t_mask = attention_mask(packed.allowed_R_L_L, teacher, autocast_dtype or t_dtype).to(device)
+            states, t_head = teacher_states(teacher, parts is not None, **(inputs | {"attention_mask": t_mask}))
+            taught = (t_head, states[src])
+    logprob_K, ent_K, kl_K = head_token_stats(
         head, picked_K_H, packed.target_K.to(device), temperature=temperature,
         chunk_bytes=chunk_bytes if parts is not None else 0, entropy=entropy, entropy_grad=entropy_grad,
-        autocast_dtype=autocast_dtype,
+        autocast_dtype=autocast_dtype, teacher=taught,
     )
     dst = (packed.dst_b_K.to(device), packed.dst_t_K.to(device))
     zeros_B_T = torch.zeros(out_shape, dtype=torch.float32, device=device)
-    return zeros_B_T.index_put(dst, logprob_K), None if ent_K is None else zeros_B_T.index_put(dst, ent_K)
+    out = (zeros_B_T.index_put(dst, logprob_K), None if ent_K is None else zeros_B_T.index_put(dst, ent_K))
+    return out if kl_K is None else (*out, zeros_B_T.index_put(dst, kl_K))

@@ -4,7 +4,10 @@ A teacher is anything with the engines' `Scorer` method (`score(sequences, top_k
 an HF causal LM in this process (an `HFEngine` over it: a teacher-forced forward) or an OpenAI-compatible
 server that returns prompt logprobs (`RemoteEngine`: `tokenmill serve`, vLLM). `Teacher` puts one or several of
 them behind one call: several are routed per row by a data column, or mixed (mean probability).
-`distill_groups` turns their scores into per-token advantages (`algorithms.distill`).
+`distill_groups` turns their scores into per-token advantages (`algorithms.distill`). With the full reverse
+KL (`distillation.loss: full`) the teacher is not asked here: the trainer runs it on each micro-batch and adds
+the exact per-position KL to the loss (`LocalBackend.distill_teacher`), and the advantages carry only the task
+reward's share.
 """
 
 from __future__ import annotations
@@ -59,6 +62,12 @@ class Teacher:
             routes.setdefault(name, []).append(i)
         return routes
 
+    @property
+    def module(self) -> torch.nn.Module:
+        """The one in-process teacher's module (what the full reverse KL needs)."""
+        (scorer,) = self.scorers.values()
+        return scorer.model
+
     def close(self) -> None:
         for scorer in self.scorers.values():
             scorer.close()
@@ -100,19 +109,22 @@ def _student_at(model: torch.nn.Module, ids_B_T: torch.Tensor, top_ids_B_T_K: to
 
 def distill_groups(
     groups: list[Group], teacher: Teacher, dist: DistillConfig, *, scale_rewards: bool = True,
-    student: torch.nn.Module | None = None, temperature: float = 1.0, pad_id: int = 0,
+    student: torch.nn.Module | None = None, temperature: float = 1.0, pad_id: int = 0, full: bool = False,
 ) -> tuple[list[Group], list[Sample], dict[str, float]]:
     """The groups with per-token distillation advantages on their trainable samples (`token_advantages`, which
     the policy loss multiplies token by token), those samples, and the step's `distill/` metrics.
 
     `student` (the policy module) is needed only with `dist.top_k`: its probabilities of the teacher's top-k
-    tokens give the student's side of the "other" bucket."""
+    tokens give the student's side of the "other" bucket. `full`: the loss carries the reverse KL (the
+    trainer computes it), so the teacher is not asked and each token's advantage is the task reward's share."""
     if dist.task_weight > 0:
         groups = assign_advantages(groups, "grpo", scale_rewards=scale_rewards)
     samples = [s for g in groups for s in g.samples if s.trainable]
     if not samples:
         return groups, [], {}
     width = max(len(s.tokens) for s in samples)
+    if full:
+        return _task_only(groups, samples, dist, width)
     scored = teacher.score(samples)
     teacher_B_T = _padded([(0.0, *p.token_logprobs) for p in scored], width)
     student_B_T = _padded([s.logprobs for s in samples], width)
@@ -127,6 +139,23 @@ def distill_groups(
     task_B = torch.tensor([s.advantage for s in samples], dtype=torch.float64)
     adv_B_T = distill_advantages(student_B_T, teacher_B_T, mask_B_T, kl_coef=dist.kl_coef,
                                  task_advantages_B=task_B, task_weight=dist.task_weight)
+    tokens = float(mask_B_T.sum()) or 1.0
+    return _with_token_advantages(groups, samples, adv_B_T, {
+        "distill/reverse_kl": float(((student_B_T - teacher_B_T) * mask_B_T).sum()) / tokens,
+        "distill/teacher_logprob": float((teacher_B_T * mask_B_T).sum()) / tokens,
+        "distill/student_logprob": float((student_B_T * mask_B_T).sum()) / tokens,
+    })
+
+
+def _task_only(groups: list[Group], samples: list[Sample], dist: DistillConfig, width: int):
+    """`distill_groups` under the full reverse KL: each token's advantage is `task_weight` x its group's."""
+    mask_B_T = _padded([s.loss_mask for s in samples], width)
+    task_B = torch.tensor([s.advantage for s in samples], dtype=torch.float64)
+    return _with_token_advantages(groups, samples, dist.task_weight * task_B[:, None] * mask_B_T, {})
+
+
+def _with_token_advantages(groups: list[Group], samples: list[Sample], adv_B_T: torch.Tensor,
+                           metrics: dict[str, float]) -> tuple[list[Group], list[Sample], dict[str, float]]:
     out = []
     for b, s in enumerate(samples):
         n, zeros = len(s.tokens), (0.0,) * len(s.tokens)
@@ -134,21 +163,17 @@ def distill_groups(
         # returns / values: the critic's fields, unused here (the batch carries per-token rows for all three)
         out.append(s.with_(token_advantages=adv, returns=zeros, values=zeros,
                            advantage=sum(adv) / max(1, sum(s.loss_mask))))
-    tokens = float(mask_B_T.sum()) or 1.0
-    metrics = {
-        "distill/reverse_kl": float(((student_B_T - teacher_B_T) * mask_B_T).sum()) / tokens,
-        "distill/teacher_logprob": float((teacher_B_T * mask_B_T).sum()) / tokens,
-        "distill/student_logprob": float((student_B_T * mask_B_T).sum()) / tokens,
-    }
     done = iter(out)
     groups = [Group(g.group_id, tuple(next(done) if s.trainable else s for s in g.samples)) for g in groups]
     return groups, out, metrics
 
 
 def build_teacher(dist: DistillConfig | None, student: torch.nn.Module, tokenizer: Any, device: torch.device,
-                  *, autocast_dtype: torch.dtype | None = None) -> Teacher | None:
+                  *, autocast_dtype: torch.dtype | None = None, backend: Any = None,
+                  full: bool = False) -> Teacher | None:
     """The run's teacher (None without a distillation section); an in-process teacher must share the policy's
-    vocabulary (checked here: ConfigError naming the field)."""
+    vocabulary (checked here: ConfigError naming the field). `full` (`config.distill.full_kl`): the teacher's
+    module is handed to `backend` (a `LocalBackend`), whose loss then adds the reverse KL to it."""
     if dist is None:
         return None
     single = dist.teacher is not None
@@ -156,7 +181,10 @@ def build_teacher(dist: DistillConfig | None, student: torch.nn.Module, tokenize
     for name, tc in dist.named.items():
         field = "distillation.teacher" if single else f"distillation.teachers.{name}"
         scorers[name] = _scorer(tc, field, student, tokenizer, device, autocast_dtype)
-    return Teacher(scorers, route_by=dist.route_by, top_k=dist.top_k)
+    teacher = Teacher(scorers, route_by=dist.route_by, top_k=dist.top_k)
+    if full:
+        backend.distill_teacher, backend.distill_coef = teacher.module, dist.kl_coef
+    return teacher
 
 
 def _scorer(tc: TeacherConfig, field: str, student, tokenizer, device, amp):

@@ -20,7 +20,8 @@ from tokenmill.training.base import TrainBackend
 from tokenmill.training.batch import Batch, collate
 from tokenmill.types import Sample
 
-MEAN_METRICS = {"entropy", "clip_fraction", "ratio_mean", "kl", "is_weight_mean", "is_capped_fraction"}
+MEAN_METRICS = {"entropy", "clip_fraction", "ratio_mean", "kl", "is_weight_mean", "is_capped_fraction",
+                "distill/reverse_kl"}
 
 
 def _batch_loss(name: str, algo: AlgorithmConfig):
@@ -142,8 +143,10 @@ def policy_update(
     update, at no extra forward: with an off-policy correction from the logprobs it recomputes for all samples,
     else from the first optimiser step's own forward (the samples it trains: zero-advantage ones are skipped)."""
     loss_fn = _batch_loss(algo.loss, algo)
-    # a zero-advantage sample still carries gradient through the KL term or the entropy bonus
-    skip_zero = algo.skip_zero_advantage and reference is None and algo.entropy_coef == 0
+    # a zero-advantage sample still carries gradient through the KL term, the entropy bonus or distillation's
+    # full reverse KL (a backend with a `distill_teacher`)
+    skip_zero = (algo.skip_zero_advantage and reference is None and algo.entropy_coef == 0
+                 and getattr(backend, "distill_teacher", None) is None)
     behaviour = None
     gap: dict[str, float] = {}
     if algo.off_policy != "none":  # clip against the trainer's own logprobs; weigh by trainer / sampler
