@@ -117,8 +117,9 @@ class ColumnKV:
         self.keys, self.values, self.column = keys, values, column
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys[layer].index_copy_(2, self.column, key)
-        self.values[layer].index_copy_(2, self.column, value)
+        keys, values = self.keys[layer], self.values[layer]  # (a slice assignment would cast: so does this)
+        keys.index_copy_(2, self.column, key.to(keys.dtype))
+        values.index_copy_(2, self.column, value.to(values.dtype))
         return self.keys[layer], self.values[layer]
 
     def advance(self, columns: int = 1) -> None:

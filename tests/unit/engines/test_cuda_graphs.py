@@ -57,6 +57,16 @@ def test_fixed_shape_step_matches_transformers(tokenizer, prompts, n):
     assert fixed._graphed._inputs is None  # dropped at the end of the call
 
 
+def test_fixed_shape_step_under_bf16_autocast(tokenizer, prompts):
+    """fp32 weights, bf16 autocast (a GPU run's default): the prefill caches fp32 keys, the step makes bf16
+    ones; both paths write them into the same buffers."""
+    model = _qwen3(len(tokenizer))
+    params = SamplingParams(max_tokens=10, n=2, greedy=True)
+    fixed = _fixed_shape_engine(model, tokenizer, autocast_dtype=torch.bfloat16)
+    fast = HFEngine(model, tokenizer, autocast_dtype=torch.bfloat16)
+    _assert_same(fixed.generate(prompts, params), fast.generate(prompts, params), tol=2e-2)
+
+
 def test_masked_columns_are_never_read(tokenizer, prompts):
     """Garbage in the buffer's unwritten columns must not change a single logprob."""
     model = _qwen3(len(tokenizer))
