@@ -109,3 +109,15 @@ def test_recorded_graph_matches_the_eager_step_on_gpu(tokenizer, prompts):
     assert graphed._graphed is not None
     _assert_same(graphed.generate(prompts, params), eager.generate(prompts, params), tol=1e-4)
     assert graphed._graphed.recordings >= 2  # rows left the batch: a new recording for the smaller batch
+
+
+def test_column_writes_cast_to_the_buffer_dtype():
+    from tokenmill.engines.fast_decode import ColumnKV
+
+    keys, values = [torch.zeros(2, 3, 5, 4)], [torch.zeros(2, 3, 5, 4)]
+    kv = ColumnKV(keys, values, torch.tensor([2]))
+    new = torch.arange(24, dtype=torch.bfloat16).view(2, 3, 1, 4)
+    k, v = kv.update(new, -new, 0)
+    assert k.dtype == torch.float32 and k.shape == (2, 3, 5, 4)  # the whole buffer, fp32
+    assert torch.equal(k[:, :, 2:3], new.float()) and torch.equal(v[:, :, 2:3], -new.float())
+    assert not k[:, :, [0, 1, 3, 4]].any()
