@@ -125,6 +125,37 @@ def decode_part(args, shape: dict) -> dict:
     return {"weight_bytes": weight_bytes, "copy_bandwidth_bytes_per_s": bandwidth, "rows": rows}
 
 
+def profile_part(args, shape: dict) -> dict:
+    """Where a decode step's time goes: `torch.profiler` over 64 new tokens at each batch size, with the
+    engine's default path (CUDA graphs on a GPU); the top operators by host time and by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tokenmill.engines import HFEngine
+    from tokenmill.types import SamplingParams
+
+    model, tok = build_model(shape, torch.bfloat16, args.device)
+    engine = HFEngine(model, tok, seed=0)
+    rng = random.Random(0)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    out = {}
+    for batch in args.batches:
+        prompts = [[rng.randrange(7, len(tok)) for _ in range(PROMPT_TOKENS)] for _ in range(batch)]
+        engine.generate(prompts, SamplingParams(max_tokens=8))
+        sync(args.device)
+        with profile(activities=activities) as prof:
+            engine.generate(prompts, SamplingParams(max_tokens=64))
+            sync(args.device)
+        events = prof.key_averages()
+        top = {}
+        for key in ("self_cpu_time_total", "self_device_time_total"):
+            rows = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:12]
+            top[key] = [{"op": e.key, "count": e.count, "ms": round(getattr(e, key, 0) / 1000, 2)} for e in rows]
+        out[f"batch_{batch}"] = top
+        print(f"batch {batch}:", json.dumps(top["self_cpu_time_total"][:8]), flush=True)
+        print(f"batch {batch} device:", json.dumps(top["self_device_time_total"][:6]), flush=True)
+    return out
+
+
 def train_flops_per_token(model, seq: int) -> float:
     c = model.config
     embedding = model.get_input_embeddings().weight.numel()
@@ -293,7 +324,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="a tiny model of the same family (smoke run)")
-    parser.add_argument("--parts", default="decode,train,grpo")
+    parser.add_argument("--parts", default="decode,train,grpo", help="any of decode,train,grpo,profile")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
     parser.add_argument("--transformers-batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
@@ -304,7 +335,7 @@ def main() -> None:
     args = parser.parse_args()
     shape = SMALL if args.small else QWEN3_0_6B
     report = {"machine": machine(args.device), "shape": shape}
-    parts = {"decode": decode_part, "train": train_part, "grpo": grpo_part}
+    parts = {"decode": decode_part, "train": train_part, "grpo": grpo_part, "profile": profile_part}
     for name in args.parts.split(","):
         start = time.perf_counter()
         try:
