@@ -278,7 +278,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         serve(args.model_dir, host=args.host, port=args.port, token=token, allow_remote=args.allow_remote,
               served_model_name=args.served_model_name, dtype=args.dtype, max_batch=args.max_batch,
-              seed=args.seed, device=args.device, max_body_bytes=int(args.max_body_mb * 2**20))
+              max_batch_tokens=args.max_batch_tokens, seed=args.seed, device=args.device,
+              max_body_bytes=int(args.max_body_mb * 2**20))
     except ValueError as exc:  # an unsafe exposure, a bad folder or flag: one line, no traceback
         print(f"tokenmill serve: {exc}", file=sys.stderr)
         return 2
@@ -385,6 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="the model id in answers (default: folder name)")
     srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     srv.add_argument("--max-batch", type=int, default=256, help="running sequences at most")
+    srv.add_argument("--max-batch-tokens", type=int, default=0,
+                     help="key/value tokens the running sequences may claim, each its prompt + max_tokens (0: no limit)")
     srv.add_argument("--seed", type=int, default=0, help="seed of the sampling of requests without their own")
     srv.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
     srv.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (413 beyond)")

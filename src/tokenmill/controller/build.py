@@ -206,7 +206,8 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     else:
         engine = (dist.RankedEngine if sharded else HFEngine)(
             model, tokenizer, seed=cfg.training.seed + (dist.rank() if sharded else 0), autocast_dtype=amp,
-            fast_decode=cfg.engine.fast_decode, cuda_graphs=cfg.engine.cuda_graphs)
+            fast_decode=cfg.engine.fast_decode, cuda_graphs=cfg.engine.cuda_graphs,
+            max_batch_tokens=cfg.engine.max_batch_tokens)
     backend, reference, critic = build_trainer(cfg, model, device, amp)
     generator = build_generator(cfg, engine, tokenizer, reward_set)
     agent = build_agent(cfg, engine, tokenizer) if cfg.env is not None else None

@@ -87,12 +87,19 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
 
 
+def _claim(request: _Request) -> int:
+    """Key/value cache tokens a request's rows may fill: n x (prompt + max_tokens)."""
+    return request.params.n * (len(request.prompt) + request.params.max_tokens)
+
+
 class ContinuousEngine(HFEngine):
     """An `InferenceEngine` whose `generate` and `submit` share one continuously batched decode loop.
 
     max_batch:           running rows at most (a request takes `n` rows)
     max_waiting:         queued requests at most; beyond, `submit` raises EngineUnavailable (the server: 429)
     max_prefill_tokens:  padded prompt tokens read in one admission step (at least one request is admitted)
+    max_batch_tokens:    key/value cache the running rows may claim, each row its prompt + max_tokens (0: no
+                         limit; a request alone in the batch is admitted whatever its size)
     interrupt_in_flight: default for `update_weights(interrupt=...)` (see the module docstring)
     request_timeout_s:   how long `generate` waits for its completions before cancelling them
     The model belongs to the engine's thread: do not train the same module while the engine runs.
@@ -101,7 +108,7 @@ class ContinuousEngine(HFEngine):
     def __init__(self, model, tokenizer, *, seed: int = 0, max_batch: int = 256, max_waiting: int = 4096,
                  max_prefill_tokens: int = 8192, interrupt_in_flight: bool = False,
                  request_timeout_s: float = 3600.0, autocast_dtype: torch.dtype | None = None,
-                 prefix_cache_tokens: int = 0, fast_decode: bool = True) -> None:
+                 prefix_cache_tokens: int = 0, fast_decode: bool = True, max_batch_tokens: int = 0) -> None:
         if _has_sliding_layers(model.config):
             raise ValueError("ContinuousEngine needs full-attention layers (this model has sliding-window ones, "
                              "whose caches cannot be re-aligned); use HFEngine")
@@ -109,7 +116,8 @@ class ContinuousEngine(HFEngine):
             raise ValueError(f"need max_batch, max_waiting, max_prefill_tokens >= 1, got {max_batch}, "
                              f"{max_waiting}, {max_prefill_tokens}")
         super().__init__(model, tokenizer, seed=seed, autocast_dtype=autocast_dtype,
-                         prefix_cache_tokens=prefix_cache_tokens, fast_decode=fast_decode)
+                         prefix_cache_tokens=prefix_cache_tokens, fast_decode=fast_decode,
+                         max_batch_tokens=max_batch_tokens)
         self.model.eval()
         self.max_batch, self.max_waiting, self.max_prefill_tokens = max_batch, max_waiting, max_prefill_tokens
         self.interrupt_in_flight = interrupt_in_flight
@@ -317,22 +325,24 @@ class ContinuousEngine(HFEngine):
         """Queued requests that fit (rows and prefill budget), in arrival order; cancelled ones are dropped."""
         taken: list[_Request] = []
         rows, longest = len(self._rows), 0
+        claimed = sum(_claim(r.request) // r.request.params.n for r in self._rows)
         while self._waiting:
             request = self._waiting[0]
             if request.future.cancelled():
                 self._waiting.popleft()
                 continue
             longest_if = max(longest, len(request.prompt))
-            if taken and (rows + request.params.n > self.max_batch
-                          or longest_if * (len(taken) + 1) > self.max_prefill_tokens):
+            over_tokens = bool(self.max_batch_tokens) and rows > 0 and (
+                claimed + _claim(request) > self.max_batch_tokens)
+            if over_tokens or (taken and longest_if * (len(taken) + 1) > self.max_prefill_tokens):
                 break
-            if not taken and rows + request.params.n > self.max_batch:
+            if rows + request.params.n > self.max_batch:
                 break
             self._waiting.popleft()
             if not request.future.set_running_or_notify_cancel():
                 continue
             taken.append(request)
-            rows, longest = rows + request.params.n, longest_if
+            rows, longest, claimed = rows + request.params.n, longest_if, claimed + _claim(request)
         return taken
 
     def _admit(self, requests: list[_Request]) -> None:

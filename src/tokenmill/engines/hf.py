@@ -48,6 +48,22 @@ def sample_tokens(
     return tokens_B, logprobs_B_V.gather(1, tokens_B[:, None]).squeeze(1)
 
 
+def token_batches(prompt_lens: list[int], params: SamplingParams, max_tokens: int) -> list[tuple[int, int]]:
+    """Consecutive prompt ranges `[start, stop)` decoded together: each batch's key/value cache, n rows per
+    prompt of (its longest prompt + `params.max_tokens`) tokens, stays within `max_tokens` (0: one batch).
+    A prompt whose own rows exceed the budget is decoded alone."""
+    if not max_tokens:
+        return [(0, len(prompt_lens))]
+    ranges, start, longest = [], 0, 0
+    for i, length in enumerate(prompt_lens):
+        wider = max(longest, length)
+        if i > start and params.n * (i + 1 - start) * (wider + params.max_tokens) > max_tokens:
+            ranges.append((start, i))
+            start, wider = i, length
+        longest = wider
+    return ranges + [(start, len(prompt_lens))]
+
+
 def _has_sliding_layers(config) -> bool:
     types = getattr(config, "layer_types", None)
     if types:
@@ -69,6 +85,7 @@ class HFEngine:
         prefix_cache_tokens: int = 0,
         fast_decode: bool = True,
         cuda_graphs: bool = True,
+        max_batch_tokens: int = 0,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -80,6 +97,9 @@ class HFEngine:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.compact_fraction = compact_fraction
+        if max_batch_tokens < 0:
+            raise ValueError(f"max_batch_tokens: must be >= 0 (0 = no limit), got {max_batch_tokens}")
+        self.max_batch_tokens = max_batch_tokens  # rows x (longest prompt + max_tokens) per decode batch
         self.autocast_dtype = autocast_dtype
         self.version = 0
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
@@ -166,7 +186,9 @@ class HFEngine:
         self.model.eval()
         try:
             with torch.inference_mode(), self._autocast():
-                rows = self._decode(prompts, params)
+                rows = []
+                for start, stop in token_batches([len(p) for p in prompts], params, self.max_batch_tokens):
+                    rows += self._decode(prompts[start:stop], params)
         finally:
             self.model.train(was_training)
             if self._graphed is not None:  # its recording reads this call's buffers (and autocast's copies)

@@ -356,7 +356,7 @@ def _weight_routes(engine) -> APIRouter | None:
 # ------------------------------------------------------------------------------------------ running it
 def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
           allow_remote: bool = False, served_model_name: str | None = None, dtype: str = "float32",
-          max_batch: int = 256, seed: int = 0, device: str = "cpu",
+          max_batch: int = 256, max_batch_tokens: int = 0, seed: int = 0, device: str = "cpu",
           max_body_bytes: int = serving.DEFAULT_MAX_BODY_BYTES) -> None:
     """Load `model_dir` into a ContinuousEngine and serve it until interrupted; once it accepts connections,
     print its `serving.ready_line` (port 0 binds a free port, named there). Loopback only unless `allow_remote`
@@ -371,10 +371,12 @@ def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, token: s
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
         raise ValueError(f"--dtype: one of {', '.join(dtypes)}, got {dtype!r}")
+    if max_batch_tokens < 0:
+        raise ValueError(f"--max-batch-tokens: must be >= 0 (0 = no limit), got {max_batch_tokens}")
     sock = serving.bind(host, port)
     try:
         engine = ContinuousEngine.from_pretrained(model_dir, dtype=dtypes[dtype], device=device, seed=seed,
-                                                  max_batch=max_batch)
+                                                  max_batch=max_batch, max_batch_tokens=max_batch_tokens)
     except (OSError, ValueError) as exc:
         sock.close()
         raise ValueError(f"MODEL_DIR {model_dir!r}: could not load it: {exc}".splitlines()[0]) from None
