@@ -19,7 +19,7 @@ from tokenmill.config.schema import AlgorithmConfig, CriticConfig
 from tokenmill.training.batch import Batch, collate
 from tokenmill.training.local import LocalBackend, packing_segments
 from tokenmill.training.lora import add_lora
-from tokenmill.training.packing import PackedRows, attention_mask, micro_packs
+from tokenmill.training.packing import PackedRows, micro_packs, packed_inputs
 from tokenmill.types import ConfigError, Sample
 
 
@@ -90,10 +90,9 @@ class Critic:
         `[B, T]` (0 at prompt tokens, which no loss or advantage reads)."""
         device = next(self.model.parameters()).device
         dtype = next(self.model.parameters()).dtype
-        mask = attention_mask(packed.allowed_R_L_L, self.model, self.autocast_dtype or dtype).to(device)
+        inputs = packed_inputs(packed, self.model, self.autocast_dtype or dtype, device)
         with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            out_R_L = self.model(input_ids=packed.input_ids_R_L.to(device), attention_mask=mask,
-                                 position_ids=packed.position_ids_R_L.to(device)).logits[..., 0].float()
+            out_R_L = self.model(**inputs).logits[..., 0].float()
         v_K = out_R_L[packed.src_row_K.to(device), packed.src_pos_K.to(device)]  # read before the token
         dst = (packed.dst_b_K.to(device), packed.dst_t_K.to(device))
         return torch.zeros(out_shape, dtype=torch.float32, device=device).index_put(dst, v_K)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from tokenmill.training import segment_attention
 from tokenmill.training.batch import Batch
 from tokenmill.training.logprobs import (
     DEFAULT_CHUNK_MIB,
@@ -35,13 +36,25 @@ class PackedRows:
 
     input_ids_R_L: torch.Tensor
     position_ids_R_L: torch.Tensor
-    allowed_R_L_L: torch.Tensor  # bool: query position i may attend key position j
+    segment_R_L: torch.Tensor  # long: 0 = prompt, k = the row's k-th completion (or sequence), -1 = pad
     src_row_K: torch.Tensor  # packed row whose logits predict token k
     src_pos_K: torch.Tensor  # ... and the position in that row
     target_K: torch.Tensor  # the token id being predicted
     dst_b_K: torch.Tensor  # where its logprob goes in the Batch: row b
     dst_t_K: torch.Tensor  # ... token t
     batch_rows: torch.Tensor | None = None  # which rows of the full batch the sub-batch holds (micro_packs)
+    layout: tuple = ()  # per row: (prompt length, ((start column, length) of each completion, ...))
+
+    @property
+    def allowed_R_L_L(self) -> torch.Tensor:
+        """bool: query position i may attend key position j (the dense mask: L² per row)."""
+        segment_R_L = self.segment_R_L
+        width = segment_R_L.shape[1]
+        causal_L_L = torch.ones((width, width), dtype=torch.bool).tril()
+        same_R_L_L = segment_R_L[:, :, None] == segment_R_L[:, None, :]
+        key_is_prompt_R_1_L = (segment_R_L == 0)[:, None, :]
+        allowed = causal_L_L & (same_R_L_L | key_is_prompt_R_1_L) & (segment_R_L >= 0)[:, None, :]
+        return allowed | torch.eye(width, dtype=torch.bool)  # a pad query attends to itself (no empty row)
 
 
 def prompt_segments(batch: Batch) -> list[tuple[tuple[int, ...], list[int]]]:
@@ -94,11 +107,14 @@ def pack(batch: Batch, rows: list[tuple[tuple[int, ...], list[int]]]) -> PackedR
     width = max(len(p) + sum(lengths[b] - len(p) for b in members) for p, members in rows)
     input_ids, positions, segments = [], [], []  # per row; segment 0 = prompt, k = k-th completion, -1 = pad
     src_row, src_pos, target, dst_b, dst_t = [], [], [], [], []
+    layout = []
     for r, (prompt, members) in enumerate(rows):
         p = len(prompt)
         row_ids, row_pos, row_seg = list(prompt), list(range(p)), [0] * p
+        layout.append((p, []))
         for k, b in enumerate(members, start=1):
             q, n = len(row_ids), lengths[b] - p
+            layout[-1][1].append((q, n))
             row_ids += ids[b][p : p + n]
             row_pos += range(p, p + n)
             row_seg += [k] * n
@@ -115,19 +131,13 @@ def pack(batch: Batch, rows: list[tuple[tuple[int, ...], list[int]]]) -> PackedR
         input_ids.append(row_ids + [0] * pad)
         positions.append(row_pos + [0] * pad)
         segments.append(row_seg + [-1] * pad)
-    segment_R_L = torch.tensor(segments, dtype=torch.long)
-    causal_L_L = torch.ones((width, width), dtype=torch.bool).tril()
-    same_R_L_L = segment_R_L[:, :, None] == segment_R_L[:, None, :]
-    key_is_prompt_R_1_L = (segment_R_L == 0)[:, None, :]
-    allowed = causal_L_L & (same_R_L_L | key_is_prompt_R_1_L) & (segment_R_L >= 0)[:, None, :]
-    allowed |= torch.eye(width, dtype=torch.bool)  # a pad query attends to itself only (no empty softmax rows)
-
     def as_long(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long)
 
     return PackedRows(
-        as_long(input_ids), as_long(positions), allowed, as_long(src_row), as_long(src_pos), as_long(target),
-        as_long(dst_b), as_long(dst_t),
+        as_long(input_ids), as_long(positions), as_long(segments), as_long(src_row), as_long(src_pos),
+        as_long(target), as_long(dst_b), as_long(dst_t),
+        layout=tuple((p, tuple(segs)) for p, segs in layout),
     )
 
 
@@ -163,6 +173,20 @@ def attention_mask(allowed_R_L_L: torch.Tensor, model: torch.nn.Module, dtype: t
     return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
 
 
+def packed_inputs(packed: PackedRows, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
+                  min_width: int = segment_attention.MIN_WIDTH) -> dict:
+    """The model's keyword arguments for `packed`: rows at least `min_width` wide on an SDPA model attend by
+    segments (`training.segment_attention`: no [rows, L, L] mask; the all-ones 2-D mask keeps transformers
+    from building one), narrower rows or other attention implementations take the dense mask."""
+    inputs = {"input_ids": packed.input_ids_R_L.to(device), "position_ids": packed.position_ids_R_L.to(device)}
+    width = packed.input_ids_R_L.shape[1]
+    if packed.layout and segment_attention.usable(model, width, min_width):
+        index = segment_attention.SegmentIndex.build([(p, list(s)) for p, s in packed.layout], width)
+        mask = torch.ones(packed.input_ids_R_L.shape, dtype=torch.long, device=device)
+        return inputs | {"attention_mask": mask, "segments": index.to(device)}
+    return inputs | {"attention_mask": attention_mask(packed.allowed_R_L_L, model, dtype).to(device)}
+
+
 def packed_token_stats(
     model: torch.nn.Module,
     packed: PackedRows,
@@ -174,15 +198,14 @@ def packed_token_stats(
     autocast_dtype: torch.dtype | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_MIB << 20,
     teacher: torch.nn.Module | None = None,
+    min_width: int = segment_attention.MIN_WIDTH,
 ) -> tuple[torch.Tensor, ...]:
     """Logprobs (and entropies) of every completion token, scattered into a `[B, T]` tensor (0 elsewhere).
     The LM head runs on chunks of `chunk_bytes` of fp32 logits where `head_parts` allows (0: full logits).
     With a `teacher` module, a third tensor: the reverse KL to it (`logprobs.reverse_kl`), packed the same way."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    mask = attention_mask(packed.allowed_R_L_L, model, autocast_dtype or dtype).to(device)
-    inputs = {"input_ids": packed.input_ids_R_L.to(device), "position_ids": packed.position_ids_R_L.to(device),
-              "attention_mask": mask}
+    inputs = packed_inputs(packed, model, autocast_dtype or dtype, device, min_width)
     src = (packed.src_row_K.to(device), packed.src_pos_K.to(device))
     parts = head_parts(model) if chunk_bytes > 0 else None
     taught = None
@@ -193,8 +216,8 @@ def packed_token_stats(
             picked_K_H, head = hidden_states(parts[0], **inputs)[src], parts[1]
         if teacher is not None:
             t_dtype = next(teacher.parameters()).dtype
-            t_mask = attention_mask(packed.allowed_R_L_L, teacher, autocast_dtype or t_dtype).to(device)
-            states, t_head = teacher_states(teacher, parts is not None, **(inputs | {"attention_mask": t_mask}))
+            t_inputs = packed_inputs(packed, teacher, autocast_dtype or t_dtype, device, min_width)
+            states, t_head = teacher_states(teacher, parts is not None, **t_inputs)
             taught = (t_head, states[src])
     logprob_K, ent_K, kl_K = head_token_stats(
         head, picked_K_H, packed.target_K.to(device), temperature=temperature,
