@@ -84,3 +84,31 @@ def test_server_teacher_equals_in_process_teacher(served_teacher, tiny_model, to
     for a, b in zip(local_samples, remote_samples, strict=True):
         assert b.token_advantages == pytest.approx(a.token_advantages, abs=1e-4)
     assert remote_metrics["distill/reverse_kl"] == pytest.approx(local_metrics["distill/reverse_kl"], abs=1e-4)
+
+
+def test_full_loss_with_a_top_k_server_equals_the_in_process_teacher(served_teacher, tiny_model_path, tokenizer):
+    """`loss: full` with `top_k`: the trainer asks the server for each micro-batch's top-k lists; its bucketed
+    KL term and the gradient it gives equal those of the same teacher asked in process (1e-4)."""
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.training import LocalBackend, collate
+
+    path, url = served_teacher
+    samples = [s for g in _groups(tokenizer) for s in g.samples]
+    batch = collate(samples, [0.25] * len(samples), tokenizer.pad_token_id)
+    got = {}
+    for name, teacher_cfg in (("local", {"path": path}), ("server", {"url": url})):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+        backend = LocalBackend(model, learning_rate=1e-3, total_steps=1)
+        dist = DistillConfig(teacher=teacher_cfg, top_k=3, loss="full")
+        teacher = build_teacher(dist, model, tokenizer, torch.device("cpu"), backend=backend, full=True)
+        try:
+            metrics = backend.forward_backward(batch, lambda lp, b: ((lp * 0).sum(), {}))
+        finally:
+            teacher.close()
+        got[name] = metrics["distill/reverse_kl"], [p.grad.clone() for p in model.parameters()]
+    (local_kl, local_grads), (remote_kl, remote_grads) = got["local"], got["server"]
+    assert local_kl > 1e-3 and remote_kl == pytest.approx(local_kl, abs=1e-4), (local_kl, remote_kl)
+    assert max(float(g.abs().max()) for g in local_grads) > 1e-3  # a gradient well above the tolerance
+    for a, b in zip(local_grads, remote_grads, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-3)

@@ -14,6 +14,7 @@ Top-k teachers (a server that returns only the k most likely tokens per position
 own logprobs; a sampled token outside it is the outcome "other", with `log(1 - sum of the top-k
 probabilities)` on each side. The estimate is then an unbiased one-sample estimate of the reverse KL between
 the coarsened distributions, which never exceeds the full reverse KL (data processing inequality).
+`bucketed_reverse_kl` is that coarsened KL computed exactly, for the trainer's full-KL loss term.
 """
 
 from __future__ import annotations
@@ -79,6 +80,23 @@ def bucketed_logprobs(
     student = torch.where(inside_B_T, student_logprobs_B_T, _other(student_top_B_T_K))
     teacher = torch.where(inside_B_T, teacher_hit_B_T, _other(teacher_top_B_T_K))
     return student, teacher
+
+
+def bucketed_reverse_kl(student_top_N_K: torch.Tensor, teacher_top_N_K: torch.Tensor) -> torch.Tensor:
+    """The exact reverse KL between the two distributions coarsened to the teacher's top-k plus "other" (see
+    the module docstring), at each of N positions: `sum_k p_s(k) (log p_s(k) - log p_t(k)) + p_s(other)
+    (log p_s(other) - log p_t(other))`, differentiable through the student's logprobs of the listed tokens.
+
+    student_top_N_K: the student's logprobs of the teacher's listed tokens (any value at pads)
+    teacher_top_N_K: the teacher's logprobs of them (-inf at pads: fewer than K listed)
+    """
+    listed = torch.isfinite(teacher_top_N_K)
+    s = torch.where(listed, student_top_N_K, torch.zeros_like(student_top_N_K))  # no -inf: finite gradients
+    t = torch.where(listed, teacher_top_N_K, torch.zeros_like(teacher_top_N_K)).to(s.dtype)
+    inside = torch.where(listed, s.exp() * (s - t), torch.zeros_like(s)).sum(-1)
+    s_other = torch.log((1.0 - (s.exp() * listed).sum(-1)).clamp(min=OTHER_FLOOR))
+    t_other = torch.log((1.0 - (t.exp() * listed).sum(-1)).clamp(min=OTHER_FLOOR))
+    return inside + s_other.exp() * (s_other - t_other)
 
 
 def mixture_logprobs(logprobs_N_B_T: torch.Tensor) -> torch.Tensor:

@@ -56,9 +56,9 @@ class DistillConfig(Section):
         0.0, ge=0.0, description="Weight of the task reward's group advantage (GRPO) added to every token's.")
     loss: Literal["auto", "full", "sampled"] = Field(
         "auto", description="full: the exact reverse KL over the vocabulary at every position of the student's "
-        "sample, a loss term differentiated through the student (needs one in-process `teacher`, top_k 0); "
-        "sampled: its one-token estimate at the sampled token as a per-token advantage (any teacher, top_k, "
-        "mixtures); auto: full where it can be computed, else sampled (see docs/distillation.md).")
+        "sample (over the top_k tokens plus 'other' with top_k), a loss term differentiated through the student "
+        "(one `teacher`); sampled: its one-token estimate at the sampled token as a per-token advantage (any "
+        "teachers); auto: full for one in-process teacher with top_k 0, else sampled (see docs/distillation.md).")
     top_k: int = Field(
         0, ge=0, le=1024, description="0: the teacher's logprob of each sampled token; k > 0: only its k most "
         "likely tokens per position, the rest bucketed as one 'other' outcome (see docs/distillation.md).")
@@ -69,10 +69,10 @@ class DistillConfig(Section):
             raise ValueError("set exactly one of teacher or teachers")
         if self.route_by is not None and not self.teachers:
             raise ValueError("route_by: routes rows between several `teachers`; with one `teacher` leave it unset")
-        if self.loss == "full" and not self.full_possible:
-            raise ValueError("loss: 'full' needs the teacher's whole distribution at every position: one teacher "
-                             "loaded in this process (teacher.path, top_k 0); use loss 'sampled' for a server, "
-                             "top-k or several teachers")
+        if self.loss == "full" and (self.teacher is None or (self.teacher.path is None and not self.top_k)):
+            raise ValueError("loss: 'full' needs one teacher's distribution at every position: a teacher loaded "
+                             "in this process (teacher.path), or top_k > 0 (its k most likely tokens, from a "
+                             "server too); use loss 'sampled' for several teachers")
         if self.top_k and len(self.named) > 1 and self.route_by is None:
             raise ValueError("top_k: a mixture of teachers needs each teacher's logprob of the sampled token; "
                              "use top_k 0 or route_by")

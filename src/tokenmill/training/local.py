@@ -40,16 +40,19 @@ def micro_token_stats(
     entropy_grad: bool = False,
     autocast_dtype: torch.dtype | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_MIB << 20,
-    teacher: torch.nn.Module | None = None,
+    teacher: Any = None,
 ) -> Iterator[tuple[torch.Tensor, ...]]:
     """Per micro-batch: (its rows in `batch`, the micro-batch on the model's device, its token logprobs, its
     token entropies or None). Groups sharing a prompt are packed (`training.packing`; only completion tokens
     get values there); with `pack_sequences` whole sequences are packed side by side (SFT); otherwise
     length-bucketed padded rows. Gradients flow unless the caller disables them. The LM head runs on chunks
     of at most `chunk_bytes` of fp32 logits (`training.logprobs`; 0 = the model's full logits). With a
-    `teacher` module each tuple has a fifth tensor: the reverse KL to it per token (`logprobs.reverse_kl`)."""
+    `teacher` each tuple has a fifth tensor: the reverse KL to it per token (`logprobs.reverse_kl`): a module
+    (its whole distribution), or an object whose `top(input_ids_B_T, lengths_B)` gives its top-k ids and
+    logprobs `[B, T, K]` (`training.teacher.TopKTeacher`: the bucketed KL, on padded rows, never packed)."""
     device = next(model.parameters()).device
-    segments = packing_segments(batch, share_prompts=share_prompts, pack_sequences=pack_sequences)
+    top_k = teacher is not None and not isinstance(teacher, torch.nn.Module)
+    segments = None if top_k else packing_segments(batch, share_prompts=share_prompts, pack_sequences=pack_sequences)
     if segments is not None:
         for micro, packed in micro_packs(batch, token_budget, segments):
             micro = micro.to(device)
@@ -62,9 +65,10 @@ def micro_token_stats(
     start = 0
     for micro in batch.micro_batches(token_budget):
         micro = micro.to(device)
+        taught = tuple(t.to(device) for t in teacher.top(micro.input_ids_B_T, micro.lengths_B)) if top_k else teacher
         stats = sequence_token_stats(
             model, micro.input_ids_B_T, lengths_B=micro.lengths_B, temperature=temperature, chunk_bytes=chunk_bytes,
-            entropy=entropy, entropy_grad=entropy_grad, autocast_dtype=autocast_dtype, teacher=teacher,
+            entropy=entropy, entropy_grad=entropy_grad, autocast_dtype=autocast_dtype, teacher=taught,
         )
         rows = torch.arange(start, start + micro.size)
         start += micro.size
@@ -153,10 +157,10 @@ class LocalBackend:
     LM head runs on chunks of `logits_chunk_mib` MiB of fp32 logits (`training.logprobs`; 0 = full logits).
 
     `distill_teacher` (set after construction; on-policy distillation's `loss: full`): a frozen module with
-    the policy's vocabulary; every micro-batch's loss then adds `distill_coef` x the weighted reverse KL
+    the policy's vocabulary, or a `training.teacher.TopKTeacher`; every micro-batch's loss then adds `distill_coef` x the weighted reverse KL
     from the policy to it at each trained position (`logprobs.reverse_kl`), reported as `distill/reverse_kl`."""
 
-    distill_teacher: torch.nn.Module | None = None
+    distill_teacher: Any = None
     distill_coef: float = 1.0
 
     def __init__(

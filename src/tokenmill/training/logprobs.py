@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from tokenmill.algorithms.distill import bucketed_reverse_kl
+
 DEFAULT_CHUNK_MIB = 64
 # config fields of models whose logits are not plain head(hidden) (Gemma-2 soft-cap, Cohere / Granite scale)
 _LOGIT_MODIFIERS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -59,10 +61,17 @@ def reverse_kl(student_logp_N_V: torch.Tensor, teacher_logits_N_V: torch.Tensor)
     return (student_logp_N_V.exp() * (student_logp_N_V - teacher_logp_N_V)).sum(-1)
 
 
-def token_reverse_kl(logits_B_T_V: torch.Tensor, teacher_logits_B_T_V: torch.Tensor, temperature: float) -> torch.Tensor:
-    """`reverse_kl` at each position from full logits, aligned like `token_logprobs` (the plain path)."""
+def token_reverse_kl(logits_B_T_V: torch.Tensor, teacher: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                     temperature: float) -> torch.Tensor:
+    """`reverse_kl` at each position from full logits, aligned like `token_logprobs` (the plain path).
+    `teacher`: its logits `[B, T, V]`, or its top-k ids and logprobs `[B, T, K]` aligned with the tokens
+    (index t: the distribution that predicts token t), for `algorithms.distill.bucketed_reverse_kl`."""
     logp = torch.log_softmax(logits_B_T_V[:, :-1, :].float() / temperature, dim=-1)
-    return torch.nn.functional.pad(reverse_kl(logp, teacher_logits_B_T_V[:, :-1, :]), (1, 0))
+    if isinstance(teacher, torch.Tensor):
+        return torch.nn.functional.pad(reverse_kl(logp, teacher[:, :-1, :]), (1, 0))
+    ids_B_T_K, top_B_T_K = teacher
+    student_top = logp.gather(-1, ids_B_T_K[:, 1:].clamp(min=0))
+    return torch.nn.functional.pad(bucketed_reverse_kl(student_top, top_B_T_K[:, 1:]), (1, 0))
 
 
 def teacher_states(teacher: torch.nn.Module, chunked: bool, **inputs) -> tuple[torch.Tensor, torch.nn.Module]:
@@ -107,7 +116,8 @@ def chunk_tokens(head: torch.nn.Module, chunk_bytes: int) -> int:
 def _chunk_stats(
     head: torch.nn.Module, hidden_N_H: torch.Tensor, target_N: torch.Tensor, temperature: float,
     entropy: bool, entropy_grad: bool, autocast_dtype: torch.dtype | None,
-    teacher_head: torch.nn.Module | None = None, teacher_N_H: torch.Tensor | None = None,
+    teacher_head: torch.nn.Module | None = None, teacher_N_X: torch.Tensor | None = None,
+    teacher_top_N_K: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     autocast = torch.autocast(hidden_N_H.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     with autocast:
@@ -118,10 +128,13 @@ def _chunk_stats(
     lse_N = torch.logsumexp(logits_N_V, dim=-1)
     logprob_N = logits_N_V.gather(-1, target_N[:, None]).squeeze(-1) - lse_N
     kl_N = torch.zeros_like(logprob_N)
-    if teacher_head is not None:
+    if teacher_head is not None:  # the teacher's states: its whole distribution
         with torch.no_grad(), autocast:
-            teacher_logits_N_V = teacher_head(teacher_N_H)
+            teacher_logits_N_V = teacher_head(teacher_N_X)
         kl_N = reverse_kl(logits_N_V - lse_N[:, None], teacher_logits_N_V)
+    elif teacher_N_X is not None:  # the teacher's top-k ids and logprobs: the bucketed KL
+        student_top_N_K = logits_N_V.gather(-1, teacher_N_X.clamp(min=0)) - lse_N[:, None]
+        kl_N = bucketed_reverse_kl(student_top_N_K, teacher_top_N_K)
     if not entropy:
         return logprob_N, torch.zeros_like(logprob_N), kl_N
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
@@ -141,24 +154,26 @@ def head_token_stats(
     entropy: bool = False,
     entropy_grad: bool = False,
     autocast_dtype: torch.dtype | None = None,
-    teacher: tuple[torch.nn.Module, torch.Tensor] | None = None,
+    teacher: tuple[torch.nn.Module | None, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(log p(target_n), the entropy or None, the reverse KL to `teacher` or None) of the head's softmax at
     each of the N hidden states, computed `chunk_tokens` positions at a time (all at once with `chunk_bytes`
     0); with gradients, each chunk's logits are computed again in the backward instead of kept. `teacher`:
-    (its head, its states at the same N positions), see `teacher_states`."""
+    (its head, its states at the same N positions) for the full KL (see `teacher_states`), or (None, its
+    top-k ids `[N, K]`, their logprobs `[N, K]`, -1 / -inf at pads) for the bucketed one."""
     n = hidden_N_H.shape[0]
     size = chunk_tokens(head, chunk_bytes) if chunk_bytes > 0 else n
     extra = (temperature, entropy, entropy_grad, autocast_dtype)
-    t_head, t_N_H = teacher if teacher is not None else (None, None)
+    t_head, t_N_X, t_N_K = (*teacher, None)[:3] if teacher is not None else (None, None, None)
     if n <= size:  # one chunk: nothing to save by recomputing it
-        parts = [_chunk_stats(head, hidden_N_H, target_N, *extra, t_head, t_N_H)]
+        parts = [_chunk_stats(head, hidden_N_H, target_N, *extra, t_head, t_N_X, t_N_K)]
     else:
         grad = torch.is_grad_enabled() and (hidden_N_H.requires_grad or any(p.requires_grad for p in head.parameters()))
         parts = []
         for start in range(0, n, size):
             cut = slice(start, start + size)
-            args = (head, hidden_N_H[cut], target_N[cut], *extra, t_head, None if t_N_H is None else t_N_H[cut])
+            args = (head, hidden_N_H[cut], target_N[cut], *extra, t_head,
+                    *(None if t is None else t[cut] for t in (t_N_X, t_N_K)))
             parts.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if grad else _chunk_stats(*args))
     lp_N = torch.cat([p[0] for p in parts])
     ent_N = torch.cat([p[1] for p in parts]) if entropy else None
@@ -180,12 +195,13 @@ def sequence_token_stats(
     entropy: bool = False,
     entropy_grad: bool = False,
     autocast_dtype: torch.dtype | None = None,
-    teacher: torch.nn.Module | None = None,
+    teacher: torch.nn.Module | tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """`(token_logprobs, token_entropy or None)` of right-padded rows, aligned with the tokens (position 0
     gets 0; so do padding positions on the chunked path): through the chunked head where `head_parts` allows
-    and `chunk_bytes > 0`, else from the model's full logits. With a `teacher` module (same vocabulary), a
-    third tensor: the reverse KL from the model to it at each position (`reverse_kl`)."""
+    and `chunk_bytes > 0`, else from the model's full logits. With a `teacher` (a module with the same
+    vocabulary, or its top-k ids and logprobs `[B, T, K]` aligned with the tokens), a third tensor: the
+    reverse KL from the model to it at each position (`reverse_kl`; bucketed for top-k)."""
     device = input_ids_B_T.device
     autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     parts = head_parts(model) if chunk_bytes > 0 else None
@@ -198,14 +214,15 @@ def sequence_token_stats(
         out = (token_logprobs(logits_B_T_V, input_ids_B_T, temperature), ent)
         if teacher is None:
             return out
-        with autocast:
-            teacher_logits_B_T_V, _ = teacher_states(teacher, False, input_ids=input_ids_B_T)
-        return (*out, token_reverse_kl(logits_B_T_V, teacher_logits_B_T_V, temperature))
+        if isinstance(teacher, torch.nn.Module):
+            with autocast:
+                teacher, _ = teacher_states(teacher, False, input_ids=input_ids_B_T)
+        return (*out, token_reverse_kl(logits_B_T_V, teacher, temperature))
     decoder, head = parts
     B, T = input_ids_B_T.shape
     with autocast:
         hidden_B_T_H = hidden_states(decoder, input_ids=input_ids_B_T)
-        taught = None if teacher is None else teacher_states(teacher, True, input_ids=input_ids_B_T)
+        taught = teacher_states(teacher, True, input_ids=input_ids_B_T) if isinstance(teacher, torch.nn.Module) else None
     lengths = torch.full((B,), T, dtype=torch.long) if lengths_B is None else lengths_B.cpu()
     real_B_T = torch.arange(T)[None, :] < lengths[:, None]  # position t >= 1 is predicted from t - 1
     real_B_T[:, 0] = False
@@ -213,8 +230,19 @@ def sequence_token_stats(
     lp_N, ent_N, kl_N = head_token_stats(
         head, hidden_B_T_H[b_N, t_N - 1], input_ids_B_T[b_N, t_N], temperature=temperature,
         chunk_bytes=chunk_bytes, entropy=entropy, entropy_grad=entropy_grad, autocast_dtype=autocast_dtype,
-        teacher=None if taught is None else (taught[1], taught[0][b_N, t_N - 1]),
+        teacher=_teacher_at(teacher, taught, (b_N, t_N - 1), (b_N, t_N)),
     )
     zeros_B_T = torch.zeros((B, T), dtype=torch.float32, device=device)
     out = (zeros_B_T.index_put((b_N, t_N), lp_N), None if ent_N is None else zeros_B_T.index_put((b_N, t_N), ent_N))
     return out if kl_N is None else (*out, zeros_B_T.index_put((b_N, t_N), kl_N))
+
+
+def _teacher_at(teacher, taught, predicting: tuple, predicted: tuple):
+    """`head_token_stats`' teacher at N positions: (its head, its states at the `predicting` positions) for
+    a module (`taught`: `teacher_states`), (None, top-k ids, logprobs) at the `predicted` tokens for top-k."""
+    if teacher is None:
+        return None
+    if taught is not None:
+        return taught[1], taught[0][predicting]
+    ids_B_T_K, top_B_T_K = teacher
+    return None, ids_B_T_K[predicted], top_B_T_K[predicted]

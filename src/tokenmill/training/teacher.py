@@ -73,6 +73,22 @@ class Teacher:
             scorer.close()
 
 
+class TopKTeacher:
+    """The trainer's view of a top-k teacher under the full loss (`distillation.loss: full` with `top_k`):
+    `top` asks the scorer (a server, or an in-process engine) for its k most likely tokens at every position
+    of a micro-batch's rows, for the bucketed KL (`algorithms.distill.bucketed_reverse_kl`)."""
+
+    def __init__(self, scorer: Any, k: int) -> None:
+        self.scorer, self.k = scorer, k
+
+    def top(self, input_ids_B_T: torch.Tensor, lengths_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k ids `[B, T, K]` (-1 at pads) and logprobs (-inf at pads), index t: the distribution that
+        predicts token t (nothing at t = 0)."""
+        rows = [ids[:n] for ids, n in zip(input_ids_B_T.tolist(), lengths_B.tolist(), strict=True)]
+        ids, lps = _top_tensors(self.scorer.score(rows, self.k), rows, input_ids_B_T.shape[1], self.k)
+        return ids, lps.float()
+
+
 def _padded(rows: Sequence[Sequence[float]], width: int, fill: float = 0.0) -> torch.Tensor:
     return torch.tensor([[*r, *([fill] * (width - len(r)))] for r in rows], dtype=torch.float64)
 
@@ -183,7 +199,9 @@ def build_teacher(dist: DistillConfig | None, student: torch.nn.Module, tokenize
         scorers[name] = _scorer(tc, field, student, tokenizer, device, autocast_dtype)
     teacher = Teacher(scorers, route_by=dist.route_by, top_k=dist.top_k)
     if full:
-        backend.distill_teacher, backend.distill_coef = teacher.module, dist.kl_coef
+        (scorer,) = scorers.values()
+        backend.distill_teacher = TopKTeacher(scorer, dist.top_k) if dist.top_k else teacher.module
+        backend.distill_coef = dist.kl_coef
     return teacher
 
 

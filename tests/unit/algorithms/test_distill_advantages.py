@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from tokenmill.algorithms import ppo_clip_loss
-from tokenmill.algorithms.distill import bucketed_logprobs, distill_advantages, mixture_logprobs
+from tokenmill.algorithms.distill import (
+    bucketed_logprobs,
+    bucketed_reverse_kl,
+    distill_advantages,
+    mixture_logprobs,
+)
 
 F64 = torch.float64
 
@@ -87,6 +92,28 @@ def test_pads_in_a_short_top_k_list_hold_no_mass():
     student_top = torch.tensor([[[math.log(0.25), -math.inf]]], dtype=F64)
     s, t = bucketed_logprobs(torch.tensor([[0]]), ids, teacher_top, student_top, torch.tensor([[0.0]], dtype=F64))
     assert (s.item(), t.item()) == pytest.approx((math.log(0.75), math.log(0.4)))
+
+
+def test_bucketed_reverse_kl_and_its_gradient_equal_hand_computed_values():
+    """The exact coarsened KL of the example above, 0.25 ln(0.25/0.6) + 0.15 ln(0.15/0.2) + 0.6 ln(0.6/0.2),
+    and its gradient in the student's logprobs a_k of the listed tokens: with p_other = 1 - sum_k e^a_k,
+    d/d a_k = p_k (ln(p_k / q_k) + 1) - p_k (ln(p_other / q_other) + 1) = p_k (ln(p_k / q_k) - ln(p_other / q_other))."""
+    student = torch.tensor([[math.log(0.25), math.log(0.15), 0.0]], dtype=F64, requires_grad=True)
+    teacher = torch.tensor([[math.log(0.6), math.log(0.2), -math.inf]], dtype=F64)  # a padded third slot
+    kl = bucketed_reverse_kl(student, teacher)
+    coarse = 0.25 * math.log(0.25 / 0.6) + 0.15 * math.log(0.15 / 0.2) + 0.6 * math.log(0.6 / 0.2)
+    assert kl.item() == pytest.approx(coarse, abs=1e-12)
+    kl.sum().backward()
+    other = math.log(0.6 / 0.2)
+    want = [0.25 * (math.log(0.25 / 0.6) - other), 0.15 * (math.log(0.15 / 0.2) - other), 0.0]
+    assert student.grad[0].tolist() == pytest.approx(want, abs=1e-12)
+
+
+def test_bucketed_reverse_kl_over_the_whole_vocabulary_is_the_full_kl():
+    student = torch.log(torch.tensor([P_STUDENT], dtype=F64))
+    teacher = torch.log(torch.tensor([P_TEACHER], dtype=F64))
+    full = sum(p * math.log(p / q) for p, q in zip(P_STUDENT, P_TEACHER, strict=True))
+    assert bucketed_reverse_kl(student, teacher).item() == pytest.approx(full, abs=1e-9)  # other: floored at 1e-12
 
 
 def test_mixture_of_teachers_is_the_log_of_the_mean_probability():

@@ -89,6 +89,40 @@ def test_trainer_kl_and_gradient_equal_the_plain_formula_padded_packed_and_chunk
     assert sum(float(g.abs().sum()) for g in grads[False, 0]) > 0
 
 
+@pytest.mark.parametrize("k", [3, "vocab"])
+def test_top_k_teacher_gives_the_bucketed_kl_and_the_full_kl_when_k_covers_the_vocabulary(
+        tiny_model_path, teacher_path, tokenizer, k):
+    """A `TopKTeacher` (an in-process engine asked for its top k, as a server would be): the trainer's term is
+    the bucketed KL of the plain formula on the teacher's own top-k (values and gradients, chunked); with k the
+    whole vocabulary it is the full KL of the module teacher."""
+    from tokenmill.engines.hf import HFEngine
+    from tokenmill.training.teacher import TopKTeacher
+
+    samples = uneven_groups(1, len(tokenizer), ((3, 3, 6), (2, 2, 6)))
+    batch = collate(samples, [0.2] * len(samples), pad_id=0)
+    teacher = _load(teacher_path).eval().requires_grad_(False)
+    vocab = teacher.config.vocab_size
+    k = vocab if k == "vocab" else k
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids=batch.input_ids_B_T).logits
+    top_B_T_K, ids_B_T_K = torch.log_softmax(teacher_logits, -1).topk(k, dim=-1)
+    shifted = (torch.nn.functional.pad(ids_B_T_K[:, :-1], (0, 0, 1, 0)),  # index t predicts token t
+               torch.nn.functional.pad(top_B_T_K[:, :-1], (0, 0, 1, 0)))
+    model = _load(tiny_model_path)
+    want = token_reverse_kl(model(input_ids=batch.input_ids_B_T).logits, teacher_logits if k == vocab else shifted,
+                            1.0)
+    (want * batch.weights_B_T).sum().backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    student = _load(tiny_model_path)
+    backend = LocalBackend(student, learning_rate=1e-3, total_steps=1, logits_chunk_mib=3 * 4 * vocab / 2**20)
+    backend.distill_teacher = TopKTeacher(HFEngine(teacher, tokenizer), k)
+    metrics = backend.forward_backward(batch, lambda lp, b: ((lp * 0).sum(), {}))
+    assert metrics["distill/reverse_kl"] == pytest.approx(float((want * batch.weights_B_T).sum().detach()), rel=1e-4)
+    assert metrics["distill/reverse_kl"] > 0.001
+    for got, w in zip((p.grad for p in student.parameters()), want_grads, strict=True):
+        torch.testing.assert_close(got, w, atol=1e-6, rtol=1e-4)
+
+
 def test_sequence_stats_without_a_teacher_keep_two_tensors(tiny_model_path):
     ids = torch.tensor([[3, 4, 5, 6]])
     assert len(sequence_token_stats(_load(tiny_model_path), ids, temperature=1.0, chunk_bytes=0)) == 2
@@ -100,7 +134,8 @@ def test_loss_full_needs_one_in_process_teacher_and_auto_picks_it_where_it_can()
     with pytest.raises(ValueError, match="loss: 'full' needs"):
         DistillConfig(teacher={"url": "http://127.0.0.1:1"}, loss="full")
     with pytest.raises(ValueError, match="loss: 'full' needs"):
-        DistillConfig(teacher={"path": "t"}, loss="full", top_k=5)
+        DistillConfig(teachers={"a": {"path": "t"}, "b": {"path": "u"}}, loss="full")
+    assert DistillConfig(teacher={"url": "http://127.0.0.1:1"}, loss="full", top_k=5).top_k == 5  # bucketed
 
     def cfg(**dist):
         return load_config(RLConfig, {"model": {"path": "m"}, "data": {"task": "addition"}, "algorithm": {"advantage": "distill"},
