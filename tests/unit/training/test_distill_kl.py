@@ -130,6 +130,7 @@ def test_sequence_stats_without_a_teacher_keep_two_tensors(tiny_model_path):
 
 def test_loss_full_needs_one_in_process_teacher_and_auto_picks_it_where_it_can():
     from tokenmill.config import RLConfig, load_config
+    from tokenmill.types import ConfigError
 
     with pytest.raises(ValueError, match="loss: 'full' needs"):
         DistillConfig(teacher={"url": "http://127.0.0.1:1"}, loss="full")
@@ -137,11 +138,15 @@ def test_loss_full_needs_one_in_process_teacher_and_auto_picks_it_where_it_can()
         DistillConfig(teachers={"a": {"path": "t"}, "b": {"path": "u"}}, loss="full")
     assert DistillConfig(teacher={"url": "http://127.0.0.1:1"}, loss="full", top_k=5).top_k == 5  # bucketed
 
-    def cfg(**dist):
+    def cfg(backend="local", **dist):
         return load_config(RLConfig, {"model": {"path": "m"}, "data": {"task": "addition"}, "algorithm": {"advantage": "distill"},
-                                      "generation": {"group_size": 1}, "distillation": dist})
+                                      "generation": {"group_size": 1}, "training": {"backend": backend},
+                                      "distillation": dist})
 
     assert full_kl(cfg(teacher={"path": "t"}))
     assert not full_kl(cfg(teacher={"path": "t"}, loss="sampled"))
     assert not full_kl(cfg(teacher={"url": "http://127.0.0.1:1"}))
     assert not full_kl(cfg(teacher={"path": "t"}, top_k=4))
+    assert not full_kl(cfg("fsdp2", teacher={"path": "t"}))  # auto: the sharded trainer takes the sampled estimate
+    with pytest.raises(ConfigError, match="distillation.loss: 'full' computes the teacher's distribution inside"):
+        cfg("fsdp2", teacher={"path": "t"}, loss="full")
