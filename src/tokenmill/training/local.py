@@ -157,8 +157,9 @@ class LocalBackend:
     LM head runs on chunks of `logits_chunk_mib` MiB of fp32 logits (`training.logprobs`; 0 = full logits).
 
     `distill_teacher` (set after construction; on-policy distillation's `loss: full`): a frozen module with
-    the policy's vocabulary, or a `training.teacher.TopKTeacher`; every micro-batch's loss then adds `distill_coef` x the weighted reverse KL
-    from the policy to it at each trained position (`logprobs.reverse_kl`), reported as `distill/reverse_kl`."""
+    the policy's vocabulary, or a `training.teacher.TopKTeacher`; every micro-batch's loss then adds
+    `distill_coef` x the weighted reverse KL from the policy to it at each trained position
+    (`logprobs.reverse_kl`; bucketed for top-k), reported as `distill/reverse_kl`."""
 
     distill_teacher: Any = None
     distill_coef: float = 1.0
