@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.engines.base import EngineUnavailable
-from tokenmill.engines.hf import HFEngine, _has_sliding_layers
+from tokenmill.engines.hf import HFEngine, has_sliding_layers
 from tokenmill.types import Completion, PromptLogprobs, SamplingParams, StopReason
 
 log = logging.getLogger("tokenmill.engines.continuous")
@@ -109,7 +109,7 @@ class ContinuousEngine(HFEngine):
                  max_prefill_tokens: int = 8192, interrupt_in_flight: bool = False,
                  request_timeout_s: float = 3600.0, autocast_dtype: torch.dtype | None = None,
                  prefix_cache_tokens: int = 0, fast_decode: bool = True, max_batch_tokens: int = 0) -> None:
-        if _has_sliding_layers(model.config):
+        if has_sliding_layers(model.config):
             raise ValueError("ContinuousEngine needs full-attention layers (this model has sliding-window ones, "
                              "whose caches cannot be re-aligned); use HFEngine")
         if max_batch < 1 or max_waiting < 1 or max_prefill_tokens < 1:

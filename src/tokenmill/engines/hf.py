@@ -64,7 +64,9 @@ def token_batches(prompt_lens: list[int], params: SamplingParams, max_tokens: in
     return ranges + [(start, len(prompt_lens))]
 
 
-def _has_sliding_layers(config) -> bool:
+def has_sliding_layers(config) -> bool:
+    """Whether any attention layer of `config` is sliding-window (caches and masks that assume full attention
+    do not apply)."""
     types = getattr(config, "layer_types", None)
     if types:
         return any(t != "full_attention" for t in types)
@@ -126,7 +128,7 @@ class HFEngine:
         """Keep the key/value states of up to `capacity_tokens` prompt tokens, so that a prompt extending one
         read before (the next turn of an episode) reads only its new tokens; 0 turns it off. Models with
         sliding-window layers are left uncached."""
-        if _has_sliding_layers(self.model.config):
+        if has_sliding_layers(self.model.config):
             capacity_tokens = 0
         self.prefix_cache = PrefixCache(capacity_tokens, block) if capacity_tokens else None
 

@@ -16,6 +16,7 @@ SDPA otherwise, so nothing changes for a call without it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -43,7 +44,7 @@ class SegmentIndex:
         return SegmentIndex(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
 
     @classmethod
-    def build(cls, layout: list[tuple[int, list[tuple[int, int]]]], width: int) -> SegmentIndex:
+    def build(cls, layout: Sequence[tuple[int, Sequence[tuple[int, int]]]], width: int) -> SegmentIndex:
         """From each row's (prompt length, [(start column, length) of each completion])."""
         pw = max((p for p, _ in layout), default=0)
         n_max = max((n for _, segs in layout for _, n in segs), default=1)
@@ -126,9 +127,9 @@ def install() -> bool:
 def usable(model: torch.nn.Module, width: int, min_width: int = MIN_WIDTH) -> bool:
     """Whether a forward of `model` over packed rows `width` wide should attend by segments: SDPA attention,
     no sliding-window layers, rows at least `min_width` wide."""
+    from tokenmill.engines.hf import has_sliding_layers
+
     config = getattr(model, "config", None)
     if width < min_width or getattr(config, "_attn_implementation", None) != "sdpa":
         return False
-    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
-        return False
-    return install()
+    return not has_sliding_layers(config) and install()

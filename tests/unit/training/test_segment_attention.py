@@ -82,6 +82,9 @@ def test_no_dense_mask_reaches_the_model():
     assert dense["attention_mask"].dim() == 4 and "segments" not in dense
     model.config._attn_implementation = "eager"  # no wrapper on that path: the dense mask, whatever the width
     assert "segments" not in packed_inputs(packed, model, torch.float32, torch.device("cpu"), min_width=0)
+    model.config._attn_implementation = "sdpa"
+    model.config.sliding_window, model.config.use_sliding_window = 4, True  # a window the segments would ignore
+    assert "segments" not in packed_inputs(packed, model, torch.float32, torch.device("cpu"), min_width=0)
 
 
 def test_segmented_attention_by_hand():
