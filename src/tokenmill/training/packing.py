@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 
@@ -45,9 +46,9 @@ class PackedRows:
     batch_rows: torch.Tensor | None = None  # which rows of the full batch the sub-batch holds (micro_packs)
     layout: tuple = ()  # per row: (prompt length, ((start column, length) of each completion, ...))
 
-    @property
+    @cached_property
     def allowed_R_L_L(self) -> torch.Tensor:
-        """bool: query position i may attend key position j (the dense mask: L² per row)."""
+        """bool: query position i may attend key position j (the dense mask: L² per row; built on first use)."""
         segment_R_L = self.segment_R_L
         width = segment_R_L.shape[1]
         causal_L_L = torch.ones((width, width), dtype=torch.bool).tril()
@@ -55,6 +56,11 @@ class PackedRows:
         key_is_prompt_R_1_L = (segment_R_L == 0)[:, None, :]
         allowed = causal_L_L & (same_R_L_L | key_is_prompt_R_1_L) & (segment_R_L >= 0)[:, None, :]
         return allowed | torch.eye(width, dtype=torch.bool)  # a pad query attends to itself (no empty row)
+
+    @cached_property
+    def segment_index(self) -> segment_attention.SegmentIndex:
+        """The same rule as `allowed_R_L_L`, as gather indices for attention by segments (built on first use)."""
+        return segment_attention.SegmentIndex.build(self.layout, self.input_ids_R_L.shape[1])
 
 
 def prompt_segments(batch: Batch) -> list[tuple[tuple[int, ...], list[int]]]:
@@ -181,9 +187,8 @@ def packed_inputs(packed: PackedRows, model: torch.nn.Module, dtype: torch.dtype
     inputs = {"input_ids": packed.input_ids_R_L.to(device), "position_ids": packed.position_ids_R_L.to(device)}
     width = packed.input_ids_R_L.shape[1]
     if packed.layout and segment_attention.usable(model, width, min_width):
-        index = segment_attention.SegmentIndex.build([(p, list(s)) for p, s in packed.layout], width)
         mask = torch.ones(packed.input_ids_R_L.shape, dtype=torch.long, device=device)
-        return inputs | {"attention_mask": mask, "segments": index.to(device)}
+        return inputs | {"attention_mask": mask, "segments": packed.segment_index.to(device)}
     return inputs | {"attention_mask": attention_mask(packed.allowed_R_L_L, model, dtype).to(device)}
 
 
