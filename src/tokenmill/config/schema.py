@@ -279,6 +279,11 @@ class TrainingConfig(Section):
         "fp32 logits, never the full [tokens, vocabulary] logits (same numbers; see docs/performance.md)."
     )
     logprob_chunk_mib: int = Field(64, ge=1, description="Logits held at once with chunked_logprobs, in MiB.")
+    fast_forward: bool = Field(
+        True, description="Llama-family decoders (Llama, Qwen2/3, Mistral) run their training and logprob "
+        "forward through the engine's own step code, not transformers' forward (same numbers, less per-call "
+        "work; docs/performance.md). false: transformers' forward."
+    )
     share_prompts: bool = Field(
         True, description="Run each group's shared prompt through the model once per update: its completions "
         "are packed after one copy of it with a block attention mask (same gradients, fewer tokens)."

@@ -33,6 +33,7 @@ from tokenmill.tracking.logger import MetricsLogger
 from tokenmill.training.base import TrainBackend
 from tokenmill.training.critic import Critic, load_critic
 from tokenmill.training.local import LocalBackend, ReferenceModel
+from tokenmill.training.logprobs import set_fast_forward
 from tokenmill.training.teacher import build_teacher
 from tokenmill.types import ConfigError
 
@@ -273,6 +274,10 @@ def build_trainer(cfg: RLConfig, model, device, amp) -> tuple[TrainBackend, Any,
             token_budget=tr.micro_batch_tokens, share_prompts=tr.share_prompts, adapters_off=lora,
             logits_chunk_mib=train["logits_chunk_mib"],
         )
+    if not tr.fast_forward:
+        for module in (model, getattr(backend, "model", None), getattr(reference, "model", None)):
+            if module is not None:
+                set_fast_forward(module, False)
     critic = None
     if cfg.algorithm.advantage == "gae":
         # fsdp2: sharded like the policy, its shards beside the policy's

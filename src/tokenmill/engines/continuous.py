@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.engines.base import EngineUnavailable
-from tokenmill.engines.hf import HFEngine, has_sliding_layers
+from tokenmill.engines.hf import HFEngine, has_sliding_layers, inverse_cdf
 from tokenmill.types import Completion, PromptLogprobs, SamplingParams, StopReason
 
 log = logging.getLogger("tokenmill.engines.continuous")
@@ -489,10 +489,7 @@ def sample_rows(logits_B_V: torch.Tensor, *, temperature_B: torch.Tensor, top_p_
         drop_sorted_B_V = (probs_sorted_B_V.cumsum(dim=-1) - probs_sorted_B_V) >= top_p_B[:, None]  # keeps the first
         drop_B_V = torch.zeros_like(drop_sorted_B_V).scatter(1, order_B_V, drop_sorted_B_V)
         filtered_B_V = filtered_B_V.masked_fill(drop_B_V, float("-inf"))
-    cdf_B_V = torch.softmax(filtered_B_V, dim=-1).cumsum(dim=-1)
-    # the first token whose cumulative probability exceeds u: a zero-probability token can never be it
-    target_B_1 = (uniform_B.float() * cdf_B_V[:, -1])[:, None]
-    tokens_B = torch.searchsorted(cdf_B_V, target_B_1, right=True).squeeze(1).clamp(max=vocab - 1)
+    tokens_B = inverse_cdf(torch.softmax(filtered_B_V, dim=-1), uniform_B)
     tokens_B = torch.where(greedy_B, scaled_B_V.argmax(dim=-1), tokens_B)
     return tokens_B, logprobs_B_V.gather(1, tokens_B[:, None]).squeeze(1)
 

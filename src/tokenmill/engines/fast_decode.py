@@ -49,24 +49,34 @@ def fast_decode_blocker(model) -> str | None:
     if has_forward_hooks(model):
         return "hooks on the model's forward"
     decoder = getattr(lm, "model", None)
-    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
-    if decoder is None or not all(hasattr(decoder, n) for n in needed):
+    if decoder is None:
         return f"{type(lm).__name__} has no Llama-style decoder (embed_tokens, layers, norm, rotary_emb)"
+    reason = decoder_blocker(decoder, lm.config)
+    if reason is None and getattr(lm, "get_output_embeddings", lambda: None)() is None:
+        return "no output embeddings"
+    return reason
+
+
+def decoder_blocker(decoder, config) -> str | None:
+    """Why `FastDecoder.hidden` cannot stand in for `decoder`'s forward (None: it can)."""
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if not all(hasattr(decoder, n) for n in needed):
+        return f"{type(decoder).__name__} is not a Llama-style decoder (embed_tokens, layers, norm, rotary_emb)"
+    if decoder._forward_hooks or decoder._forward_pre_hooks or any(
+            layer._forward_hooks or layer._forward_pre_hooks for layer in decoder.layers):
+        return "hooks on the decoder's forward"
     kinds = {type(layer).__name__ for layer in decoder.layers}
     if not kinds <= KNOWN_LAYERS:
         return f"decoder layers {sorted(kinds - KNOWN_LAYERS)} are not ones the fast step knows"
-    config = lm.config
     types = getattr(config, "layer_types", None) or []
     sliding = any(t != "full_attention" for t in types) or (
         bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True)
-        and type(lm).__name__.startswith("Mistral"))
+        and type(decoder).__name__.startswith("Mistral"))
     if sliding:
         return "sliding-window attention layers"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if "dynamic" in str(rope.get("rope_type", rope.get("type", ""))):
         return "dynamic rotary scaling (its frequencies depend on the sequence length)"
-    if getattr(lm, "get_output_embeddings", lambda: None)() is None:
-        return "no output embeddings"
     return None
 
 
@@ -74,17 +84,21 @@ class StaticKV:
     """Key/value states in preallocated `[B, heads, capacity, head_dim]` buffers, one pair per layer;
     `length` columns are filled. A step writes column `length` of every layer, then `advance()`s."""
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> None:
-        self.keys, self.values, self.length = keys, values, length
+    def __init__(self, keys: list, values: list, length: int, capacity: int = 0) -> None:
+        self.keys, self.values, self.length, self.capacity = keys, values, length, capacity
 
     @classmethod
     def from_dynamic(cls, cache, extra: int, repeat: int = 1) -> StaticKV:
-        """Copy a filled transformers `DynamicCache` into buffers `extra` columns wider, each row `repeat`ed
-        (row i becomes rows i*repeat .. i*repeat + repeat - 1)."""
+        """Copy a filled transformers `DynamicCache` (or a `StaticKV`'s filled columns) into buffers `extra`
+        columns wider, each row `repeat`ed (row i becomes rows i*repeat .. i*repeat + repeat - 1)."""
+        if isinstance(cache, StaticKV):
+            pairs = [(k[:, :, : cache.length], v[:, :, : cache.length]) for k, v in zip(cache.keys, cache.values)]
+        else:
+            pairs = [(layer.keys, layer.values) for layer in cache.layers]
         keys, values = [], []
-        length = cache.layers[0].keys.shape[2]
-        for layer in cache.layers:
-            for src, out in ((layer.keys, keys), (layer.values, values)):
+        length = pairs[0][0].shape[2]
+        for pair in pairs:
+            for src, out in zip(pair, (keys, values)):
                 rows, heads, _, dim = src.shape
                 # zeros, not garbage: a CUDA-graph step attends over every column, masked, and a masked NaN
                 # still poisons the sum (0 x NaN)
@@ -93,8 +107,17 @@ class StaticKV:
                 out.append(buf)
         return cls(keys, values, length)
 
+    @classmethod
+    def empty(cls, layers: int, capacity: int) -> StaticKV:
+        """Buffers of `capacity` columns, allocated at each layer's first write (its shape, dtype, device)."""
+        return cls([None] * layers, [None] * layers, 0, capacity)
+
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + key.shape[2]
+        if self.keys[layer] is None:
+            rows, heads, _, dim = key.shape
+            self.keys[layer] = key.new_zeros((rows, heads, self.capacity, dim))
+            self.values[layer] = value.new_zeros((rows, heads, self.capacity, value.shape[-1]))
         self.keys[layer][:, :, self.length : end] = key
         self.values[layer][:, :, self.length : end] = value
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
@@ -147,59 +170,106 @@ class FastDecoder:
         if reason is not None:
             raise ValueError(f"fast decode cannot run this model: {reason}")
         lm = _causal_lm(model)
-        self.decoder = lm.model
-        self.layers = list(self.decoder.layers[: lm.config.num_hidden_layers])
-        self.head = lm.get_output_embeddings()
+        self._setup(lm.model, lm.config, lm.get_output_embeddings())
+
+    @classmethod
+    def of_decoder(cls, decoder) -> FastDecoder:
+        """`hidden` over a bare decoder (no head: `step` is not available); raises where `decoder_blocker` says."""
+        reason = decoder_blocker(decoder, decoder.config)
+        if reason is not None:
+            raise ValueError(f"the fast forward cannot run this decoder: {reason}")
+        fast = cls.__new__(cls)
+        fast._setup(decoder, decoder.config, None)
+        return fast
+
+    def _setup(self, decoder, config, head) -> None:
+        self.decoder, self.head = decoder, head
+        self.layers = list(decoder.layers[: config.num_hidden_layers])
         self._cos = self._sin = None  # rotary tables [positions, head_dim], built on first use
 
-    def _rotary(self, pos_B: torch.Tensor, like: torch.Tensor, need: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin `[B, 1, 1, head_dim]` of each row's position, read from tables the rotary module built
+    def _rotary(self, pos_B_T: torch.Tensor, like: torch.Tensor, need: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `[B, 1, T, head_dim]` of each token's position, read from tables the rotary module built
         once (the same numbers as its per-call output: each entry is one position's product, cos and sin).
-        `need`: positions the tables must cover (None: read off `pos_B`, which waits for the device)."""
-        need = int(pos_B.max()) + 1 if need is None else need
+        `need`: positions the tables must cover (None: read off `pos_B_T`, which waits for the device)."""
+        need = int(pos_B_T.max()) + 1 if need is None else need
         if self._cos is None or self._cos.shape[0] < need or self._cos.dtype != like.dtype:
             size = max(need, 2 * (self._cos.shape[0] if self._cos is not None else 256))
-            positions = torch.arange(size, device=pos_B.device)[None]
+            positions = torch.arange(size, device=pos_B_T.device)[None]
             cos, sin = self.decoder.rotary_emb(like, positions)
             half = cos.shape[-1] // 2  # rotate_half(x) * sin == x.roll(half) * (sin with its first half negated)
             self._cos, self._sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
-        return self._cos[pos_B][:, None, None, :], self._sin[pos_B][:, None, None, :]
+        return self._cos[pos_B_T][:, None], self._sin[pos_B_T][:, None]
+
+    def hidden(self, ids_B_T: torch.Tensor, pos_B_T: torch.Tensor, mask: torch.Tensor | None = None, cache=None,
+               positions: int | None = None) -> torch.Tensor:
+        """The decoder's final-normed hidden states `[B, T, hidden]` of T tokens per row at positions `pos_B_T`,
+        differentiable (the trainer's forward runs here too). `mask` (bool `[B, 1, T, keys]`, True = attend)
+        covers the cached keys plus the new ones; None: the new tokens attend causally to each other and to
+        every cached key. `cache` (a `StaticKV`, a `ColumnKV`, a transformers `DynamicCache` or None: keep
+        nothing) gets the new key/value states. `positions`: a bound on `pos_B_T` (spares a device wait)."""
+        kv = None if cache is None else cache if isinstance(cache, (StaticKV, ColumnKV)) else _DynamicKV(cache)
+        hidden_B_T_H = self.decoder.embed_tokens(ids_B_T)
+        cos, sin = self._rotary(pos_B_T, hidden_B_T_H, positions)
+        for i, layer in enumerate(self.layers):
+            hidden_B_T_H = hidden_B_T_H + self._attend(layer.self_attn, _norm(layer.input_layernorm, hidden_B_T_H),
+                                                       cos, sin, mask, kv, i)
+            hidden_B_T_H = hidden_B_T_H + layer.mlp(_norm(layer.post_attention_layernorm, hidden_B_T_H))
+        if kv is not None:
+            kv.advance(ids_B_T.shape[1])
+        return _norm(self.decoder.norm, hidden_B_T_H)
 
     def step(self, tok_B: torch.Tensor, pos_B: torch.Tensor, mask_B_K: torch.Tensor | None, cache,
              positions: int | None = None) -> torch.Tensor:
         """Read one token per row (`tok_B` at positions `pos_B`) after the cached keys, append its key/value
-        states to `cache` (a `StaticKV`, a `ColumnKV` or a transformers `DynamicCache`) and return the
-        next-token logits `[B, vocab]`. `mask_B_K` (bool, True = attend) covers the cached keys plus the new
-        one; None: all. `positions` (a bound on `pos_B`) spares the step its one wait for the device."""
-        kv = cache if isinstance(cache, (StaticKV, ColumnKV)) else _DynamicKV(cache)
-        hidden_B_1_H = self.decoder.embed_tokens(tok_B[:, None])
-        cos, sin = self._rotary(pos_B, hidden_B_1_H, positions)
+        states to `cache` and return the next-token logits `[B, vocab]`. `mask_B_K` (bool, True = attend)
+        covers the cached keys plus the new one; None: all."""
         mask = None if mask_B_K is None else mask_B_K[:, None, None, :]
-        for i, layer in enumerate(self.layers):
-            hidden_B_1_H = hidden_B_1_H + self._attend(layer.self_attn, _norm(layer.input_layernorm, hidden_B_1_H),
-                                                       cos, sin, mask, kv, i)
-            hidden_B_1_H = hidden_B_1_H + layer.mlp(_norm(layer.post_attention_layernorm, hidden_B_1_H))
-        kv.advance()
-        return self.head(_norm(self.decoder.norm, hidden_B_1_H))[:, 0, :]
+        return self.head(self.hidden(tok_B[:, None], pos_B[:, None], mask, cache, positions))[:, 0, :]
 
     @staticmethod
-    def _attend(attn, x_B_1_H, cos, sin, mask, kv, index: int) -> torch.Tensor:
-        batch, dim = x_B_1_H.shape[0], attn.head_dim
-        q = attn.q_proj(x_B_1_H).view(batch, -1, dim)  # [B, heads, D]
-        k = attn.k_proj(x_B_1_H).view(batch, -1, dim)
-        v = attn.v_proj(x_B_1_H).view(batch, -1, dim)
+    def _attend(attn, x_B_T_H, cos, sin, mask, kv, index: int) -> torch.Tensor:
+        batch, width, dim = x_B_T_H.shape[0], x_B_T_H.shape[1], attn.head_dim
+        q = attn.q_proj(x_B_T_H).view(batch, width, -1, dim)  # [B, T, heads, D]
+        k = attn.k_proj(x_B_T_H).view(batch, width, -1, dim)
+        v = attn.v_proj(x_B_T_H).view(batch, width, -1, dim)
         if hasattr(attn, "q_norm"):  # Qwen3: RMS norm of each head's query and key
             q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
-        q, k, v = q[:, :, None, :], k[:, :, None, :], v[:, :, None, :]  # [B, heads, 1, D]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
         half = dim // 2
         q = q * cos + q.roll(half, dims=-1) * sin
         k = k * cos + k.roll(half, dims=-1) * sin
-        keys, values = kv.update(k, v, index)
-        kv_heads = keys.shape[1]
-        # grouped queries: one query token, so a key/value head's query heads stand in the query-length axis
-        q = q.reshape(batch, kv_heads, -1, dim)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
-        return attn.o_proj(out.reshape(batch, 1, -1))
+        keys, values = (k, v) if kv is None else kv.update(k, v, index)
+        return attn.o_proj(attention(q, keys, values, mask, attn.scaling))
+
+
+MANUAL_ATTENTION_KEYS = 256  # one-token steps over at most this many keys on a CPU: matmul + softmax (faster)
+
+
+def attention(q_B_Q_T_D: torch.Tensor, keys_B_K_S_D: torch.Tensor, values_B_K_S_D: torch.Tensor,
+              mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Attention output `[B, T, heads x D]` of T queries per row over S keys (K key/value heads, grouped
+    queries). `mask`: bool `[B, 1, T, S]`, True = attend; None: causal where S == T, else every key.
+
+    One query token: a key/value head's query heads stand in the query-length axis (no repeat of the keys);
+    on a CPU with few keys the scores are a plain matmul and softmax, which beats SDPA's kernel at these sizes.
+    """
+    batch, heads, width, dim = q_B_Q_T_D.shape
+    kv_heads, keys = keys_B_K_S_D.shape[1], keys_B_K_S_D.shape[2]
+    if width == 1:
+        q = q_B_Q_T_D.reshape(batch, kv_heads, -1, dim)
+        if q.device.type == "cpu" and keys <= MANUAL_ATTENTION_KEYS:
+            scores = (q @ keys_B_K_S_D.transpose(-1, -2)) * scale
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            out = scores.softmax(dim=-1).to(values_B_K_S_D.dtype) @ values_B_K_S_D
+        else:
+            out = F.scaled_dot_product_attention(q, keys_B_K_S_D, values_B_K_S_D, attn_mask=mask, scale=scale)
+        return out.reshape(batch, 1, -1)
+    if mask is None and keys != width:
+        raise ValueError(f"{width} new tokens after {keys - width} cached keys need a mask")
+    out = F.scaled_dot_product_attention(q_B_Q_T_D, keys_B_K_S_D, values_B_K_S_D, attn_mask=mask,
+                                         is_causal=mask is None, scale=scale, enable_gqa=kv_heads != heads)
+    return out.transpose(1, 2).reshape(batch, width, -1)
 
 
 def _norm(module, x: torch.Tensor) -> torch.Tensor:

@@ -21,10 +21,13 @@ the model's own forward.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from tokenmill.algorithms.distill import bucketed_reverse_kl
+from tokenmill.engines.fast_decode import FastDecoder, decoder_blocker
 
 DEFAULT_CHUNK_MIB = 64
 # config fields of models whose logits are not plain head(hidden) (Gemma-2 soft-cap, Cohere / Granite scale)
@@ -181,8 +184,51 @@ def head_token_stats(
 
 
 def hidden_states(decoder: torch.nn.Module, **inputs) -> torch.Tensor:
-    """The decoder's last hidden state (after its final norm), `[B, T, H]`."""
-    return decoder(**inputs, use_cache=False).last_hidden_state
+    """The decoder's last hidden state (after its final norm), `[B, T, H]`: through `fast_forward` where it
+    can run (the same numbers, less per-call work), else the decoder's own forward."""
+    fast = fast_forward(decoder, inputs)
+    if fast is None:
+        return decoder(**inputs, use_cache=False).last_hidden_state
+    ids_B_T = inputs["input_ids"]
+    pos_B_T = inputs.get("position_ids")
+    if pos_B_T is None:
+        pos_B_T = torch.arange(ids_B_T.shape[1], device=ids_B_T.device).expand(ids_B_T.shape)
+    return fast.hidden(ids_B_T, pos_B_T, inputs.get("attention_mask"))
+
+
+_FAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> its FastDecoder (rotary tables)
+_OFF: weakref.WeakSet = weakref.WeakSet()  # decoders `set_fast_forward` turned off
+
+
+def fast_forward(decoder: torch.nn.Module, inputs: dict | None = None) -> FastDecoder | None:
+    """The decoder's forward as `engines.fast_decode.FastDecoder.hidden` (the decode step's own code, run on
+    whole sequences, differentiable), or None where it does not stand in for the decoder: a model it does not
+    know (`decoder_blocker`), hooks (FSDP2, a user's), gradient checkpointing, attention dropout while
+    training, an attention implementation other than SDPA, inputs other than ids / positions / a bool 4-D
+    mask (attention by segments goes through the decoder), or `set_fast_forward(decoder, False)`."""
+    inputs = inputs or {}
+    mask = inputs.get("attention_mask")
+    if set(inputs) - {"input_ids", "position_ids", "attention_mask"} or (
+            mask is not None and (mask.dim() != 4 or mask.dtype != torch.bool)):
+        return None
+    config = getattr(decoder, "config", None)
+    if decoder in _OFF or config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        return None
+    checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in (decoder, *getattr(decoder, "layers", ())))
+    if checkpointed or (decoder.training and getattr(config, "attention_dropout", 0.0)):
+        return None
+    if decoder_blocker(decoder, config) is not None:  # checked every call: hooks come and go
+        return None
+    if decoder not in _FAST:
+        _FAST[decoder] = FastDecoder.of_decoder(decoder)
+    return _FAST[decoder]
+
+
+def set_fast_forward(model: torch.nn.Module, enabled: bool) -> None:
+    """Turn `fast_forward` off (or back on) for every decoder in `model` (`training.fast_forward`)."""
+    for module in model.modules():
+        if hasattr(module, "embed_tokens") and hasattr(module, "layers"):
+            (_OFF.discard if enabled else _OFF.add)(module)
 
 
 def sequence_token_stats(

@@ -14,9 +14,10 @@ import tokenmill
 GROUP, PROMPTS = 4, 2
 
 
-def digit_share(prompts, completions, **_):
-    """Dense, so samples inside a group differ: the share of digits in the completion."""
-    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+def char_code(prompts, completions, **_):
+    """Dense, so samples inside a group differ (whatever the untrained model writes): the completion's
+    character codes summed, modulo 101, scaled to [0, 1]."""
+    return [sum(map(ord, c)) % 101 / 100 for c in completions]
 
 
 def _run(model: str, out, **algorithm) -> list[dict]:
@@ -30,7 +31,7 @@ def _run(model: str, out, **algorithm) -> list[dict]:
         "controller": {"steps": 1, "prompts_per_step": PROMPTS},
         "tracking": {"output_dir": str(out), "console": "none", "log_samples": GROUP * PROMPTS},
         "checkpoint": {"save_final": False},
-    }, rewards=[digit_share])
+    }, rewards=[char_code])
     return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
 
 

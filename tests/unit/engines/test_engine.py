@@ -190,3 +190,20 @@ def test_sample_tokens_top_k_and_top_p_keep_only_the_head():
     torch.testing.assert_close(logprobs, torch.log(torch.tensor([0.5, 0.3]))[tokens])
     # about 5/8 of the draws are token 0 once the tail is removed
     assert 0.5 < (tokens == 0).float().mean().item() < 0.75
+
+
+def test_inverse_cdf_draws_follow_the_distribution_and_skip_zero_tokens():
+    from tokenmill.engines.hf import inverse_cdf
+
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    # u spans [0, 1): the token whose cumulative interval holds u, never one of probability 0
+    u = torch.tensor([0.0, 0.49, 0.5, 0.69, 0.7, 0.9999999])
+    assert inverse_cdf(probs.repeat(6, 1), u).tolist() == [1, 1, 3, 3, 4, 4]
+    g = torch.Generator().manual_seed(3)
+    rows = 20_000
+    tokens = inverse_cdf(probs.repeat(rows, 1), torch.rand(rows, generator=g))
+    freq = torch.bincount(tokens, minlength=6).float() / rows
+    assert freq[[0, 2, 5]].sum() == 0
+    assert torch.allclose(freq, probs, atol=0.015), freq  # 3 standard errors at 20,000 draws
+    # unnormalised rows (top-k / top-p leave a softmax over fewer tokens: still sums to 1, but be safe)
+    assert inverse_cdf(torch.tensor([[0.0, 2.0, 2.0]]), torch.tensor([0.75])).tolist() == [2]

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3Config
 
-from tokenmill.engines import HFEngine
+from tokenmill.engines import HFEngine, fast_decode
 from tokenmill.engines.continuous import ContinuousEngine
-from tokenmill.engines.fast_decode import FastDecoder, StaticKV, fast_decode_blocker
+from tokenmill.engines.fast_decode import FastDecoder, StaticKV, attention, fast_decode_blocker
 from tokenmill.types import SamplingParams
 
 PROMPTS = ["12+34=", "7+5=", "The sum of 100 and 23 is "]  # different lengths: padded rows
@@ -142,3 +142,45 @@ def test_hooked_models_decode_through_transformers(tiny_model, tokenizer, prompt
     [[c]] = engine.generate(prompts[:1], params)
     assert len(c.token_ids) == 4 and len(calls) == 4  # the prompt's forward and three decode steps
     assert "hooks" in HFEngine(tiny_model, tokenizer).fast_decode_off
+
+
+def test_whole_sequence_forward_matches_the_decoder_and_fills_the_cache():
+    """`hidden` on T tokens per row (the trainer's forward, the engine's prefill): the decoder's hidden states
+    within 1e-5, causal without a mask and with a padded 4-D mask, keys written into a lazily allocated cache."""
+    model = _wide_llama()
+    fast = FastDecoder(model)
+    ids = torch.randint(3, 100, (3, 7), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(7).expand(3, 7)
+    plain = model.model(input_ids=ids, use_cache=False).last_hidden_state
+    cache = StaticKV.empty(layers=2, capacity=10)
+    got = fast.hidden(ids, pos, None, cache)
+    assert torch.allclose(got, plain, atol=1e-5, rtol=0)
+    assert cache.length == 7 and cache.keys[0].shape == (3, 2, 10, 8)
+    assert cache.keys[0][:, :, 7:].abs().sum() == 0  # columns not yet written are zeros
+    # left padding: row 0 has two pad tokens; its real tokens match the unpadded row's states
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[0, :2] = 0
+    pos_padded = pos.clone()
+    pos_padded[0] = torch.tensor([0, 0, 0, 1, 2, 3, 4])
+    from tokenmill.engines.hf import prefill_allowed
+
+    padded = fast.hidden(ids, pos_padded, prefill_allowed(mask)[:, None])
+    alone = model.model(input_ids=ids[:1, 2:], use_cache=False).last_hidden_state
+    assert torch.allclose(padded[0, 2:], alone[0], atol=1e-5, rtol=0)
+    assert torch.isfinite(padded).all()  # pad queries attend to themselves: no empty softmax row
+
+
+def test_small_cpu_steps_attend_by_matmul_with_sdpa_numbers(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(5, 4, 1, 8, generator=g), torch.randn(5, 2, 9, 8, generator=g), torch.randn(5, 2, 9, 8, generator=g)
+    mask = torch.rand(5, 1, 1, 9, generator=g) > 0.3
+    mask[..., 0] = True
+    by_matmul = attention(q, k, v, mask, 0.3)
+    monkeypatch.setattr(fast_decode, "MANUAL_ATTENTION_KEYS", 0)  # the SDPA branch
+    by_sdpa = attention(q, k, v, mask, 0.3)
+    assert by_matmul.shape == (5, 1, 32) and torch.allclose(by_matmul, by_sdpa, atol=1e-6, rtol=0)
+    # head h of the output reads key/value head h // 2 (grouped queries)
+    expected = torch.softmax((q[1, 3, 0] @ k[1, 1].T * 0.3).masked_fill(~mask[1, 0, 0], float("-inf")), -1) @ v[1, 1]
+    assert torch.allclose(by_matmul[1, 0, 24:], expected, atol=1e-6)
+    with pytest.raises(ValueError, match="need a mask"):
+        attention(torch.randn(1, 4, 2, 8), k[:1], v[:1], None, 0.3)
