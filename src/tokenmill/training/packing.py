@@ -37,14 +37,16 @@ class PackedRows:
 
     input_ids_R_L: torch.Tensor
     position_ids_R_L: torch.Tensor
-    segment_R_L: torch.Tensor  # long: 0 = prompt, k = the row's k-th completion (or sequence), -1 = pad
+    segment_R_L: torch.Tensor  # long: 0 = prompt, k = its group's k-th completion (or sequence), -1 = pad
     src_row_K: torch.Tensor  # packed row whose logits predict token k
     src_pos_K: torch.Tensor  # ... and the position in that row
     target_K: torch.Tensor  # the token id being predicted
     dst_b_K: torch.Tensor  # where its logprob goes in the Batch: row b
     dst_t_K: torch.Tensor  # ... token t
     batch_rows: torch.Tensor | None = None  # which rows of the full batch the sub-batch holds (micro_packs)
-    layout: tuple = ()  # per row: (prompt length, ((start column, length) of each completion, ...))
+    layout: tuple = ()  # per row: (prompt length, ((start column, length) of each completion, ...)); () when
+    # some row holds more than one group (`plan_lines`), which only narrow rows do: they take the dense mask
+    group_R_L: torch.Tensor | None = None  # long: which group of its row a token belongs to (None: one each)
 
     @cached_property
     def allowed_R_L_L(self) -> torch.Tensor:
@@ -55,6 +57,8 @@ class PackedRows:
         same_R_L_L = segment_R_L[:, :, None] == segment_R_L[:, None, :]
         key_is_prompt_R_1_L = (segment_R_L == 0)[:, None, :]
         allowed = causal_L_L & (same_R_L_L | key_is_prompt_R_1_L) & (segment_R_L >= 0)[:, None, :]
+        if self.group_R_L is not None:  # rows holding several groups: a token sees its own group only
+            allowed &= self.group_R_L[:, :, None] == self.group_R_L[:, None, :]
         return allowed | torch.eye(width, dtype=torch.bool)  # a pad query attends to itself (no empty row)
 
     @cached_property
@@ -106,44 +110,85 @@ def plan_rows(batch: Batch, token_budget: int, segments: Segments | None = None)
     return rows
 
 
-def pack(batch: Batch, rows: list[tuple[tuple[int, ...], list[int]]]) -> PackedRows:
-    """Build the model inputs for `rows` (from `plan_rows`)."""
+Line = list[tuple[tuple[int, ...], list[int]]]  # `plan_rows` rows laid side by side in one packed row
+
+
+def row_width(lengths: list[int], row: tuple[tuple[int, ...], list[int]]) -> int:
+    prompt, members = row
+    return len(prompt) + sum(lengths[b] - len(prompt) for b in members)
+
+
+def plan_lines(batch: Batch, token_budget: int, segments: Segments | None = None) -> list[tuple[int, Line]]:
+    """`plan_rows`' rows laid side by side (first fit, widest first) into lines no wider than the widest row,
+    as (width, rows), widest first. The packed rows of a micro-batch are padded to its widest, so narrow
+    groups (short completions) next to a wide one would otherwise be mostly padding. Wider lines than the
+    widest row would cost more than they save: the whole micro-batch pads to its widest line, and the dense
+    mask's attention grows with the square of the width. Rows at least `segment_attention.MIN_WIDTH` wide stay
+    one per line (they attend by segments, whose index knows one group per row)."""
+    lengths = batch.lengths_B.tolist()
+    rows = sorted(plan_rows(batch, token_budget, segments), key=lambda row: -row_width(lengths, row))
+    cap = row_width(lengths, rows[0]) if rows else 0
+    lines: list[list] = []  # [width, rows]
+    for row in rows:
+        width = row_width(lengths, row)
+        fit = next((line for line in lines if line[0] + width <= cap), None) if cap < segment_attention.MIN_WIDTH else None
+        if fit is None:
+            lines.append([width, [row]])
+        else:
+            fit[0] += width
+            fit[1].append(row)
+    return sorted(((width, line) for width, line in lines), key=lambda item: -item[0])
+
+
+def pack(batch: Batch, lines: list[Line]) -> PackedRows:
+    """Build the model inputs for `lines` (from `plan_lines`: each packed row holds one or more groups)."""
     ids = batch.input_ids_B_T.tolist()
     lengths = batch.lengths_B.tolist()
-    width = max(len(p) + sum(lengths[b] - len(p) for b in members) for p, members in rows)
-    input_ids, positions, segments = [], [], []  # per row; segment 0 = prompt, k = k-th completion, -1 = pad
+    width = max(sum(row_width(lengths, row) for row in line) for line in lines)
+    # per packed row: ids, positions, segment (0 = prompt, k = its group's k-th completion, -1 = pad), group
+    input_ids, positions, segments, groups = [], [], [], []
     src_row, src_pos, target, dst_b, dst_t = [], [], [], [], []
     layout = []
-    for r, (prompt, members) in enumerate(rows):
-        p = len(prompt)
-        row_ids, row_pos, row_seg = list(prompt), list(range(p)), [0] * p
-        layout.append((p, []))
-        for k, b in enumerate(members, start=1):
-            q, n = len(row_ids), lengths[b] - p
-            layout[-1][1].append((q, n))
-            row_ids += ids[b][p : p + n]
-            row_pos += range(p, p + n)
-            row_seg += [k] * n
-            # token t of sequence b (t >= p) is predicted from token t-1: the prompt's last position for the
-            # first completion token, the completion's own previous position after that. With no shared
-            # prompt (sequence packing) the sequence's first token has nothing to be predicted from.
-            predicted = range(max(p, 1), p + n)
-            src_row += [r] * len(predicted)
-            src_pos += [t - 1 if t - 1 < p else q + t - 1 - p for t in predicted]
-            dst_b += [b] * len(predicted)
-            dst_t += predicted
-            target += ids[b][predicted.start : p + n]
+    for r, line in enumerate(lines):
+        row_ids, row_pos, row_seg, row_grp = [], [], [], []
+        for g, (prompt, members) in enumerate(line):
+            p, base = len(prompt), len(row_ids)
+            row_ids += prompt
+            row_pos += range(p)
+            row_seg += [0] * p
+            row_grp += [g] * p
+            layout.append((p, []))
+            for k, b in enumerate(members, start=1):
+                q, n = len(row_ids), lengths[b] - p
+                layout[-1][1].append((q, n))
+                row_ids += ids[b][p : p + n]
+                row_pos += range(p, p + n)
+                row_seg += [k] * n
+                row_grp += [g] * n
+                # token t of sequence b (t >= p) is predicted from token t-1: the prompt's last position for
+                # the first completion token, the completion's own previous position after that. With no shared
+                # prompt (sequence packing) the sequence's first token has nothing to be predicted from.
+                predicted = range(max(p, 1), p + n)
+                src_row += [r] * len(predicted)
+                src_pos += [base + t - 1 if t - 1 < p else q + t - 1 - p for t in predicted]
+                dst_b += [b] * len(predicted)
+                dst_t += predicted
+                target += ids[b][predicted.start : p + n]
         pad = width - len(row_ids)
         input_ids.append(row_ids + [0] * pad)
         positions.append(row_pos + [0] * pad)
         segments.append(row_seg + [-1] * pad)
+        groups.append(row_grp + [-1] * pad)
+
     def as_long(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long)
 
+    one_each = all(len(line) == 1 for line in lines)
     return PackedRows(
         as_long(input_ids), as_long(positions), as_long(segments), as_long(src_row), as_long(src_pos),
         as_long(target), as_long(dst_b), as_long(dst_t),
-        layout=tuple((p, tuple(segs)) for p, segs in layout),
+        layout=tuple((p, tuple(segs)) for p, segs in layout) if one_each else (),
+        group_R_L=None if one_each else as_long(groups),
     )
 
 
@@ -152,21 +197,18 @@ def micro_packs(
 ) -> Iterator[tuple[Batch, PackedRows]]:
     """Micro-batches as (the sub-batch of their sequences, its packed rows), each packed micro-batch's padded
     size (rows x longest row) within `token_budget`; the packed rows index into the sub-batch."""
-    rows = plan_rows(batch, token_budget, segments)
-    lengths = batch.lengths_B.tolist()
-    sized = sorted(rows, key=lambda row: -(len(row[0]) + sum(lengths[b] - len(row[0]) for b in row[1])))
+    lines = plan_lines(batch, token_budget, segments)
     start = 0
-    while start < len(sized):
-        p, members = sized[start]
-        width = len(p) + sum(lengths[b] - len(p) for b in members)
+    while start < len(lines):
+        width = lines[start][0]
         stop = start + 1
-        while stop < len(sized) and (stop + 1 - start) * width <= token_budget:
+        while stop < len(lines) and (stop + 1 - start) * width <= token_budget:
             stop += 1
-        chosen = sized[start:stop]
-        members = [b for _, m in chosen for b in m]
+        chosen = [line for _, line in lines[start:stop]]
+        members = [b for line in chosen for _, m in line for b in m]
         local = {b: i for i, b in enumerate(members)}
         sub = batch.select(members)
-        packed = pack(sub, [(p, [local[b] for b in m]) for p, m in chosen])
+        packed = pack(sub, [[(p, [local[b] for b in m]) for p, m in line] for line in chosen])
         yield sub, replace(packed, batch_rows=torch.tensor(members, dtype=torch.long))
         start = stop
 

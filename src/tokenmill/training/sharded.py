@@ -57,7 +57,7 @@ from tokenmill.training.dist import (
     world,
 )
 from tokenmill.training.local import LocalBackend, ReferenceModel, packing_segments
-from tokenmill.training.packing import plan_rows, prompt_segments
+from tokenmill.training.packing import plan_lines, prompt_segments
 from tokenmill.types import ConfigError, TokenmillError
 
 SHARDS_PREFIX = "optim-step-"
@@ -120,9 +120,7 @@ def micro_batch_count(batch: Batch | None, token_budget: int, *, share_prompts: 
     if segments is None:
         widths = batch.lengths_B.tolist()  # sorted longest first, like the rows
     else:
-        lengths = batch.lengths_B.tolist()
-        rows = plan_rows(batch, token_budget, segments)
-        widths = sorted((len(p) + sum(lengths[b] - len(p) for b in m) for p, m in rows), reverse=True)
+        widths = [width for width, _ in plan_lines(batch, token_budget, segments)]  # widest first
     count, start = 0, 0
     while start < len(widths):
         stop = start + 1

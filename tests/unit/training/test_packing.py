@@ -137,3 +137,51 @@ def test_reference_logprobs_packed_equal_padded_on_trained_tokens(tiny_model_pat
     assert int(trained.sum()) > 10
     torch.testing.assert_close(packed[trained], padded[trained], atol=1e-5, rtol=0)
     assert bool((packed[~trained] == 0).all())
+
+
+def _uneven_groups(vocab: int, seed: int = 3) -> list[Sample]:
+    """One wide group (3-token prompt, four 6-token completions: 27 packed tokens) and two narrow ones
+    (2-token prompts, two completions of 1-3 tokens: at most 8 each), which fit side by side in one row."""
+    rng = random.Random(seed)
+    out = []
+    for prompt_len, count, longest in ((3, 4, 6), (2, 2, 3), (2, 2, 3)):
+        prompt = [rng.randint(3, vocab - 1) for _ in range(prompt_len)]
+        for _ in range(count):
+            n = longest if longest == 6 else rng.randint(1, longest)
+            completion = [rng.randint(3, vocab - 1) for _ in range(n)]
+            out.append(Sample(
+                tokens=tuple(prompt + completion), loss_mask=(0,) * prompt_len + (1,) * n,
+                logprobs=(0.0,) * prompt_len + tuple(-rng.uniform(1.0, 4.0) for _ in completion),
+                prompt_len=prompt_len, prompt="p", completion="c", stop_reason=StopReason.STOP,
+                advantage=rng.uniform(-1.5, 1.5),
+            ))
+    return out
+
+
+def test_narrow_groups_share_a_packed_row_with_the_same_numbers(tiny_model_path, tokenizer):
+    """`plan_lines` lays the two narrow groups side by side (positions restart, neither sees the other), so
+    the micro-batch pads to 27 columns, not 2 x 27 rows; logprobs and gradients stay those of padded rows."""
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.training.packing import packed_token_stats, plan_lines
+
+    samples = _uneven_groups(len(tokenizer))
+    batch = collate(samples, [1.0] * len(samples), pad_id=0)
+    lines = plan_lines(batch, 10_000)
+    assert [len(line) for _, line in lines] == [1, 2] and lines[0][0] == 27 and lines[1][0] <= 27
+    [(micro, packed)] = list(micro_packs(batch, 10_000))
+    assert packed.input_ids_R_L.shape == (2, 27) and packed.layout == () and packed.group_R_L is not None
+    # the second group of row 1 restarts its positions at 0 and sees none of the first group's tokens
+    second = packed.group_R_L[1] == 1
+    assert int(packed.position_ids_R_L[1][second][0]) == 0
+    assert not packed.allowed_R_L_L[1][second][:, packed.group_R_L[1] == 0].any()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp, _ = packed_token_stats(model, packed, tuple(micro.input_ids_B_T.shape), temperature=0.7, entropy=False)
+        dense = token_logprobs(model(input_ids=micro.input_ids_B_T).logits, micro.input_ids_B_T, 0.7)
+    mask = micro.weights_B_T > 0
+    torch.testing.assert_close(lp[mask], dense[mask], atol=1e-5, rtol=0)
+    plain, _, _ = _run(tiny_model_path, samples, share=False)
+    lined, _, _ = _run(tiny_model_path, samples, share=True)
+    for name in plain:
+        torch.testing.assert_close(lined[name], plain[name], atol=2e-6, rtol=1e-4, msg=name)
