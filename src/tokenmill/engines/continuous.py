@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.engines.base import EngineUnavailable
-from tokenmill.engines.hf import HFEngine, has_sliding_layers, inverse_cdf
+from tokenmill.engines.fast_decode import has_sliding_layers
+from tokenmill.engines.hf import HFEngine, inverse_cdf
 from tokenmill.types import Completion, PromptLogprobs, SamplingParams, StopReason
 
 log = logging.getLogger("tokenmill.engines.continuous")

@@ -43,6 +43,15 @@ def has_forward_hooks(model) -> bool:
     return any(m is not None and (m._forward_hooks or m._forward_pre_hooks) for m in modules)
 
 
+def has_sliding_layers(config) -> bool:
+    """Whether any attention layer of `config` is sliding-window (caches, masks and steps that assume full
+    attention do not apply)."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return any(t != "full_attention" for t in types)
+    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True)
+
+
 def fast_decode_blocker(model) -> str | None:
     """Why `FastDecoder` cannot run this model (None: it can)."""
     lm = _causal_lm(model)
@@ -68,11 +77,7 @@ def decoder_blocker(decoder, config) -> str | None:
     kinds = {type(layer).__name__ for layer in decoder.layers}
     if not kinds <= KNOWN_LAYERS:
         return f"decoder layers {sorted(kinds - KNOWN_LAYERS)} are not ones the fast step knows"
-    types = getattr(config, "layer_types", None) or []
-    sliding = any(t != "full_attention" for t in types) or (
-        bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True)
-        and type(decoder).__name__.startswith("Mistral"))
-    if sliding:
+    if has_sliding_layers(config):
         return "sliding-window attention layers"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if "dynamic" in str(rope.get("rope_type", rope.get("type", ""))):

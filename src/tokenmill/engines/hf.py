@@ -15,7 +15,13 @@ import torch
 from transformers import DynamicCache
 
 from tokenmill.engines.cuda_graphs import GraphedDecode, graphs_blocker
-from tokenmill.engines.fast_decode import FastDecoder, StaticKV, fast_decode_blocker, has_forward_hooks
+from tokenmill.engines.fast_decode import (
+    FastDecoder,
+    StaticKV,
+    fast_decode_blocker,
+    has_forward_hooks,
+    has_sliding_layers,
+)
 from tokenmill.engines.prefix_cache import PrefixCache
 from tokenmill.types import Completion, PromptLogprobs, SamplingParams, StopReason
 
@@ -82,15 +88,6 @@ def token_batches(prompt_lens: list[int], params: SamplingParams, max_tokens: in
             start, wider = i, length
         longest = wider
     return ranges + [(start, len(prompt_lens))]
-
-
-def has_sliding_layers(config) -> bool:
-    """Whether any attention layer of `config` is sliding-window (caches and masks that assume full attention
-    do not apply)."""
-    types = getattr(config, "layer_types", None)
-    if types:
-        return any(t != "full_attention" for t in types)
-    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True)
 
 
 class HFEngine:
@@ -294,11 +291,11 @@ class HFEngine:
     def _decode(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         n = params.n
         logits_B_V, cache, mask_B_L, next_pos_B = self._prefill(prompts, extra=params.max_tokens, repeat=n)
-        # the fast prefill's StaticKV already holds the whole completion's columns, rows repeated
-        if not isinstance(cache, StaticKV) and self._fast is not None and not has_forward_hooks(self.model):
-            cache = StaticKV.from_dynamic(cache, extra=params.max_tokens, repeat=n)
-        elif not isinstance(cache, StaticKV) and n > 1:
-            cache.batch_repeat_interleave(n)
+        if not isinstance(cache, StaticKV):  # the transformers prefill (the fast one is a StaticKV already)
+            if self._fast is not None and not has_forward_hooks(self.model):  # buffers for the whole completion
+                cache = StaticKV.from_dynamic(cache, extra=params.max_tokens, repeat=n)
+            elif n > 1:
+                cache.batch_repeat_interleave(n)
         if n > 1:
             logits_B_V = logits_B_V.repeat_interleave(n, dim=0)
             mask_B_L = mask_B_L.repeat_interleave(n, dim=0)

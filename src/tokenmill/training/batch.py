@@ -75,13 +75,22 @@ class Batch:
 
     def micro_batches(self, token_budget: int) -> Iterator[Batch]:
         """Consecutive slices whose padded size (rows x longest row) stays within `token_budget`."""
-        start, lengths = 0, self.lengths_B.tolist()
-        while start < len(lengths):
-            width, stop = lengths[start], start + 1  # rows are sorted longest first
-            while stop < len(lengths) and (stop + 1 - start) * width <= token_budget:
-                stop += 1
+        for start, stop in greedy_spans(self.lengths_B.tolist(), token_budget):  # rows are sorted longest first
             yield self.slice(start, stop)
-            start = stop
+
+
+def greedy_spans(widths: Sequence[int], token_budget: int) -> list[tuple[int, int]]:
+    """Consecutive `[start, stop)` runs of `widths` (widest first), each as long as its padded size, rows x
+    its first width, stays within `token_budget` (a row wider than the budget runs alone): how every
+    micro-batch loop sizes its micro-batches (`Batch.micro_batches`, `packing.micro_packs`)."""
+    spans, start = [], 0
+    while start < len(widths):
+        stop = start + 1
+        while stop < len(widths) and (stop + 1 - start) * widths[start] <= token_budget:
+            stop += 1
+        spans.append((start, stop))
+        start = stop
+    return spans
 
 
 def collate(samples: Sequence[Sample], weights: Sequence[float], pad_id: int) -> Batch:

@@ -21,7 +21,7 @@ from functools import cached_property
 import torch
 
 from tokenmill.training import segment_attention
-from tokenmill.training.batch import Batch
+from tokenmill.training.batch import Batch, greedy_spans
 from tokenmill.training.logprobs import (
     DEFAULT_CHUNK_MIB,
     head_parts,
@@ -198,19 +198,13 @@ def micro_packs(
     """Micro-batches as (the sub-batch of their sequences, its packed rows), each packed micro-batch's padded
     size (rows x longest row) within `token_budget`; the packed rows index into the sub-batch."""
     lines = plan_lines(batch, token_budget, segments)
-    start = 0
-    while start < len(lines):
-        width = lines[start][0]
-        stop = start + 1
-        while stop < len(lines) and (stop + 1 - start) * width <= token_budget:
-            stop += 1
+    for start, stop in greedy_spans([width for width, _ in lines], token_budget):
         chosen = [line for _, line in lines[start:stop]]
         members = [b for line in chosen for _, m in line for b in m]
         local = {b: i for i, b in enumerate(members)}
         sub = batch.select(members)
         packed = pack(sub, [[(p, [local[b] for b in m]) for p, m in line] for line in chosen])
         yield sub, replace(packed, batch_rows=torch.tensor(members, dtype=torch.long))
-        start = stop
 
 
 def attention_mask(allowed_R_L_L: torch.Tensor, model: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:

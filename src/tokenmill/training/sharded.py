@@ -45,7 +45,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tokenmill.training.base import BatchLoss
-from tokenmill.training.batch import Batch
+from tokenmill.training.batch import Batch, greedy_spans
 from tokenmill.training.critic import Critic
 from tokenmill.training.dist import (
     barrier,
@@ -113,7 +113,7 @@ def rank_rows(batch: Batch, ranks: int) -> list[list[int]]:
 
 def micro_batch_count(batch: Batch | None, token_budget: int, *, share_prompts: bool, pack_sequences: bool) -> int:
     """How many forward passes `micro_token_stats` makes over `batch`, without running the model (the same
-    choice of packing and the same greedy sizing as `micro_packs` / `Batch.micro_batches`)."""
+    choice of packing and the same `greedy_spans` as `micro_packs` / `Batch.micro_batches`)."""
     if batch is None:
         return 0
     segments = packing_segments(batch, share_prompts=share_prompts, pack_sequences=pack_sequences)
@@ -121,13 +121,7 @@ def micro_batch_count(batch: Batch | None, token_budget: int, *, share_prompts: 
         widths = batch.lengths_B.tolist()  # sorted longest first, like the rows
     else:
         widths = [width for width, _ in plan_lines(batch, token_budget, segments)]  # widest first
-    count, start = 0, 0
-    while start < len(widths):
-        stop = start + 1
-        while stop < len(widths) and (stop + 1 - start) * widths[start] <= token_budget:
-            stop += 1
-        count, start = count + 1, stop
-    return count
+    return len(greedy_spans(widths, token_budget))
 
 
 def _dummy(batch: Batch) -> Batch:
