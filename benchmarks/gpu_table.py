@@ -2,8 +2,9 @@
 Qwen3-0.6B (random init from its config: nothing is downloaded; throughput does not depend on the weights).
 
 1. decode: tokens/s of `HFEngine.generate` (128-token prompts, 256 new tokens, bf16 weights) at batch 1, 32
-   and 256, with the decode step replayed from a CUDA graph, run eagerly, and through the transformers
-   forward; next to the memory-bandwidth bound: a step must read every weight once and each row's
+   and 256, with the decode step compiled (`torch.compile`) and replayed from a CUDA graph, replayed
+   uncompiled, run eagerly, and through the transformers forward; next to the memory-bandwidth bound: a
+   step must read every weight once and each row's
    key/value cache, so tokens/s <= batch x bandwidth / (weight bytes + batch x mean context x KV bytes per
    token). The bandwidth is measured here (a device-to-device copy, bytes read plus written).
 2. train: tokens/s of one optimiser step (`LocalBackend.forward_backward` + `optim_step`: fp32 master
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -90,15 +92,17 @@ def decode_part(args, shape: dict) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(7, len(tok)) for _ in range(PROMPT_TOKENS)] for _ in range(max(args.batches))]
     rows, reference = [], {}
-    for variant in ("cuda_graphs", "fast_eager", "transformers"):
-        if variant == "cuda_graphs" and not args.device.startswith("cuda"):
+    for variant in args.variants:
+        if "graphs" in variant and not args.device.startswith("cuda"):
             continue
         engine = HFEngine(model, tok, seed=0, fast_decode=variant != "transformers",
-                          cuda_graphs=variant == "cuda_graphs")
+                          cuda_graphs="graphs" in variant, compile_step=variant == "compiled_graphs")
         for batch in args.batches:
             if variant == "transformers" and batch not in args.transformers_batches:
                 continue
-            engine.generate(prompts[:batch], SamplingParams(max_tokens=8))  # warm-up (and allocator)
+            warm = time.perf_counter()
+            engine.generate(prompts[:batch], SamplingParams(max_tokens=8))  # warm-up (allocator, compiling)
+            warm = time.perf_counter() - warm
             engine.generator.manual_seed(1)
             sync(args.device)
             start = time.perf_counter()
@@ -113,13 +117,16 @@ def decode_part(args, shape: dict) -> dict:
                 kv = batch * (PROMPT_TOKENS + NEW_TOKENS / 2) * engine.kv_bytes_per_token()
                 bound = batch * bandwidth / (weight_bytes + kv)
                 row |= {"bound_tokens_per_s": round(bound, 1), "fraction_of_bound": round(tokens / seconds / bound, 4)}
-            if variant == "fast_eager":  # same seed: does the graph replay give the eager step's tokens?
+            if variant in ("fast_eager", "compiled_graphs"):  # same seed: the uncompiled graphs' tokens?
                 same = [a == b for a, b in zip(reference.get(batch, []), ids)]
                 row["cuda_graph_rows_equal"] = f"{sum(same)}/{len(same)}" if same else None
             else:
                 reference.setdefault(batch, ids)
             if engine._graphed is not None:
                 row["graph_recordings"] = engine._graphed.recordings
+                if variant == "compiled_graphs":
+                    row |= {"warmup_seconds": round(warm, 2), "compile_off": engine._graphed.compile_off,
+                            "compile_seconds": round(engine._graphed.compile_seconds, 2)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     return {"weight_bytes": weight_bytes, "copy_bandwidth_bytes_per_s": bandwidth, "rows": rows}
@@ -236,14 +243,15 @@ def grpo_spec(args, workdir: Path) -> dict:
             "workdir": str(workdir), "device": args.device, "bf16": args.device.startswith("cuda")}
 
 
-def tokenmill_grpo(spec: dict, model_dir: str, prompts: str) -> dict:
+def tokenmill_grpo(spec: dict, model_dir: str, prompts: str, compile_step: bool = False) -> dict:
     from vs_trl_parts.children import tokenmill_config
 
     import tokenmill
 
-    out = Path(spec["workdir"]) / "tokenmill_run"
+    out = Path(spec["workdir"]) / ("tokenmill_compiled_run" if compile_step else "tokenmill_run")
     cfg = tokenmill_config(spec | {"model_dir": model_dir}, str(out))
     cfg["model"] |= {"dtype": "auto", "device": spec["device"]}
+    cfg.setdefault("engine", {})["compile_step"] = compile_step
     cfg["data"] = {"path": prompts, "num_eval": 0, "shuffle": True}
     cfg["rewards"] = [{"function": f"{Path(__file__).resolve()}:id_checksum_reward", "timeout_s": 60}]
     tokenmill.train(cfg)
@@ -292,7 +300,10 @@ def grpo_part(args, shape: dict) -> dict:
             f.write(json.dumps({"prompt": f"Add the numbers {a} and {b}, then show each step of the sum: "}) + "\n")
     spec = grpo_spec(args, workdir)
     out = {"spec": {k: v for k, v in spec.items() if k != "workdir"}, "trl_version": trl.__version__}
-    for name, run in (("tokenmill", tokenmill_grpo), ("trl", trl_grpo)):
+    runs = {"tokenmill": tokenmill_grpo, "tokenmill_compiled": partial(tokenmill_grpo, compile_step=True),
+            "trl": trl_grpo}
+    for name in args.grpo_runs:
+        run = runs[name]
         try:
             result = run(spec, model_dir, str(prompts))
             timed = result["step_seconds"][1:]
@@ -303,8 +314,10 @@ def grpo_part(args, shape: dict) -> dict:
             result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
         out[name] = result
         print(name, json.dumps({k: v for k, v in result.items() if k != "traceback"})[:1500], flush=True)
-    if "median_step_seconds" in out["tokenmill"] and "median_step_seconds" in out["trl"]:
-        out["step_speedup_vs_trl"] = round(out["trl"]["median_step_seconds"] / out["tokenmill"]["median_step_seconds"], 2)
+    for name in ("tokenmill", "tokenmill_compiled"):
+        if "median_step_seconds" in out.get(name, {}) and "median_step_seconds" in out.get("trl", {}):
+            speedup = out["trl"]["median_step_seconds"] / out[name]["median_step_seconds"]
+            out["step_speedup_vs_trl" + name[len("tokenmill"):]] = round(speedup, 2)
     return out
 
 
@@ -326,11 +339,13 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a tiny model of the same family (smoke run)")
     parser.add_argument("--parts", default="decode,train,grpo", help="any of decode,train,grpo,profile")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
+    parser.add_argument("--variants", nargs="+", default=["cuda_graphs", "compiled_graphs", "fast_eager", "transformers"])
     parser.add_argument("--transformers-batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--train-tokens", type=int, default=65536)
     parser.add_argument("--train-steps", type=int, default=3)
     parser.add_argument("--grpo-steps", type=int, default=3)
+    parser.add_argument("--grpo-runs", nargs="+", default=["tokenmill", "tokenmill_compiled", "trl"])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "gpu_table.json"))
     args = parser.parse_args()
     shape = SMALL if args.small else QWEN3_0_6B
@@ -360,11 +375,11 @@ def print_table(report: dict) -> None:
         print(f"| train | seq {row['seq_len']} | {row.get('tokens_per_s', row.get('error'))} | "
               f"MFU {row.get('mfu')} peak {row.get('peak_memory_gib')} GiB |")
     grpo = report.get("grpo", {})
-    for name in ("tokenmill", "trl"):
+    for name in ("tokenmill", "tokenmill_compiled", "trl"):
         r = grpo.get(name, {})
         print(f"| grpo step | {name} | {r.get('generated_tokens_per_s', r.get('error', '')[:80])} | "
               f"median step {r.get('median_step_seconds')} s |")
-    print(f"step speed-up vs TRL: {grpo.get('step_speedup_vs_trl')}")
+    print(f"step speed-up vs TRL: {grpo.get('step_speedup_vs_trl')}, compiled {grpo.get('step_speedup_vs_trl_compiled')}")
 
 
 if __name__ == "__main__":

@@ -208,6 +208,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
         engine = (dist.RankedEngine if sharded else HFEngine)(
             model, tokenizer, seed=cfg.training.seed + (dist.rank() if sharded else 0), autocast_dtype=amp,
             fast_decode=cfg.engine.fast_decode, cuda_graphs=cfg.engine.cuda_graphs,
+            compile_step=cfg.engine.compile_step,
             max_batch_tokens=cfg.engine.max_batch_tokens)
     backend, reference, critic = build_trainer(cfg, model, device, amp)
     generator = build_generator(cfg, engine, tokenizer, reward_set)

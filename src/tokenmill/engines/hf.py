@@ -104,6 +104,7 @@ class HFEngine:
         prefix_cache_tokens: int = 0,
         fast_decode: bool = True,
         cuda_graphs: bool = True,
+        compile_step: bool = False,
         max_batch_tokens: int = 0,
     ) -> None:
         self.model = model
@@ -131,7 +132,8 @@ class HFEngine:
         # on a GPU the fast step replays from a CUDA graph (`engines.cuda_graphs`); `cuda_graphs_off` says why not
         self.cuda_graphs_off = ("turned off" if not cuda_graphs else self.fast_decode_off
                                 or graphs_blocker(self.device))
-        self._graphed = GraphedDecode(self._fast) if self.cuda_graphs_off is None else None
+        self._graphed = (GraphedDecode(self._fast, compile=compile_step) if self.cuda_graphs_off is None
+                         else None)
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of key/value state one token takes in the cache (all layers)."""

@@ -27,10 +27,11 @@ def _qwen3(vocab: int, device: str = "cpu"):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval()
 
 
-def _fixed_shape_engine(model, tokenizer, **kw) -> HFEngine:
-    """An engine whose fast step runs the recorded step's arithmetic eagerly (no graph: any device)."""
+def _fixed_shape_engine(model, tokenizer, compile: bool = False, **kw) -> HFEngine:
+    """An engine whose fast step runs the recorded step's arithmetic (no graph: any device), compiled or
+    eagerly."""
     engine = HFEngine(model, tokenizer, **kw)
-    engine._graphed = GraphedDecode(engine._fast, record=False)
+    engine._graphed = GraphedDecode(engine._fast, record=False, compile=compile)
     return engine
 
 
@@ -55,6 +56,36 @@ def test_fixed_shape_step_matches_transformers(tokenizer, prompts, n):
     plain = HFEngine(model, tokenizer, seed=3, compact_fraction=0.1, fast_decode=False)
     _assert_same(fixed.generate(prompts, params), plain.generate(prompts, params))
     assert fixed._graphed._inputs is None  # dropped at the end of the call
+
+
+def test_compiled_step_matches_transformers(tokenizer, prompts):
+    """The step `torch.compile` fuses (inductor's C++ kernels here, Triton on a GPU): one compile (dynamic
+    shapes) serves the batch as rows finish and leave it, with the transformers forward's tokens."""
+    model = _qwen3(len(tokenizer))
+    model.generation_config.eos_token_id = list(range(2, len(tokenizer), 13))
+    params = SamplingParams(max_tokens=12, n=2, temperature=0.9)
+    compiled = _fixed_shape_engine(model, tokenizer, compile=True, seed=3, compact_fraction=0.1)
+    plain = HFEngine(model, tokenizer, seed=3, compact_fraction=0.1, fast_decode=False)
+    _assert_same(compiled.generate(prompts, params), plain.generate(prompts, params))
+    graphed = compiled._graphed
+    assert graphed.compile_off is None and graphed._compiled is not None, graphed.compile_off
+    assert graphed.compile_seconds > 0
+    with torch._dynamo.config.patch(error_on_recompile=True):  # the batch shrank: no second compile
+        _assert_same(compiled.generate(prompts, params), plain.generate(prompts, params))
+
+
+def test_a_step_that_fails_to_compile_runs_uncompiled(tokenizer, prompts):
+    model = _qwen3(len(tokenizer))
+    params = SamplingParams(max_tokens=6, n=2, greedy=True)
+    broken = _fixed_shape_engine(model, tokenizer, compile=True)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no compiler")
+
+    broken._graphed._compiled = fails
+    plain = HFEngine(model, tokenizer, fast_decode=False)
+    _assert_same(broken.generate(prompts, params), plain.generate(prompts, params))
+    assert broken._graphed.compile_off == "torch.compile failed: RuntimeError: no compiler"
 
 
 def test_fixed_shape_step_under_bf16_autocast(tokenizer, prompts):
@@ -109,6 +140,19 @@ def test_recorded_graph_matches_the_eager_step_on_gpu(tokenizer, prompts):
     assert graphed._graphed is not None
     _assert_same(graphed.generate(prompts, params), eager.generate(prompts, params), tol=1e-4)
     assert graphed._graphed.recordings >= 2  # rows left the batch: a new recording for the smaller batch
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_graph_matches_the_eager_step_on_gpu(tokenizer, prompts):
+    model = _qwen3(len(tokenizer), "cuda")
+    model.generation_config.eos_token_id = list(range(2, len(tokenizer), 13))
+    params = SamplingParams(max_tokens=16, n=4, temperature=0.9)
+    compiled = HFEngine(model, tokenizer, seed=3, compact_fraction=0.1, compile_step=True)
+    eager = HFEngine(model, tokenizer, seed=3, compact_fraction=0.1, cuda_graphs=False)
+    _assert_same(compiled.generate(prompts, params), eager.generate(prompts, params), tol=1e-4)
+    assert compiled._graphed.compile_off is None, compiled._graphed.compile_off
+    assert compiled._graphed.recordings >= 2
 
 
 def test_column_writes_cast_to_the_buffer_dtype():

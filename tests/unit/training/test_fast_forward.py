@@ -4,6 +4,8 @@ and the cases where it must step aside."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
@@ -120,3 +122,34 @@ def test_training_config_turns_it_off(tmp_path, tiny_model_path):
     backend, _, _ = build_trainer(cfg, model, torch.device("cpu"), None)
     assert fast_forward(backend.model.get_decoder()) is None
     assert fast_forward(AutoModelForCausalLM.from_pretrained(tiny_model_path).get_decoder()) is not None
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("autocast", [False, True])
+def test_on_gpu_the_fast_forward_is_as_close_to_fp64_as_transformers(autocast):
+    """fp32 weights on a GPU, plain or under bf16 autocast (a GPU run's default): the fast forward's logprobs
+    and gradients are no further from an fp64 CPU reference than the transformers forward's."""
+    errors = _errors_against_fp64("cuda", autocast)
+    (fast_lp, fast_grad), (plain_lp, plain_grad) = errors[True], errors[False]
+    floor = 5e-2 if autocast else 1e-5
+    assert fast_lp <= max(2 * plain_lp, floor), errors
+    assert fast_grad <= max(2 * plain_grad, floor), errors
+
+
+def _errors_against_fp64(device: str, autocast: bool) -> dict:
+    """{fast: (largest logprob error, largest relative gradient error)} against an fp64 CPU run."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, batch = _qwen3(), _group_batch()
+    double = Batch(*(t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                     for t in (getattr(batch, f.name) for f in dataclasses.fields(batch))))
+    ref_lp, _, ref_grads = _packed_logprobs_and_grads(model.double().train(), double, True)
+    model, batch = model.float().to(device), batch.to(device)
+    errors = {}
+    for fast in (True, False):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            lp, _, grads = _packed_logprobs_and_grads(model, batch, fast)
+        grad_err = max(float((g.double().cpu() - ref_grads[n]).norm() / ref_grads[n].norm()) for n, g in grads.items())
+        errors[fast] = (float((lp.double().cpu() - ref_lp).abs().max()), grad_err)
+    return errors
