@@ -243,15 +243,19 @@ def grpo_spec(args, workdir: Path) -> dict:
             "workdir": str(workdir), "device": args.device, "bf16": args.device.startswith("cuda")}
 
 
-def tokenmill_grpo(spec: dict, model_dir: str, prompts: str, compile_step: bool = False) -> dict:
+def tokenmill_grpo(spec: dict, model_dir: str, prompts: str, compile_step: bool = True,
+                   overlap: bool = False) -> dict:
     from vs_trl_parts.children import tokenmill_config
 
     import tokenmill
 
-    out = Path(spec["workdir"]) / ("tokenmill_compiled_run" if compile_step else "tokenmill_run")
+    out = Path(spec["workdir"]) / f"tokenmill_run_{int(compile_step)}{int(overlap)}"
     cfg = tokenmill_config(spec | {"model_dir": model_dir}, str(out))
     cfg["model"] |= {"dtype": "auto", "device": spec["device"]}
     cfg.setdefault("engine", {})["compile_step"] = compile_step
+    if overlap:  # one-step off-policy: the engine thread generates the next batch during the update
+        cfg["engine"]["placement"] = "thread"
+        cfg["controller"]["max_staleness"] = 1
     cfg["data"] = {"path": prompts, "num_eval": 0, "shuffle": True}
     cfg["rewards"] = [{"function": f"{Path(__file__).resolve()}:id_checksum_reward", "timeout_s": 60}]
     tokenmill.train(cfg)
@@ -300,8 +304,8 @@ def grpo_part(args, shape: dict) -> dict:
             f.write(json.dumps({"prompt": f"Add the numbers {a} and {b}, then show each step of the sum: "}) + "\n")
     spec = grpo_spec(args, workdir)
     out = {"spec": {k: v for k, v in spec.items() if k != "workdir"}, "trl_version": trl.__version__}
-    runs = {"tokenmill": tokenmill_grpo, "tokenmill_compiled": partial(tokenmill_grpo, compile_step=True),
-            "trl": trl_grpo}
+    runs = {"tokenmill": tokenmill_grpo, "tokenmill_uncompiled": partial(tokenmill_grpo, compile_step=False),
+            "tokenmill_async": partial(tokenmill_grpo, overlap=True), "trl": trl_grpo}
     for name in args.grpo_runs:
         run = runs[name]
         try:
@@ -314,7 +318,7 @@ def grpo_part(args, shape: dict) -> dict:
             result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
         out[name] = result
         print(name, json.dumps({k: v for k, v in result.items() if k != "traceback"})[:1500], flush=True)
-    for name in ("tokenmill", "tokenmill_compiled"):
+    for name in ("tokenmill", "tokenmill_uncompiled", "tokenmill_async"):
         if "median_step_seconds" in out.get(name, {}) and "median_step_seconds" in out.get("trl", {}):
             speedup = out["trl"]["median_step_seconds"] / out[name]["median_step_seconds"]
             out["step_speedup_vs_trl" + name[len("tokenmill"):]] = round(speedup, 2)
@@ -345,7 +349,7 @@ def main() -> None:
     parser.add_argument("--train-tokens", type=int, default=65536)
     parser.add_argument("--train-steps", type=int, default=3)
     parser.add_argument("--grpo-steps", type=int, default=3)
-    parser.add_argument("--grpo-runs", nargs="+", default=["tokenmill", "tokenmill_compiled", "trl"])
+    parser.add_argument("--grpo-runs", nargs="+", default=["tokenmill", "tokenmill_uncompiled", "trl"])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "gpu_table.json"))
     args = parser.parse_args()
     shape = SMALL if args.small else QWEN3_0_6B
@@ -375,11 +379,11 @@ def print_table(report: dict) -> None:
         print(f"| train | seq {row['seq_len']} | {row.get('tokens_per_s', row.get('error'))} | "
               f"MFU {row.get('mfu')} peak {row.get('peak_memory_gib')} GiB |")
     grpo = report.get("grpo", {})
-    for name in ("tokenmill", "tokenmill_compiled", "trl"):
+    for name in ("tokenmill", "tokenmill_uncompiled", "tokenmill_async", "trl"):
         r = grpo.get(name, {})
         print(f"| grpo step | {name} | {r.get('generated_tokens_per_s', r.get('error', '')[:80])} | "
               f"median step {r.get('median_step_seconds')} s |")
-    print(f"step speed-up vs TRL: {grpo.get('step_speedup_vs_trl')}, compiled {grpo.get('step_speedup_vs_trl_compiled')}")
+    print("step speed-up vs TRL:", {k: v for k, v in grpo.items() if k.startswith("step_speedup")})
 
 
 if __name__ == "__main__":

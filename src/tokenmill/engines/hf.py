@@ -104,7 +104,7 @@ class HFEngine:
         prefix_cache_tokens: int = 0,
         fast_decode: bool = True,
         cuda_graphs: bool = True,
-        compile_step: bool = False,
+        compile_step: bool = True,
         max_batch_tokens: int = 0,
     ) -> None:
         self.model = model
