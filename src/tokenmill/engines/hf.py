@@ -8,6 +8,7 @@ that finished dropped from the batch so long completions do not make short ones 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,6 +25,15 @@ from tokenmill.engines.fast_decode import (
 )
 from tokenmill.engines.prefix_cache import PrefixCache
 from tokenmill.types import Completion, PromptLogprobs, SamplingParams, StopReason
+
+
+
+def cache_keyword(model) -> str:
+    """The forward's keyword for the key/value cache: `cache` where the causal LM's forward takes it
+    (transformers 5.24 deprecates `past_key_values`, to be removed in 5.40), else `past_key_values`."""
+    get_base = getattr(model, "get_base_model", None)
+    lm = get_base() if callable(get_base) else model
+    return "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
 
 
 def sample_tokens(
@@ -123,6 +133,7 @@ class HFEngine:
         self.autocast_dtype = autocast_dtype
         self.version = 0
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self._cache_keyword = cache_keyword(model)
         self.prefix_cache: PrefixCache | None = None
         self.enable_prefix_cache(prefix_cache_tokens)
         # decode steps through `FastDecoder` (same numbers, less per-token work) unless turned off or the model
@@ -257,9 +268,9 @@ class HFEngine:
             input_ids=ids_P_L,
             attention_mask=self._prefill_mask(mask_P_L, past) if padded else None,
             position_ids=pos_P_L,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{self._cache_keyword: cache},
         )
         if self.prefix_cache is not None:
             self._store_prefixes(cache, prompts, lengths, reused, past, width)
@@ -350,8 +361,8 @@ class HFEngine:
             input_ids=tok_B[:, None],
             attention_mask=None if mask_B_K is None else self._decode_mask(mask_B_K),
             position_ids=pos_B[:, None],
-            past_key_values=cache,
             use_cache=True,
+            **{self._cache_keyword: cache},
         )
         return out.logits[:, -1, :]
 
