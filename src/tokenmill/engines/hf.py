@@ -27,7 +27,6 @@ from tokenmill.engines.prefix_cache import PrefixCache
 from tokenmill.types import Completion, PromptLogprobs, SamplingParams, StopReason
 
 
-
 def cache_keyword(model) -> str:
     """The forward's keyword for the key/value cache: `cache` where the causal LM's forward takes it
     (transformers 5.24 deprecates `past_key_values`, to be removed in 5.40), else `past_key_values`."""
