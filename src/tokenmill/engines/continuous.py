@@ -118,7 +118,8 @@ class ContinuousEngine(HFEngine):
                              f"{max_waiting}, {max_prefill_tokens}")
         super().__init__(model, tokenizer, seed=seed, autocast_dtype=autocast_dtype,
                          prefix_cache_tokens=prefix_cache_tokens, fast_decode=fast_decode,
-                         max_batch_tokens=max_batch_tokens)
+                         max_batch_tokens=max_batch_tokens, cuda_graphs=False)
+        self.cuda_graphs_off = "the continuous batch changes shape every step (rows join and leave)"
         self.model.eval()
         self.max_batch, self.max_waiting, self.max_prefill_tokens = max_batch, max_waiting, max_prefill_tokens
         self.interrupt_in_flight = interrupt_in_flight

@@ -126,6 +126,13 @@ def test_graphs_are_off_on_the_cpu(tiny_model, tokenizer):
     engine = HFEngine(tiny_model, tokenizer)
     assert engine._graphed is None and engine.cuda_graphs_off == "CUDA graphs need a CUDA device, not cpu"
     assert HFEngine(tiny_model, tokenizer, cuda_graphs=False).cuda_graphs_off == "turned off"
+    from tokenmill.engines.continuous import ContinuousEngine
+
+    continuous = ContinuousEngine(tiny_model, tokenizer)  # its batch changes shape every step: never a graph
+    try:
+        assert continuous._graphed is None and "continuous batch" in continuous.cuda_graphs_off
+    finally:
+        continuous.close()
     assert graphs_blocker(torch.device("cpu")) is not None
 
 
