@@ -14,9 +14,10 @@ as long as the autocast region.
 
 With `compile=True` the recorded step is first compiled by `torch.compile` (inductor: the norms, rotary
 products, key/value writes and activations fuse into a few kernels per layer, about half the launches of
-the eager step). One compile serves every batch size and buffer width (dynamic shapes); it costs tens of
-seconds at the first `generate`, which `compile_seconds` reports, and inductor keeps its kernels in its
-on-disk cache for the next run. Where compiling fails the step runs uncompiled and `compile_off` says why.
+the eager step). One compile serves every batch size above one and every buffer width (dynamic shapes; a
+one-row batch compiles once more, because torch specialises axes of size 1). Each compile costs about a
+minute for a 28-layer model, which `compile_seconds` reports; inductor keeps its kernels in its on-disk
+cache for the next run. Where compiling fails the step runs uncompiled and `compile_off` says why.
 
 Same numbers as the eager step, up to the attention's summation order over the masked columns
 (tests/unit/engines/test_cuda_graphs.py checks the recorded step's arithmetic on the CPU, compiled and
