@@ -58,13 +58,17 @@ def test_fixed_shape_step_matches_transformers(tokenizer, prompts, n):
     assert fixed._graphed._inputs is None  # dropped at the end of the call
 
 
-def test_compiled_step_matches_transformers(tokenizer, prompts):
-    """The step `torch.compile` fuses (inductor's C++ kernels here, Triton on a GPU): one compile (dynamic
-    shapes) serves the batch as rows finish and leave it, with the transformers forward's tokens."""
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_step_matches_transformers(tokenizer, prompts, backend):
+    """The step `torch.compile` traces whole (fullgraph, dynamic shapes): one compile serves the batch as rows
+    finish and leave it, with the transformers forward's tokens. In CI the traced graph runs on dynamo's eager
+    backend (seconds); `-m slow` adds inductor's C++ kernels (fused, key/value writes in place: a minute of
+    compiling), which the GPU test below runs as Triton kernels."""
     model = _qwen3(len(tokenizer))
     model.generation_config.eos_token_id = list(range(2, len(tokenizer), 13))
     params = SamplingParams(max_tokens=12, n=2, temperature=0.9)
     compiled = _fixed_shape_engine(model, tokenizer, compile=True, seed=3, compact_fraction=0.1)
+    compiled._graphed._compiled = torch.compile(compiled._fast.step, backend=backend, dynamic=True, fullgraph=True)
     plain = HFEngine(model, tokenizer, seed=3, compact_fraction=0.1, fast_decode=False)
     _assert_same(compiled.generate(prompts, params), plain.generate(prompts, params))
     graphed = compiled._graphed
