@@ -282,12 +282,17 @@ def test_stopping_a_run_leaves_no_traceback_in_its_log(tmp_path, tiny_model_path
     with _client(tmp_path) as client:
         launched = client.post("/api/runs", json=body).json()
         pid = json.loads((Path(launched["output_dir"]) / "composer.json").read_text())["pid"]
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not _forked_workers(pid):
-            time.sleep(0.1)  # the first step is being scored: the code reward's worker is forked (the task's
-            # own checker runs in process)
-        assert len(_forked_workers(pid)) == 1, f"reward workers: {_forked_workers(pid)} of {_children(pid)}"
-        assert client.post(f"/api/runs/{launched['id']}/stop").json()["status"] == "stopped"
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not _forked_workers(pid):
+                time.sleep(0.1)  # the first step is being scored: the code reward's worker is forked (the
+                # task's own checker runs in process)
+            assert len(_forked_workers(pid)) == 1, f"reward workers: {_forked_workers(pid)} of {_children(pid)}"
+            assert client.post(f"/api/runs/{launched['id']}/stop").json()["status"] == "stopped"
+        finally:  # a failed check must not leave a 100,000-step run training on the machine
+            for leftover in [*_children(pid), pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(leftover, signal.SIGKILL)
     log = (Path(launched["output_dir"]) / "log.txt").read_text()
     assert log.rstrip().endswith("tokenmill: interrupted"), log[-2000:]
     assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-2000:]
