@@ -289,8 +289,12 @@ def test_stopping_a_run_leaves_no_traceback_in_its_log(tmp_path, tiny_model_path
                 # task's own checker runs in process)
             assert len(_forked_workers(pid)) == 1, f"reward workers: {_forked_workers(pid)} of {_children(pid)}"
             assert client.post(f"/api/runs/{launched['id']}/stop").json()["status"] == "stopped"
+            deadline = time.monotonic() + 60  # the run writes its last line and exits
+            while not _gone(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert _gone(pid), "the stopped run is still running after 60 s"
         finally:  # a failed check must not leave a 100,000-step run training on the machine
-            for leftover in [*_children(pid), pid]:
+            for leftover in [*_children(pid), pid] if not _gone(pid) else []:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(leftover, signal.SIGKILL)
     log = (Path(launched["output_dir"]) / "log.txt").read_text()
