@@ -79,9 +79,8 @@ def check_references(cfg: RLConfig) -> None:
 
 def build_rewards(cfg: RLConfig, extra: list[Callable[..., Any]] | None = None, task_reward=None) -> RewardSet:
     rewards: list[Any] = []
-    if task_reward is not None:  # a built-in task's own checker: plain Python that cannot hang, so no worker
-        rewards.append(FunctionReward(task_reward, name=cfg.data.task, weight=cfg.data.task_reward_weight,
-                                      isolation="thread"))
+    if task_reward is not None:
+        rewards.append(FunctionReward(task_reward, name=cfg.data.task, weight=cfg.data.task_reward_weight))
     for i, rc in enumerate(cfg.rewards):
         if isinstance(rc, RewardFunctionConfig):
             rewards.append(

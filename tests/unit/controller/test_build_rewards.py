@@ -1,5 +1,5 @@
-"""`build_rewards`: a built-in task's checker runs in this process (a thread under its timeout), a user's
-function in a forked worker; both score the same."""
+"""`build_rewards`: a built-in task's checker and a user's function each run in a forked worker (killed on
+timeout), and score the same."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 
 from tokenmill.config.schema import RLConfig
 from tokenmill.controller.build import build_datasets, build_rewards
-from tokenmill.rewards.isolation import ProcessCaller, ThreadCaller
+from tokenmill.rewards.isolation import ProcessCaller
 
 
-def test_a_task_checker_runs_in_process_and_a_user_function_in_a_worker(tmp_path: Path):
+def test_a_task_checker_and_a_user_function_score_in_workers(tmp_path: Path):
     (tmp_path / "mine.py").write_text("def exact(completions, answer, **_):\n"
                                       "    return [float(c.strip() == a) for c, a in zip(completions, answer)]\n")
     cfg = RLConfig.model_validate({"model": {"path": "unused"}, "data": {"task": "addition", "num_train": 4},
@@ -20,7 +20,7 @@ def test_a_task_checker_runs_in_process_and_a_user_function_in_a_worker(tmp_path
     rewards = build_rewards(cfg, task_reward=task_reward)
     try:
         task, mine = rewards.rewards
-        assert isinstance(task._call, ThreadCaller) and isinstance(mine._call, ProcessCaller)
+        assert isinstance(task._call, ProcessCaller) and isinstance(mine._call, ProcessCaller)
         row = rows[0]
         right, wrong = str(row["answer"]), str(row["answer"]) + "1"
         totals, _ = rewards.score([row["prompt"]] * 2, [right, wrong], {"answer": [row["answer"]] * 2})
