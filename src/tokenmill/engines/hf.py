@@ -19,6 +19,7 @@ from tokenmill.engines.cuda_graphs import GraphedDecode, graphs_blocker
 from tokenmill.engines.fast_decode import (
     FastDecoder,
     StaticKV,
+    _causal_lm,
     fast_decode_blocker,
     has_forward_hooks,
     has_sliding_layers,
@@ -30,9 +31,8 @@ from tokenmill.types import Completion, PromptLogprobs, SamplingParams, StopReas
 def cache_keyword(model) -> str:
     """The forward's keyword for the key/value cache: `cache` where the causal LM's forward takes it
     (transformers 5.24 deprecates `past_key_values`, to be removed in 5.40), else `past_key_values`."""
-    get_base = getattr(model, "get_base_model", None)
-    lm = get_base() if callable(get_base) else model
-    return "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
+    forward = _causal_lm(model).forward
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def sample_tokens(
