@@ -150,6 +150,8 @@ def run_parent(args: argparse.Namespace) -> None:
         "threads": args.threads,
         "eval_every": args.eval_every,
         "fast_decode": not args.no_fast_decode,
+        "placement": args.placement,
+        "max_staleness": 1 if args.placement == "worker" else 0,
     }
     if eval_rows > spec["num_eval"]:
         raise SystemExit(f"--eval-rows {eval_rows} exceeds the {spec['num_eval']} held-out problems")
@@ -276,6 +278,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads in each child")
     p.add_argument("--no-fast-decode", action="store_true",
                    help="tokenmill decodes through the transformers forward (engine.fast_decode: false)")
+    p.add_argument("--placement", choices=["colocated", "worker"], default="colocated",
+                   help="tokenmill's engine.placement; worker: generation in a worker process, one step "
+                        "off-policy (controller.max_staleness 1), its memory counted in tokenmill's peak RSS")
     p.add_argument("--decode-only", action="store_true",
                    help="no training: tokenmill's engine with fast decode on and off, interleaved generate() calls")
     p.add_argument("--order", default="tokenmill,trl", help="order the children run in")

@@ -53,8 +53,9 @@ def tokenmill_config(spec: dict[str, Any], output_dir: str) -> dict[str, Any]:
             "prompts_per_step": spec["prompts_per_step"],
             "eval_every": spec["eval_every"],
             "eval_max_rows": spec["eval_rows"],
+            "max_staleness": spec.get("max_staleness", 0),
         },
-        "engine": {"fast_decode": spec.get("fast_decode", True)},
+        "engine": {"fast_decode": spec.get("fast_decode", True), "placement": spec.get("placement", "colocated")},
         "tracking": {"output_dir": output_dir, "console": "none", "log_samples": 2},
         "checkpoint": {"every": 0, "save_final": False},
     }

@@ -23,12 +23,20 @@ def summarise(r: dict[str, Any]) -> dict[str, Any]:
         "trained_tokens": r["trained_tokens"],
         "generated_tok_s": r["generated_tokens"] / total,
         "trained_tok_s": r["trained_tokens"] / total,
-        "peak_rss_mib": r["peak_rss_mib"]["self"],
+        "peak_rss_mib": peak_rss(r),
         "eval_acc_before": r["eval_before"]["eval/accuracy"],
         "eval_acc_after": r["eval_after"]["eval/accuracy"],
         "eval_rows": r["eval_after"]["eval/rows"],
         "train_reward": train_reward_summary(r["train_reward"]),
     }
+
+
+def peak_rss(r: dict[str, Any]) -> float:
+    """The trainer process's peak RSS; with tokenmill's worker placement, plus its engine worker's (the largest
+    reaped child), since that process holds a second copy of the model."""
+    peak = r["peak_rss_mib"]
+    worker = r.get("config", {}).get("engine", {}).get("placement") == "worker"
+    return peak["self"] + (peak["children"] if worker else 0.0)
 
 
 def full_curve(r: dict[str, Any]) -> list[dict[str, Any]]:

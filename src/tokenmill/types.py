@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -131,7 +131,17 @@ class Sample:
         return not math.isnan(self.reward) and self.stop_reason is not StopReason.ERROR
 
     def with_(self, **changes: Any) -> Sample:
-        return replace(self, **changes)
+        """A copy with `changes` (as `dataclasses.replace`, without re-running `__init__`: a step makes one
+        per sample, on the trainer's critical path)."""
+        unknown = changes.keys() - _SAMPLE_FIELDS
+        if unknown:
+            raise TypeError(f"Sample has no field(s) {', '.join(sorted(unknown))}")
+        new = object.__new__(Sample)
+        new.__dict__.update(self.__dict__, **changes)
+        return new
+
+
+_SAMPLE_FIELDS = frozenset(f.name for f in fields(Sample))
 
 
 @dataclass(frozen=True)

@@ -334,16 +334,18 @@ class ControllerConfig(Section):
 class EngineConfig(Section):
     """Where generation runs and how new weights reach it. The loop is the same for every placement."""
 
-    placement: Literal["colocated", "thread", "process", "remote"] = Field(
+    placement: Literal["colocated", "thread", "worker", "process", "remote"] = Field(
         "colocated", description="colocated: the engine samples from the trainer's own module (no copy, no "
         "overlap); thread: a second in-process engine with a copy of the weights, driven by a rollout thread; "
+        "worker: that engine in a spawned worker process, weights through shared memory (CPU; the two sides "
+        "run at once); "
         "process: `tokenmill serve` subprocesses on loopback ports; remote: OpenAI-compatible servers at "
         "engine.urls (ours, vLLM, SGLang)."
     )
     urls: list[str] = Field(default_factory=list, description="Server base URLs (engine.placement remote).")
     num_servers: int = Field(1, ge=1, description="Servers spawned by engine.placement process.")
     sync: Literal["inprocess", "files", "broadcast", "vllm", "vllm_broadcast"] | None = Field(
-        None, description="How weights reach the engine: inprocess (colocated, thread), files (safetensors "
+        None, description="How weights reach the engine: inprocess (colocated, thread; worker: shared memory), files (safetensors "
         "folder + HTTP notify), broadcast (torch.distributed) or vllm (vLLM servers at engine.urls: safetensors "
         "folder + reload through vLLM's dev-mode routes), vllm_broadcast (vLLM servers: gloo broadcast into "
         "tokenmill's worker extension); default: inprocess in-process, files otherwise."
@@ -364,7 +366,7 @@ class EngineConfig(Section):
         """The sync method in effect (the default resolved)."""
         if self.sync is not None:
             return self.sync
-        return "inprocess" if self.placement in ("colocated", "thread") else "files"
+        return "inprocess" if self.placement in ("colocated", "thread", "worker") else "files"
 
 
 class ProxyConfig(Section):
@@ -479,14 +481,14 @@ def _check_async(cfg: RLConfig) -> None:
     eng, ctl = cfg.engine, cfg.controller
     if eng.placement == "colocated" and ctl.max_staleness > 0:
         raise ValueError("controller.max_staleness: a colocated engine samples from the trainer's own module, so "
-                         "generation cannot run ahead of training; set engine.placement to thread, process or remote")
+                         "generation cannot run ahead of training; set engine.placement to thread, worker, process or remote")
     if eng.placement == "remote" and not eng.urls:
         raise ValueError("engine.urls: engine.placement remote needs at least one server URL")
     if eng.placement != "remote" and eng.urls:
         raise ValueError(f"engine.urls: only used with engine.placement remote (placement is {eng.placement!r})")
     if eng.num_servers > 1 and eng.placement != "process":
         raise ValueError("engine.num_servers: only used with engine.placement process")
-    in_process = eng.placement in ("colocated", "thread")
+    in_process = eng.placement in ("colocated", "thread", "worker")
     if in_process and eng.weight_sync != "inprocess":
         raise ValueError(f"engine.sync: an in-process engine ({eng.placement}) takes weights in process; "
                          f"{eng.weight_sync!r} is for process / remote placements")

@@ -5,6 +5,9 @@
            tokens), so the engine's weights never change under a running forward.
 - process: `tokenmill serve` subprocesses on free loopback ports, reached through `RemoteEngine`; weights
            go through `tokenmill.sync` (files or broadcast). The servers are stopped at the end.
+- worker:  the in-process engine in a spawned worker process (`engines.worker`): the two sides run at once
+           on their own cores; a push copies the weights into shared memory, the producer has the worker
+           load them between rollouts. CPU only.
 - remote:  the same client and sync, for servers at `engine.urls` (ours, vLLM, SGLang).
 
 Colocated runs need none of this (the engine shares the trainer's module; see `feeds.InlineFeed`).
@@ -105,6 +108,23 @@ class ThreadPlacement(Placement):
 
     def describe(self) -> str:
         return "thread (in-process engine copy)"
+
+
+class WorkerPlacement(Placement):
+    """`engines.worker.WorkerEngine`: an in-process engine in a spawned worker process; a push stages the
+    weights in shared memory, the producer has the worker load them between rollouts."""
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        self.engine.update_weights(named_tensors, version)
+
+    def apply_pending(self) -> bool:
+        return self.engine.apply_staged()
+
+    def describe(self) -> str:
+        return f"worker (engine process {self.engine.process.pid})"
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 class ServerPlacement(Placement):
@@ -246,6 +266,16 @@ def build_placement(run) -> Placement:
             placement.engine = engine
         else:
             placement = ThreadPlacement(engine, None, None)
+    elif place == "worker":
+        from tokenmill.engines.worker import WorkerEngine
+
+        if run.engine.device.type != "cpu":
+            raise ConfigError(f"engine.placement: worker runs its engine on the CPU (the model is on "
+                              f"{run.engine.device}); use thread, process or remote")
+        engine = WorkerEngine(run.model, run.tokenizer, seed=cfg.training.seed, threads=thread_split(cfg)[0],
+                              fast_decode=cfg.engine.fast_decode, max_batch_tokens=cfg.engine.max_batch_tokens,
+                              timeout_s=cfg.engine.timeout_s, version=run.engine.version)
+        placement = WorkerPlacement(engine, None, None)
     elif place in ("process", "remote"):
         placement = _server_placement(run)
         engine = placement.engine

@@ -85,5 +85,7 @@ class PromptSource:
         return {"epoch": self.epoch, "index": self.index}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
-        self._order = self._permutation()
+        epoch, self.index = int(state["epoch"]), int(state["index"])
+        if epoch != self.epoch:  # an async trainer sets the position every step: shuffle only for a new epoch
+            self.epoch = epoch
+            self._order = self._permutation()

@@ -86,6 +86,25 @@ def test_staleness_one_overlaps_and_stays_within_the_bound(model, tmp_path):
     assert all(r["async/dropped_stale_groups"] == 0 for r in rows)
 
 
+def test_worker_placement_samples_from_the_pushed_weights_and_runs_ahead_within_the_bound(model, tmp_path):
+    torch.set_num_threads(1)
+    sync = tmp_path / "worker0"
+    tokenmill.train(_config(model, sync, **{"engine.placement": "worker", "controller.steps": 4}),
+                    rewards=[digit_share])
+    rows = _steps(sync)
+    assert len(rows) == 4 and len({r["loss"] for r in rows}) > 1
+    # staleness 0: every rollout comes from the weights the trainer had just pushed through shared memory, so
+    # the worker's logprobs are the trainer's (one update moves them by ~1e-2 here)
+    assert all(r["mismatch/max_abs"] < 1e-4 and r["async/staleness_max"] == 0 for r in rows), \
+        [r["mismatch/max_abs"] for r in rows]
+    ahead = tmp_path / "worker1"
+    tokenmill.train(_config(model, ahead, **{"engine.placement": "worker", "controller.max_staleness": 1,
+                                             "controller.steps": 5}), rewards=[digit_share])
+    rows = _steps(ahead)
+    assert len(rows) == 5 and max(r["async/staleness_max"] for r in rows) == 1
+    assert all(r["async/dropped_stale_groups"] == 0 for r in rows)
+
+
 def _group(gid: int, versions: list[int]) -> Group:
     samples = tuple(
         Sample(tokens=(1, 2), loss_mask=(0, 1), logprobs=(0.0, -1.0), prompt_len=1, prompt="p", completion="c",
@@ -123,6 +142,7 @@ def test_a_producer_that_cannot_keep_up_fails_naming_the_placement(model, tmp_pa
     ({"engine.urls": ["http://127.0.0.1:1"]}, "engine.urls"),
     ({"engine.placement": "thread", "engine.sync": "files"}, "engine.sync"),
     ({"engine.placement": "process", "engine.sync": "inprocess"}, "engine.sync"),
+    ({"engine.placement": "worker", "engine.sync": "broadcast"}, "engine.sync"),
     ({"engine.num_servers": 2}, "engine.num_servers"),
     ({"controller.partial_rollouts": True}, "controller.partial_rollouts"),
     ({"algorithm.off_policy": "tis", "algorithm.loss": "gspo"}, "algorithm.off_policy"),
@@ -258,6 +278,7 @@ def test_generation_and_training_split_the_cores(monkeypatch):
     assert thread_split(cfg(placement="remote", urls=["http://h:1"])) == (0, 0)  # other machines' cores
     assert thread_split(cfg(placement="thread")) == (4, 4)
     assert thread_split(cfg(placement="thread", threads=2)) == (2, 6)
+    assert thread_split(cfg(placement="worker")) == (4, 4)
     assert thread_split(cfg(placement="process", num_servers=2)) == (2, 4)
     assert thread_split(cfg(placement="process", num_servers=3, threads=3)) == (3, 1)  # oversubscribed: 1 left
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
