@@ -1,11 +1,12 @@
 """Synchronous vs asynchronous GRPO on this machine: same settings, same model, interleaved rounds.
 
-    python benchmarks/async_overlap.py                        # sync, thread and process placements (~2 min)
+    python benchmarks/async_overlap.py                        # sync, thread, worker and process placements (~3 min)
     python benchmarks/async_overlap.py --placements process   # only the `tokenmill serve` process
 
 The sync run alternates generation (generate + reward) and training (train + sync) on one torch thread; its
 per-step times give `gen` and `train`. Each async run (`controller.max_staleness`, default 1) puts the engine
-elsewhere (thread: an engine copy in a producer thread; process: a `tokenmill serve` subprocess) with one
+elsewhere (thread: an engine copy in a producer thread; worker: that engine in a worker process, weights
+through shared memory; process: a `tokenmill serve` subprocess) with one
 torch thread for generation and one for training, so the two overlap. Printed per round and for the median
 round: each run's step time, the per-stage busy fractions, overlap efficiency = max(gen, train) / async step
 time (1.0 = perfect overlap; goal >= 0.85), the same with the async run's own stage times (an engine in
@@ -130,7 +131,8 @@ def report(r: dict, placements: list[str]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--placements", nargs="+", choices=["thread", "process"], default=["thread", "process"])
+    p.add_argument("--placements", nargs="+", choices=["thread", "worker", "process"],
+                   default=["thread", "worker", "process"])
     p.add_argument("--staleness", type=int, default=1)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)

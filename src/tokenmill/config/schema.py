@@ -357,7 +357,7 @@ class EngineConfig(Section):
     compile_step: bool = Field(True, description="On a GPU, the CUDA-graph decode step is compiled by torch.compile first: fused kernels, 1.2-3x the decode tokens/s, about a minute of compiling at the first generate (docs/performance.md).")
     max_batch_tokens: int = Field(0, ge=0, description="Key/value cache tokens one decode batch of the in-process engine may claim, rows x (prompt + max_tokens); a larger call is decoded in several batches (0 = no limit).")
     threads: int = Field(
-        0, ge=0, description="torch threads of the generation side (rollout thread or each spawned server); "
+        0, ge=0, description="torch threads of the generation side (rollout thread, worker or each spawned server); "
         "0 = half the cores (shared by the servers). The trainer gets the rest."
     )
 

@@ -245,7 +245,7 @@ def _weight_sync(cfg, urls: list[str], token: str | None, scratch: Path):
 
 
 def build_placement(run) -> Placement:
-    """The producer's engine for `run.cfg.engine.placement` (thread, process or remote)."""
+    """The producer's engine for `run.cfg.engine.placement` (thread, worker, process or remote)."""
     cfg = run.cfg
     place = cfg.engine.placement
     rewards = _LockedRewards(run.generator.rewards, threading.Lock())

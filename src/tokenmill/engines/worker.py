@@ -75,7 +75,8 @@ class WorkerEngine:
             raise ValueError(f"the worker engine runs on the CPU (the model is on {device})")
         self.timeout_s, self.version, self.closed = timeout_s, version, False
         self._staged = version
-        self._lock = threading.Lock()  # a push and an apply never overlap; one request on the socket at a time
+        self._pipe = threading.Lock()  # one request on the socket at a time
+        self._stage = threading.Lock()  # a push and the worker's load of the block never overlap
         trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         layout, offset = [], 0
         for name, p in trained:
@@ -109,14 +110,16 @@ class WorkerEngine:
 
     def _call(self, request: tuple | None, timeout_s: float) -> Any:
         """Send `request` (None: only read the next answer) and return the worker's answer (the caller holds
-        no lock, or `self._lock`)."""
+        `self._pipe`, or is the constructor). A worker that does not answer in time is killed: its late
+        answer would otherwise be read as the next request's."""
         if self.closed:
             raise EngineUnavailable("the worker engine is closed")
         try:
             if request is not None:
                 self._conn.send(request)
             if not self._conn.poll(timeout_s):
-                raise EngineUnavailable(self._state(f"no answer within {timeout_s:g}s"))
+                self.process.kill()
+                raise EngineUnavailable(self._state(f"no answer within {timeout_s:g}s; killed"))
             status, payload = self._conn.recv()
         except (EOFError, OSError) as exc:
             raise EngineUnavailable(self._state(f"connection lost ({type(exc).__name__})")) from None
@@ -130,13 +133,13 @@ class WorkerEngine:
         return f"the worker engine (pid {self.process.pid}, {alive}): {what}"
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        with self._lock:
+        with self._pipe:
             return self._call(("generate", [list(p) for p in prompts], params), self.timeout_s)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Stage the tensors (names as the model's `named_parameters`; the ones that train); the worker loads
-        them at the next `apply_staged`. Waits only for an apply in progress (a copy of the weights)."""
-        with self._lock, torch.no_grad():
+        them at the next `apply_staged`. Never waits for a rollout; only for a load in progress (a memory copy)."""
+        with self._stage, torch.no_grad():
             for name, tensor in named_tensors:
                 target = self.staging.get(name)
                 if target is None:
@@ -146,7 +149,7 @@ class WorkerEngine:
 
     def apply_staged(self) -> bool:
         """Have the worker load the staged weights if they are newer than its own; True when it did."""
-        with self._lock:
+        with self._pipe, self._stage:
             if self._staged == self.version:
                 return False
             self.version = self._call(("apply", self._staged), self.timeout_s)
@@ -163,10 +166,15 @@ class WorkerEngine:
         if self.closed:
             return
         if self.process.poll() is None:
-            try:
-                self._call(("close",), 10.0)
-            except EngineUnavailable:
-                pass
+            if self._pipe.acquire(timeout=10.0):  # a rollout in flight (a closing producer) ends first
+                try:
+                    self._call(("close",), 10.0)
+                except EngineUnavailable:
+                    pass
+                finally:
+                    self._pipe.release()
+            else:
+                self.process.kill()
         self.closed = True
         self._conn.close()
         try:

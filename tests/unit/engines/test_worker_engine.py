@@ -4,6 +4,7 @@ with the same seed, takes pushed weights only when asked between rollouts, and f
 from __future__ import annotations
 
 import copy
+import threading
 from pathlib import Path
 
 import pytest
@@ -73,9 +74,38 @@ def test_a_failed_request_is_answered_and_a_dead_worker_fails_the_next_call_nami
         with pytest.raises(EngineUnavailable, match=r"pid \d+\) failed: \w+Error"):
             engine.generate([[vocab + 5]], PARAMS)  # a token id outside the vocabulary
         assert len(engine.generate(_prompts(tokenizer), PARAMS)) == 3  # the worker serves on
-        engine.process.kill()
+        # a push never waits for a rollout in flight (here: the socket held as a rollout holds it)
+        with engine._pipe:
+            pusher = threading.Thread(target=engine.update_weights, args=(tiny_model.named_parameters(), 1))
+            pusher.start()
+            pusher.join(10)
+            assert not pusher.is_alive()
+        # a worker that does not answer in time is killed (its late answer must not pass for the next one's)
+        engine.timeout_s = 0.001
+        with pytest.raises(EngineUnavailable, match=r"no answer within 0.001s; killed"):
+            engine.generate(_prompts(tokenizer) * 8, SamplingParams(max_tokens=64, n=8))
         engine.process.wait(10)
         with pytest.raises(EngineUnavailable, match=r"pid \d+, exited with code -9"):
             engine.generate(_prompts(tokenizer), PARAMS)
+    finally:
+        engine.close()
+
+
+def test_a_lora_policy_stages_only_its_adapters(tiny_model, tokenizer):
+    from tokenmill.config.schema import LoRAConfig
+    from tokenmill.training.lora import add_lora
+
+    policy = add_lora(tiny_model, LoRAConfig(rank=4, alpha=8), task_type="CAUSAL_LM", field="model.lora")
+    engine = WorkerEngine(policy, tokenizer, seed=2, threads=1)
+    try:
+        assert engine.staging and all("lora_" in name for name in engine.staging)
+        with torch.no_grad():  # peft starts B at zero: give the adapters an effect
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:
+                    p.add_(0.5 * torch.randn_like(p))
+        engine.update_weights(((n, p) for n, p in policy.named_parameters() if p.requires_grad), version=1)
+        assert engine.apply_staged()
+        prompts = _prompts(tokenizer)
+        _same(engine.generate(prompts, PARAMS), _in_process(policy, tokenizer, prompts, seed=2, version=1, index=0))
     finally:
         engine.close()
