@@ -151,7 +151,7 @@ def run_parent(args: argparse.Namespace) -> None:
         "eval_every": args.eval_every,
         "fast_decode": not args.no_fast_decode,
         "placement": args.placement,
-        "max_staleness": 1 if args.placement == "worker" else 0,
+        "max_staleness": 0 if args.placement == "colocated" else 1,
     }
     if eval_rows > spec["num_eval"]:
         raise SystemExit(f"--eval-rows {eval_rows} exceeds the {spec['num_eval']} held-out problems")
@@ -278,9 +278,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads in each child")
     p.add_argument("--no-fast-decode", action="store_true",
                    help="tokenmill decodes through the transformers forward (engine.fast_decode: false)")
-    p.add_argument("--placement", choices=["colocated", "worker"], default="colocated",
-                   help="tokenmill's engine.placement; worker: generation in a worker process, one step "
-                        "off-policy (controller.max_staleness 1), its memory counted in tokenmill's peak RSS")
+    p.add_argument("--placement", choices=["colocated", "thread", "worker"], default="colocated",
+                   help="tokenmill's engine.placement; thread / worker: generation in a producer thread / a worker "
+                        "process, one step off-policy (controller.max_staleness 1); a worker's memory is counted "
+                        "in tokenmill's peak RSS")
     p.add_argument("--decode-only", action="store_true",
                    help="no training: tokenmill's engine with fast decode on and off, interleaved generate() calls")
     p.add_argument("--order", default="tokenmill,trl", help="order the children run in")

@@ -486,6 +486,9 @@ def _check_async(cfg: RLConfig) -> None:
         raise ValueError("engine.urls: engine.placement remote needs at least one server URL")
     if eng.placement != "remote" and eng.urls:
         raise ValueError(f"engine.urls: only used with engine.placement remote (placement is {eng.placement!r})")
+    if eng.placement == "worker" and cfg.model.device not in ("auto", "cpu"):
+        raise ValueError(f"engine.placement: worker runs its engine on the CPU (model.device is "
+                         f"{cfg.model.device!r}); use thread, process or remote")
     if eng.num_servers > 1 and eng.placement != "process":
         raise ValueError("engine.num_servers: only used with engine.placement process")
     in_process = eng.placement in ("colocated", "thread", "worker")

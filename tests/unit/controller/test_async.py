@@ -143,6 +143,7 @@ def test_a_producer_that_cannot_keep_up_fails_naming_the_placement(model, tmp_pa
     ({"engine.placement": "thread", "engine.sync": "files"}, "engine.sync"),
     ({"engine.placement": "process", "engine.sync": "inprocess"}, "engine.sync"),
     ({"engine.placement": "worker", "engine.sync": "broadcast"}, "engine.sync"),
+    ({"engine.placement": "worker", "model.device": "cuda"}, "engine.placement"),
     ({"engine.num_servers": 2}, "engine.num_servers"),
     ({"controller.partial_rollouts": True}, "controller.partial_rollouts"),
     ({"algorithm.off_policy": "tis", "algorithm.loss": "gspo"}, "algorithm.off_policy"),
