@@ -94,7 +94,7 @@ def _rl_fields(cfg: Any, opts: EstimateOptions, policy: ModelShape) -> dict[str,
             "prompt_tokens": prompt, "completion_tokens": completion, "sequences_in_flight": in_flight,
             "global_sequences": math.ceil(sequences / algo.mini_batches),
             # engine servers (placement process / remote) generate on other devices than the trainer's
-            "engine": opts.engine if cfg.engine.placement in ("colocated", "thread") else "none",
+            "engine": opts.engine if cfg.engine.placement in ("colocated", "thread", "worker") else "none",
             "engine_memory_utilization": opts.engine_memory_utilization, "engine_sleep": opts.engine_sleep}
 
 

@@ -212,10 +212,11 @@ def test_async_with_partial_rollouts_trains_within_the_bound(model, tmp_path):
     assert len(rows) == 4 and max(r["async/staleness_max"] for r in rows) <= 1
 
 
-def test_async_stop_and_resume_records_the_trained_rows_not_the_generated_ones(model, tmp_path):
+@pytest.mark.parametrize("placement", ["thread", "worker"])
+def test_async_stop_and_resume_records_the_trained_rows_not_the_generated_ones(model, tmp_path, placement):
     torch.set_num_threads(1)
     out = tmp_path / "resume"
-    cfg = _config(model, out, **{"engine.placement": "thread", "controller.max_staleness": 1,
+    cfg = _config(model, out, **{"engine.placement": placement, "controller.max_staleness": 1,
                                  "controller.steps": 4, "controller.max_steps_per_run": 2})
     first = tokenmill.train(cfg, rewards=[digit_share])
     assert first["resumed_from"] == 0
