@@ -86,7 +86,7 @@ def test_staleness_one_overlaps_and_stays_within_the_bound(model, tmp_path):
     assert all(r["async/dropped_stale_groups"] == 0 for r in rows)
 
 
-def test_worker_placement_samples_from_the_pushed_weights_and_runs_ahead_within_the_bound(model, tmp_path):
+def test_worker_placement_samples_from_the_pushed_weights(model, tmp_path):
     torch.set_num_threads(1)
     sync = tmp_path / "worker0"
     tokenmill.train(_config(model, sync, **{"engine.placement": "worker", "controller.steps": 4}),
@@ -97,12 +97,7 @@ def test_worker_placement_samples_from_the_pushed_weights_and_runs_ahead_within_
     # the worker's logprobs are the trainer's (one update moves them by ~1e-2 here)
     assert all(r["mismatch/max_abs"] < 1e-4 and r["async/staleness_max"] == 0 for r in rows), \
         [r["mismatch/max_abs"] for r in rows]
-    ahead = tmp_path / "worker1"
-    tokenmill.train(_config(model, ahead, **{"engine.placement": "worker", "controller.max_staleness": 1,
-                                             "controller.steps": 5}), rewards=[digit_share])
-    rows = _steps(ahead)
-    assert len(rows) == 5 and max(r["async/staleness_max"] for r in rows) == 1
-    assert all(r["async/dropped_stale_groups"] == 0 for r in rows)
+    # (running ahead within the bound, and resuming: the stop-and-resume test below, with this placement too)
 
 
 def _group(gid: int, versions: list[int]) -> Group:

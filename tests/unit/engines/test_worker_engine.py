@@ -1,5 +1,6 @@
 """WorkerEngine: the in-process engine in a worker process, on a tiny real model. It samples what HFEngine samples
-with the same seed, takes pushed weights only when asked between rollouts, and fails by name when its worker dies."""
+with the same seed, takes pushed weights only when asked between rollouts, and fails by name when a request fails,
+times out or its worker dies."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def _same(a, b) -> None:
             assert ca.logprobs == pytest.approx(cb.logprobs, abs=1e-6)
 
 
-def test_worker_samples_like_the_in_process_engine_and_takes_weights_between_rollouts(tiny_model, tokenizer):
+def test_worker_samples_like_the_in_process_engine_takes_weights_between_rollouts_and_fails_by_name(tiny_model, tokenizer):
     prompts = _prompts(tokenizer)
     engine = WorkerEngine(tiny_model, tokenizer, seed=5, threads=1)
     try:
@@ -58,37 +59,29 @@ def test_worker_samples_like_the_in_process_engine_and_takes_weights_between_rol
 
         with pytest.raises(KeyError, match="'nope'"):
             engine.update_weights([("nope", torch.zeros(1))], version=4)
+        _failures(engine, tiny_model, prompts)
     finally:
         engine.close()
-    engine.close()  # idempotent
-    assert engine.process.returncode == 0
-    assert not (Path("/dev/shm") / engine._shm.name.lstrip("/")).exists()  # the staging block is freed
-    with pytest.raises(EngineUnavailable, match="closed"):
+
+
+def _failures(engine: WorkerEngine, model, prompts) -> None:
+    vocab = model.get_input_embeddings().weight.shape[0]
+    with pytest.raises(EngineUnavailable, match=r"pid \d+\) failed: \w+Error"):
+        engine.generate([[vocab + 5]], PARAMS)  # a token id outside the vocabulary
+    assert len(engine.generate(prompts, PARAMS)) == 3  # the failed request was answered; the worker serves on
+    # a push never waits for a rollout in flight (here: the socket held as a rollout holds it)
+    with engine._pipe:
+        pusher = threading.Thread(target=engine.update_weights, args=(model.named_parameters(), 5))
+        pusher.start()
+        pusher.join(10)
+        assert not pusher.is_alive()
+    # a worker that does not answer in time is killed (its late answer must not pass for the next one's)
+    engine.timeout_s = 0.001
+    with pytest.raises(EngineUnavailable, match=r"no answer within 0.001s; killed"):
+        engine.generate(prompts * 8, SamplingParams(max_tokens=64, n=8))
+    engine.process.wait(10)
+    with pytest.raises(EngineUnavailable, match=r"pid \d+, exited with code -9"):
         engine.generate(prompts, PARAMS)
-
-
-def test_a_failed_request_is_answered_and_a_dead_worker_fails_the_next_call_naming_its_exit(tiny_model, tokenizer):
-    engine = WorkerEngine(tiny_model, tokenizer, threads=1)
-    try:
-        vocab = tiny_model.get_input_embeddings().weight.shape[0]
-        with pytest.raises(EngineUnavailable, match=r"pid \d+\) failed: \w+Error"):
-            engine.generate([[vocab + 5]], PARAMS)  # a token id outside the vocabulary
-        assert len(engine.generate(_prompts(tokenizer), PARAMS)) == 3  # the worker serves on
-        # a push never waits for a rollout in flight (here: the socket held as a rollout holds it)
-        with engine._pipe:
-            pusher = threading.Thread(target=engine.update_weights, args=(tiny_model.named_parameters(), 1))
-            pusher.start()
-            pusher.join(10)
-            assert not pusher.is_alive()
-        # a worker that does not answer in time is killed (its late answer must not pass for the next one's)
-        engine.timeout_s = 0.001
-        with pytest.raises(EngineUnavailable, match=r"no answer within 0.001s; killed"):
-            engine.generate(_prompts(tokenizer) * 8, SamplingParams(max_tokens=64, n=8))
-        engine.process.wait(10)
-        with pytest.raises(EngineUnavailable, match=r"pid \d+, exited with code -9"):
-            engine.generate(_prompts(tokenizer), PARAMS)
-    finally:
-        engine.close()
 
 
 def test_a_lora_policy_stages_only_its_adapters(tiny_model, tokenizer):
@@ -109,3 +102,8 @@ def test_a_lora_policy_stages_only_its_adapters(tiny_model, tokenizer):
         _same(engine.generate(prompts, PARAMS), _in_process(policy, tokenizer, prompts, seed=2, version=1, index=0))
     finally:
         engine.close()
+    engine.close()  # idempotent
+    assert engine.process.returncode == 0  # a clean exit
+    assert not (Path("/dev/shm") / engine._shm.name.lstrip("/")).exists()  # the staging block is freed
+    with pytest.raises(EngineUnavailable, match="closed"):
+        engine.generate(prompts, PARAMS)
