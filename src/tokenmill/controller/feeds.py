@@ -44,6 +44,7 @@ from typing import Any, Protocol
 import torch
 
 from tokenmill.controller.placement import Placement, build_placement, thread_split
+from tokenmill.sandbox.lifetime import stop_process
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.types import Group, Sample, StopReason, TokenmillError
 
@@ -431,12 +432,7 @@ class ProxyFeed:
 
     def close(self, finish: bool = False) -> None:
         if self.agent is not None and self.agent.poll() is None:
-            self.agent.terminate()
-            try:
-                self.agent.wait(10)
-            except subprocess.TimeoutExpired:
-                self.agent.kill()
-                self.agent.wait(10)
+            stop_process(self.agent)
         self.server.stop()
         self.serving.close()
 

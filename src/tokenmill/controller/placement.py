@@ -31,7 +31,7 @@ import torch
 
 from tokenmill.rollout.agent import build_agent
 from tokenmill.rollout.generator import Generator, build_generator
-from tokenmill.sandbox.lifetime import preexec_die_with_parent
+from tokenmill.sandbox.lifetime import preexec_die_with_parent, stop_process
 from tokenmill.types import ConfigError, Group, TokenmillError
 
 
@@ -164,14 +164,10 @@ class ServerPlacement(Placement):
 
     def close(self) -> None:
         self.engine.close()
-        for p in self.processes:
+        for p in self.processes:  # all asked at once, then each given its 10 s
             p.terminate()
         for p in self.processes:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=10)
+            stop_process(p, terminate=False)
         if self.scratch is not None:
             self.scratch.cleanup()
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from tokenmill.engines.base import EngineUnavailable
-from tokenmill.sandbox.lifetime import preexec_die_with_parent
+from tokenmill.sandbox.lifetime import preexec_die_with_parent, stop_process
 from tokenmill.types import Completion, SamplingParams
 
 START_TIMEOUT_S = 300.0  # a new worker imports torch and transformers, then unpickles the model
@@ -177,11 +177,7 @@ class WorkerEngine:
                 self.process.kill()
         self.closed = True
         self._conn.close()
-        try:
-            self.process.wait(10.0)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(10.0)
+        stop_process(self.process, terminate=False)  # it was asked to exit (or killed) above
         self._shm.close()
         self._shm.unlink()
 

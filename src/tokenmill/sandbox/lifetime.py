@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -66,3 +67,15 @@ def preexec_die_with_parent() -> Callable[[], None]:
             os._exit(1)
 
     return preexec
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0, *, terminate: bool = True) -> None:
+    """End `proc`: SIGTERM (unless `terminate` is False: it was already asked to exit), up to `timeout_s` for it
+    to exit, then SIGKILL."""
+    if terminate and proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout_s)

@@ -115,3 +115,22 @@ def test_a_reward_worker_ignores_ctrl_c_meant_for_its_trainer():
         assert reward(["p"], ["abcd"], {})[0].value == 4.0
     finally:
         reward.close()
+
+
+def test_stop_process_terminates_then_kills_what_ignores_it():
+    from tokenmill.sandbox.lifetime import stop_process
+
+    polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stop_process(polite, timeout_s=10)
+    assert polite.returncode == -signal.SIGTERM
+    stubborn = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("ready", flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
+    assert stubborn.stdout.readline().strip() == "ready"  # its handler is in place
+    t0 = time.monotonic()
+    stop_process(stubborn, timeout_s=0.5)
+    assert stubborn.returncode == -signal.SIGKILL and time.monotonic() - t0 < 10
+    stubborn.stdout.close()

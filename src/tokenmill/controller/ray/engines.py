@@ -69,11 +69,9 @@ class EngineServerActor:
         return self.proc.poll() is None
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        from tokenmill.sandbox.lifetime import stop_process
+
+        stop_process(self.proc)
 
 
 @dataclass
