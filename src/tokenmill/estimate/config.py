@@ -95,6 +95,7 @@ def _rl_fields(cfg: Any, opts: EstimateOptions, policy: ModelShape) -> dict[str,
             "global_sequences": math.ceil(sequences / algo.mini_batches),
             # engine servers (placement process / remote) generate on other devices than the trainer's
             "engine": opts.engine if cfg.engine.placement in ("colocated", "thread", "worker") else "none",
+            "engine_copy": cfg.engine.placement in ("thread", "worker"),
             "engine_memory_utilization": opts.engine_memory_utilization, "engine_sleep": opts.engine_sleep}
 
 

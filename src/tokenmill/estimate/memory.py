@@ -76,6 +76,7 @@ class MemoryPlan:
     sequences_in_flight: int = 0  # generated at once across all devices (prompts x group size)
     global_sequences: int = 1  # sequences per optimizer step
     engine: Literal["none", "hf", "vllm"] = "none"
+    engine_copy: bool = False  # hf engine of a thread / worker placement: its own copy of the policy's weights
     engine_memory_utilization: float = 0.5
     engine_sleep: bool = False
 
@@ -194,6 +195,9 @@ def _sharded(plan: MemoryPlan, weights: float, grads: float, optim: float) -> tu
 def _engine_memory(plan: MemoryPlan, role: Role) -> tuple[dict[str, int], dict[str, str]]:
     kv_bytes = kv_bytes_per_token(role.shape, plan.prec.activations)
     kv = math.ceil(plan.sequences_in_flight * plan.seq_len * kv_bytes / plan.num_devices)
+    if plan.engine == "hf" and plan.engine_copy:  # a copy of the weights, held for the whole run
+        return {"weights": plan.prec.weights * _params(role), "kv_cache": kv}, {"weights": "persistent",
+                                                                              "kv_cache": "rollout"}
     if plan.engine == "hf":  # in-process: the actor's own weights, a KV cache only while generating
         return {"kv_cache": kv}, {"kv_cache": "rollout"}
     weights = math.ceil(2 * _params(role) / plan.num_devices)  # vLLM's bf16 copy, tensor-parallel over N

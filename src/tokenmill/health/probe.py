@@ -14,8 +14,9 @@ to ~1e-6, half-precision ones only to their rounding (a bf16 logit carries 8 bit
 Which engine is probed depends on the feed: the trainer's own engine (colocated: it shares the module, so the
 check passes by construction), the servers of a process / remote placement, or proxy mode's
 serving copy. (An engine whose `model` is the trainer's module object is not scored at all: both sides would
-run the same forward on the same tensors, so its gap is 0 by construction.) A thread placement's engine copy takes its weights later (staged, applied by the producer
-between rollouts): it is not probed. Nor is an fsdp2 run (its sharded module forwards only collectively).
+run the same forward on the same tensors, so its gap is 0 by construction.) A thread or worker placement's
+engine copy takes its weights later (staged, applied by the producer between rollouts): it is not probed;
+the per-step logprob mismatch (`mismatch/*`) shows whether its samples came from the trainer's weights. Nor is an fsdp2 run (its sharded module forwards only collectively).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def probed_engine(feed, run):
     placement = getattr(feed, "placement", None)
     if placement is not None:
         if getattr(placement, "urls", None) is None:
-            return None, "a thread placement applies staged weights later, between rollouts"
+            return None, "a thread or worker placement applies staged weights later, between rollouts"
         return placement.engine, ""
     return run.engine, ""
 

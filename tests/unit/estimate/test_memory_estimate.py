@@ -186,6 +186,12 @@ def test_engine_servers_leave_the_trainers_device():
         assert served["devices"][0]["phase_bytes"]["rollout"] == 0
         assert kv == 8 * 8 * (256 + 16) * 12_288  # 8 prompts x 8 samples x (prompt + max_tokens) x KV per token
     assert _roles(estimate_for_config(_rl(engine={"placement": "thread"})))["engine"] is False
+    # a thread or worker placement's engine holds its own copy of the weights, for the whole run
+    actor = colocated["models"][0]["bytes"]["weights"]
+    for placement in ("thread", "worker"):
+        copy = estimate_for_config(_rl(engine={"placement": placement}))
+        assert copy["models"][-1]["bytes"] == {"weights": actor, "kv_cache": kv}
+        assert copy["devices"][0]["persistent_bytes"] == colocated["devices"][0]["persistent_bytes"] + actor
 
 
 def test_kv_cache_of_a_grpo_group_and_engine_reservation():
