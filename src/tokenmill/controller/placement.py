@@ -288,6 +288,7 @@ def seeded_remote_engine(urls: list[str], seed: int, **kwargs):
     resumed from a checkpoint (its first push sets the version) draws what an uninterrupted run drew.
     For servers that take a per-request seed (`tokenmill serve`, vLLM)."""
     from tokenmill.engines.openai import RemoteEngine
+    from tokenmill.engines.worker import call_seed
 
     class SeededPrompt(list):
         seed = 0
@@ -298,7 +299,7 @@ def seeded_remote_engine(urls: list[str], seed: int, **kwargs):
             seeded = []
             for i, prompt in enumerate(prompts):
                 seeded.append(SeededPrompt(prompt))
-                seeded[-1].seed = ((seed * 1_000_003 + self.version) * 1_000_003 + start + i) % (1 << 62)
+                seeded[-1].seed = call_seed(seed, self.version, start + i)
             return super().generate(seeded, params)
 
         def _body(self, prompt, params):

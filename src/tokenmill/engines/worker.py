@@ -5,7 +5,7 @@ lock for most of their many small operations. `WorkerEngine` runs the in-process
 (`python -m tokenmill.engines.worker`, started like any subprocess: nothing of the caller's `__main__` is
 re-imported) with a copy of the policy, so the two sides run at once on their own cores.
 
-- `generate` sends the prompt token ids over a pipe and waits for the completions (the same `Completion`
+- `generate` sends the prompt token ids over a socket and waits for the completions (the same `Completion`
   objects the in-process engine returns; tokens and logprobs are those of `HFEngine` on the same weights).
 - `update_weights` copies the new tensors into a shared-memory staging area and returns: a memory copy, no
   serialisation, no waiting for the worker. `apply_staged` (called between rollouts) has the worker load
@@ -24,6 +24,7 @@ re-imported) with a copy of the policy, so the two sides run at once on their ow
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import socket
@@ -45,7 +46,8 @@ START_TIMEOUT_S = 300.0  # a new worker imports torch and transformers, then unp
 
 
 def call_seed(seed: int, version: int, index: int) -> int:
-    """The sampling seed of the `index`-th generate call on weights of `version`."""
+    """The sampling seed of the `index`-th generate call on weights of `version` (also the per-request seed the
+    process placement sends its own servers: `controller.placement.seeded_remote_engine`)."""
     return ((seed * 1_000_003 + version) * 1_000_003 + index) % (1 << 62)
 
 
@@ -53,11 +55,8 @@ def staging_views(buffer, layout: list[tuple[str, str, tuple[int, ...], int]]) -
     """Tensors over `buffer` (a shared-memory block): (name, dtype name, shape, byte offset) each."""
     views = {}
     for name, dtype_name, shape, offset in layout:
-        dtype = getattr(torch, dtype_name)
-        count = 1
-        for n in shape:
-            count *= n
-        views[name] = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(shape)
+        views[name] = torch.frombuffer(buffer, dtype=getattr(torch, dtype_name), count=math.prod(shape),
+                                       offset=offset).view(shape)
     return views
 
 
