@@ -220,8 +220,11 @@ def spawn_servers(model_dir: str, count: int, *, threads: int = 0, timeout_s: fl
     return urls, procs
 
 
-def _weight_sync(cfg, urls: list[str], token: str | None, scratch: Path):
+def _weight_sync(cfg, urls: list[str], token: str | None, scratch: Path, ours: bool):
+    """The push to `urls`; `ours`: tokenmill servers (spawned here or by the Ray fleet), which take packed
+    broadcasts."""
     from tokenmill.sync import BroadcastSync, FileSync
+    from tokenmill.sync.broadcast import PACKED_BUCKET_BYTES
 
     # with several servers, one that stops answering is dropped (the pool sends its requests elsewhere) and
     # the run goes on; a refusal, or the last server gone, still stops it
@@ -237,7 +240,8 @@ def _weight_sync(cfg, urls: list[str], token: str | None, scratch: Path):
         from tokenmill.engines.vllm import VLLMBroadcastSync
 
         return VLLMBroadcastSync(urls, token=token, timeout_s=cfg.engine.timeout_s, drop_failed=survive)
-    return BroadcastSync(urls, token=token, timeout_s=cfg.engine.timeout_s, drop_failed=survive)
+    return BroadcastSync(urls, token=token, timeout_s=cfg.engine.timeout_s, drop_failed=survive,
+                         bucket_bytes=PACKED_BUCKET_BYTES if ours else 0)
 
 
 def build_placement(run) -> Placement:
@@ -340,7 +344,8 @@ def _server_placement(run) -> ServerPlacement:
             sync = VLLMLoRASync(urls, Path(run.output_dir) / "vllm-lora", run.model.peft_config["default"],
                                 token=token, timeout_s=cfg.engine.timeout_s, drop_failed=len(urls) > 1)
         else:
-            sync = _weight_sync(cfg, urls, token, Path(scratch.name))
+            sync = _weight_sync(cfg, urls, token, Path(scratch.name),
+                                ours=fleet is not None or cfg.engine.placement == "process")
         kwargs = {"pad_id": run.engine.pad_id, "token": token, "timeout_s": cfg.engine.timeout_s, "sync": sync}
         if cfg.engine.placement == "process":  # our own servers: seeded requests, so a resume is exact
             engine = seeded_remote_engine(urls, cfg.training.seed, **kwargs)

@@ -9,7 +9,10 @@ The running batch is one right-aligned padded `DynamicCache` with a key mask and
 numbers do not depend on its neighbours); joining rows or the batch are left-padded to one width.
 
 Weight updates and in-flight requests (the rule): `update_weights` waits until the loop is between steps
-with no running rows. By default running requests *finish on the old weights* (admission pauses meanwhile),
+with no running rows. `stage_weights` returns at once instead: admission stops, the loop applies the
+update itself once the running rows are done, then admits again (a second staged update before that merges
+into the first, the newer tensors winning). Either way, no request submitted after the call returns runs on
+the old weights. By default running requests *finish on the old weights* (admission pauses meanwhile),
 so every completion comes from exactly one policy version, reported as `future.policy_version` (and as the
 server's `policy_version`). With `interrupt=True` (or `interrupt_in_flight=True` at construction) running
 requests end at once with `StopReason.ABORT` and their tokens so far — the "partial rollouts" an async
@@ -59,6 +62,13 @@ class RequestFuture(Future):
         self.admitted_step: int | None = None
         self.finished_step: int | None = None
         self.abort_requested = False  # set by `ContinuousEngine.cancel`: its rows end at the next step
+
+
+@dataclass(eq=False)
+class _Staged:
+    tensors: dict[str, torch.Tensor]
+    version: int
+    applied: threading.Event
 
 
 @dataclass(eq=False)
@@ -139,6 +149,8 @@ class ContinuousEngine(HFEngine):
         self._closed = False
         self._error: BaseException | None = None
         self._update_lock = threading.Lock()
+        self._staged: _Staged | None = None  # an update for the loop to apply between steps (stage_weights)
+        self._working = False  # the loop is admitting or decoding (set under self._cond)
         self._thread = threading.Thread(target=self._run, name="tokenmill-continuous", daemon=True)
         self._thread.start()
 
@@ -214,13 +226,56 @@ class ContinuousEngine(HFEngine):
         finish on the old weights first, or end now with ABORT when `interrupt` (module docstring)."""
         with self.paused(interrupt=self.interrupt_in_flight if interrupt is None else interrupt,
                          timeout_s=timeout_s):
+            self._apply_staged()  # an older staged update lands first, so versions never go back
             super().update_weights(named_tensors, version)
 
-    def score_ranked(self, sequences: list[list[int]], top_k: int = 0) -> list[tuple[PromptLogprobs, tuple[int, ...]]]:
-        """`HFEngine.score_ranked` beside the running decode, never across a weight update (so `score` too)."""
-        with self._update_lock:
+    def stage_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
+                      interrupt: bool | None = None) -> tuple[threading.Event, bool]:
+        """Queue an update for the loop and return at once: (an event set once it is applied, whether rows
+        were running or waiting, so that applying must wait for them). The tensors are the engine's to keep
+        (no copy is made until they are applied). Running requests finish on the old weights, or end now
+        with ABORT when `interrupt`; requests submitted after this call run on the new ones."""
+        tensors = dict(named_tensors)
+        with self._cond:
             self._check_alive()
-            return super().score_ranked(sequences, top_k)
+            busy = bool(self._working or self._rows or self._waiting)
+            if self._staged is None:
+                self._staged = _Staged(tensors, version, threading.Event())
+            else:  # not applied yet: one update, the newer tensors and version winning
+                self._staged.tensors.update(tensors)
+                self._staged.version = version
+            self._abort = self._abort or (self.interrupt_in_flight if interrupt is None else interrupt)
+            self._cond.notify_all()
+            return self._staged.applied, busy
+
+    @property
+    def pending_version(self) -> int:
+        """The version requests submitted now will run on: a staged update's, else the loaded one."""
+        staged = self._staged
+        return self.version if staged is None else staged.version
+
+    def _apply_staged(self) -> None:
+        """Load the staged update, if any (from the loop between steps, or a caller holding a pause)."""
+        with self._cond:
+            staged, self._staged = self._staged, None
+        if staged is not None:
+            try:
+                with torch.no_grad():
+                    HFEngine.update_weights(self, staged.tensors.items(), staged.version)
+            finally:
+                staged.applied.set()
+
+    def score_ranked(self, sequences: list[list[int]], top_k: int = 0) -> list[tuple[PromptLogprobs, tuple[int, ...]]]:
+        """`HFEngine.score_ranked` beside the running decode, never across a weight update (so `score` too),
+        and on the weights staged before the call (it waits for them to be applied)."""
+        while True:
+            staged = self._staged
+            if staged is not None and not staged.applied.wait(self.request_timeout_s):
+                raise TimeoutError(f"score: staged weights not applied within {self.request_timeout_s:g}s")
+            with self._update_lock:
+                self._check_alive()
+                if self._staged is None:
+                    return super().score_ranked(sequences, top_k)
 
     def abort_all(self, timeout_s: float = 60.0) -> None:
         """End every running request now (ABORT, tokens so far); queued ones stay queued."""
@@ -293,6 +348,8 @@ class ContinuousEngine(HFEngine):
             doomed = list(self._waiting) + list({id(r.request): r.request for r in self._rows}.values())
             self._waiting.clear()
             self._rows, self._cache = [], None
+            if self._staged is not None:  # never applied: wake whoever waits for it (they find the engine closed)
+                self._staged.applied.set()
             self._cond.notify_all()
         for request in doomed:
             if not request.future.done():
@@ -304,16 +361,31 @@ class ContinuousEngine(HFEngine):
             if self._closed:
                 return False
             abort, self._abort = self._abort, False
-            if self._pauses and (abort or not self._rows):
+            if (self._pauses or self._staged) and (abort or not self._rows):
                 if abort:
                     self._abort_running()
+                # a staged update is applied here, unless a caller holds the update lock (its pause goes first)
+                if self._staged is not None and not self._pauses and self._update_lock.acquire(blocking=False):
+                    try:
+                        self._cond.release()  # callers may queue requests meanwhile (admitted after)
+                        try:
+                            self._apply_staged()
+                        finally:
+                            self._cond.acquire()
+                    finally:
+                        self._update_lock.release()
+                    return True
+                if not self._pauses:  # the update lock's holder is about to pause
+                    self._cond.wait(_IDLE_WAIT_S)
+                    return True
                 self._parked = True
                 self._cond.notify_all()
                 while self._pauses and not self._closed:
                     self._cond.wait(_IDLE_WAIT_S)
                 self._parked = False
                 return not self._closed
-            admit = [] if self._pauses else self._take_admissible()
+            admit = [] if self._pauses or self._staged else self._take_admissible()
+            self._working = bool(admit or self._rows)  # taken requests are in neither list until admitted
             if not admit and not self._rows:
                 self._cond.wait(_IDLE_WAIT_S)
                 return True

@@ -13,7 +13,9 @@
 Each answers `{"success", "message", "policy_version"}`; 400 names the offending tensor or field, 504 a
 transfer that timed out. Atomic: every tensor is read (from disk, or off the broadcast, which must be drained
 anyway to keep the group in step) and checked against the engine's parameters (known name, same shape, same
-dtype) before one `engine.update_weights` call; a refused update leaves the old weights and version serving.
+dtype) before the engine gets any; a refused update leaves the old weights and version serving. An engine that
+stages updates (`ContinuousEngine.stage_weights`) is answered without waiting for its running requests, which
+finish on the old weights; requests after the answer run on the new ones (`WeightReceiver.apply`).
 The version is `policy_version` (ours), else SGLang's `weight_version` when it is an integer, else +1.
 Transfers run in a worker thread: the event loop keeps serving generation while a broadcast is received.
 """
@@ -21,7 +23,9 @@ Transfers run in a worker thread: the event loop keeps serving generation while 
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +34,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenmill.sync.group import VLLM_GROUP, WeightGroup, open_group, parse_dtype
+from tokenmill.sync.group import VLLM_GROUP, WeightGroup, bucket_bytes, open_group, pack_plan, parse_dtype
 from tokenmill.types import TokenmillError
 
 
@@ -68,6 +72,9 @@ class DistributedBody(_Body):
     dtypes: list[str]
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
+    bucket_bytes: int = Field(0, ge=0, description="tokenmill's packed pushes: the tensors come back to back "
+                              "in uint8 buckets of at most this many bytes (`sync.group.pack_plan`); 0: one "
+                              "broadcast per tensor (SGLang's way).")
 
 
 class DestroyBody(BaseModel):
@@ -124,7 +131,12 @@ def _version(engine, policy_version: int | None, weight_version: str | None = No
         return policy_version
     if weight_version is not None and weight_version.isdigit():
         return int(weight_version)
-    return int(engine.version) + 1
+    return latest_version(engine) + 1
+
+
+def latest_version(engine) -> int:
+    """The version of the last update received: staged and not applied yet (`ContinuousEngine`), or loaded."""
+    return int(getattr(engine, "pending_version", engine.version))
 
 
 def read_folder(path: str, specs) -> list[tuple[str, torch.Tensor]]:
@@ -166,8 +178,19 @@ class WeightReceiver:
         self.lock = threading.Lock()
 
     def apply(self, named: list[tuple[str, torch.Tensor]], version: int) -> int:
+        """Hand the checked tensors to the engine. One that stages updates (`ContinuousEngine`) takes them at
+        once and applies them when its running requests are done: the answer then comes without waiting
+        for them, so a trainer's push never waits for a rollout in flight (if nothing was running, it waits
+        the moment it takes to apply, and /health shows the new version when the answer comes)."""
         _, alias = parameter_specs(self.engine)
-        self.engine.update_weights([(alias[n], t) for n, t in named], version)
+        named = [(alias[n], t) for n, t in named]
+        stage = getattr(self.engine, "stage_weights", None)
+        if stage is None:
+            self.engine.update_weights(named, version)
+            return version
+        applied, busy = stage(named, version)
+        if not busy:
+            applied.wait(self.timeout_s)
         return version
 
     def from_disk(self, body: DiskBody) -> int:
@@ -198,7 +221,7 @@ class WeightReceiver:
             group.close()
 
     def from_broadcast(self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                       policy_version: int | None, weight_version: str | None = None) -> int:
+                       policy_version: int | None, weight_version: str | None = None, bucket_bytes: int = 0) -> int:
         """Receive `names` in order from rank 0. Every tensor is received even after a bad one, so that the
         trainer's broadcast completes and the group stays usable; then all or nothing is applied."""
         with self.lock:
@@ -216,14 +239,12 @@ class WeightReceiver:
             device = "cuda" if _is_nccl(group) else "cpu"
             errors, received = [], []
             try:
-                for name, dtype, shape in zip(names, parsed, shapes):
-                    buf = torch.empty(shape, dtype=dtype, device=device)
-                    group.broadcast(buf, src=0)
-                    why = check_tensor(specs, name, tuple(shape), dtype)
+                for i, tensor in _received(group, parsed, shapes, device, bucket_bytes):
+                    why = check_tensor(specs, names[i], tuple(shapes[i]), parsed[i])
                     if why:
                         errors.append(why)
                     else:
-                        received.append((name, buf))
+                        received.append((names[i], tensor))
             except RuntimeError:  # a failed collective leaves the group unusable: the trainer must re-init
                 self.groups.pop(group_name).close()
                 raise
@@ -231,6 +252,24 @@ class WeightReceiver:
                 more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
                 raise UpdateRefused("; ".join(errors[:5]) + more)
             return self.apply(received, _version(self.engine, policy_version, weight_version))
+
+
+def _received(group: WeightGroup, dtypes: list[torch.dtype], shapes: list[list[int]], device: str,
+              packed: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(index, tensor) for each tensor of a push, as it comes off the broadcast: one receive per tensor, or
+    with `packed` (the push's bucket_bytes) one per bucket of `pack_plan`, viewed back into its tensors."""
+    if not packed:
+        for i, (dtype, shape) in enumerate(zip(dtypes, shapes)):
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            group.broadcast(buf, src=0)
+            yield i, buf
+        return
+    for bucket in pack_plan(shapes, dtypes, packed):
+        buf = torch.empty(bucket_bytes(bucket, shapes, dtypes), dtype=torch.uint8, device=device)
+        group.broadcast(buf, src=0)
+        for i, offset in bucket:
+            size = math.prod(shapes[i]) * dtypes[i].itemsize
+            yield i, buf[offset : offset + size].view(dtypes[i]).view(shapes[i])
 
 
 def _is_nccl(group: WeightGroup) -> bool:
@@ -252,7 +291,7 @@ async def _run(receiver: WeightReceiver, fn, *args) -> JSONResponse:
 
 
 def _answer(receiver: WeightReceiver, success: bool, message: str, status: int) -> JSONResponse:
-    body: dict[str, Any] = {"success": success, "message": message, "policy_version": int(receiver.engine.version)}
+    body: dict[str, Any] = {"success": success, "message": message, "policy_version": latest_version(receiver.engine)}
     return JSONResponse(body, status_code=status)
 
 
@@ -277,7 +316,7 @@ def weight_routes(engine, *, timeout_s: float = 300.0) -> APIRouter:
     @router.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(body: DistributedBody) -> JSONResponse:
         return await _run(receiver, receiver.from_broadcast, body.group_name, body.names, body.dtypes,
-                          body.shapes, body.policy_version, body.weight_version)
+                          body.shapes, body.policy_version, body.weight_version, body.bucket_bytes)
 
     @router.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(body: VLLMInitBody) -> JSONResponse:

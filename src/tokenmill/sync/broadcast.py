@@ -20,6 +20,11 @@ Two route shapes (`api=`), both served by tokenmill's own server (`tokenmill ser
   `NCCLWeightTransferEngine.trainer_init` (vllm importable in the trainer); a vLLM server with tensor
   parallelism takes `GET /get_world_size` ranks, which the rank offsets follow.
 
+With `bucket_bytes` (tokenmill's own servers; the placements that spawn them turn it on) the tensors travel
+packed back to back in uint8 buckets (`sync.group.pack_plan`): one message per bucket instead of one per
+tensor, each of which a server busy generating must schedule its receiving thread for (measured on a
+2-core CPU with a 20-tensor model: a push took 44 ms beside generation, one per tensor).
+
 NCCL is written but not run in tokenmill's CI (no GPU there); gloo is tested against a server in another
 process.
 """
@@ -27,13 +32,24 @@ process.
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
 
 from tokenmill.sync.base import NamedTensors, WeightSyncError, check_engine_names
-from tokenmill.sync.group import VLLM_GROUP, WeightGroup, dtype_name, host_store, open_group
+from tokenmill.sync.group import (
+    VLLM_GROUP,
+    WeightGroup,
+    bucket_bytes,
+    dtype_name,
+    host_store,
+    open_group,
+    pack_plan,
+)
 from tokenmill.sync.http import PushFailed, Servers, collect
+
+PACKED_BUCKET_BYTES = 256 << 20  # a packed push's largest message (a bigger tensor goes alone)
 
 _ROUTES = {
     "sglang": ("/init_weights_update_group", "/update_weights_from_distributed"),
@@ -63,6 +79,7 @@ class BroadcastSync:
         dtype: torch.dtype | None = None,
         vllm_native: bool = False,
         drop_failed: bool = False,
+        bucket_bytes: int = 0,
     ) -> None:
         if api not in _ROUTES:
             raise ValueError(f"api must be 'sglang' or 'vllm', not {api!r}")
@@ -70,6 +87,9 @@ class BroadcastSync:
             raise ValueError(f"backend must be 'gloo' or 'nccl', not {backend!r}")
         if vllm_native and (api != "vllm" or backend != "nccl"):
             raise ValueError("vllm_native needs api='vllm' and backend='nccl'")
+        if bucket_bytes and api != "sglang":
+            raise ValueError("bucket_bytes (packed pushes) needs api='sglang' and tokenmill's server")
+        self.bucket_bytes = bucket_bytes
         self.servers = Servers(urls, token=token, timeout_s=timeout_s)
         self.api, self.backend, self.dtype = api, backend, dtype
         self.master_address, self.master_port = master_address, master_port
@@ -159,8 +179,11 @@ class BroadcastSync:
             if not self.vllm_native:
                 body["policy_version"] = int(version)
             return body
-        return {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self.group_name,
+        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self.group_name,
                 "policy_version": int(version), "weight_version": str(version)}
+        if self.bucket_bytes:  # tokenmill's server only (SGLang's refuses the field)
+            body["bucket_bytes"] = self.bucket_bytes
+        return body
 
     def push(self, named_tensors: NamedTensors, version: int) -> None:
         tensors = []
@@ -176,7 +199,7 @@ class BroadcastSync:
         calls = [self.servers.submit(u, self._route(1), body) for u in self.servers.urls]
         try:
             with torch.no_grad():
-                for _, t in tensors:
+                for t in self._buffers(tensors):
                     self.group.broadcast(t, src=0)
         except RuntimeError as e:
             self.group.close()  # the servers' receives fail too, and they drop their end
@@ -188,6 +211,21 @@ class BroadcastSync:
                                  server_error.refused, server_error.only_unreachable) from e
             raise WeightSyncError(f"broadcast failed: {type(e).__name__}: {e}") from e
         collect(calls)
+
+    def _buffers(self, tensors: list[tuple[str, torch.Tensor]]) -> Iterator[torch.Tensor]:
+        """What to broadcast, in order: each tensor, or with `bucket_bytes` the tensors packed into uint8
+        buckets (`pack_plan`): a few large messages instead of one per tensor, each of which a busy server
+        must schedule its receiving thread for."""
+        if not self.bucket_bytes:
+            yield from (t for _, t in tensors)
+            return
+        shapes, dtypes = [list(t.shape) for _, t in tensors], [t.dtype for _, t in tensors]
+        for bucket in pack_plan(shapes, dtypes, self.bucket_bytes):
+            buf = torch.empty(bucket_bytes(bucket, shapes, dtypes), dtype=torch.uint8, device=self.device)
+            for i, offset in bucket:
+                flat = tensors[i][1].reshape(-1).view(torch.uint8)
+                buf[offset : offset + flat.numel()].copy_(flat)
+            yield buf
 
     def close(self) -> None:
         if self.group is not None and self.api == "sglang":

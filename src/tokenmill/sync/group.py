@@ -11,6 +11,7 @@ adds (`<group_name>` then `<group_name>/` then `<device>/`), so an SGLang server
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,31 @@ def parse_dtype(name: str) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+_ALIGN = 64  # each packed tensor starts at a multiple of this many bytes (any dtype can view it)
+
+
+def pack_plan(shapes: list[list[int]], dtypes: list[torch.dtype], bucket_bytes: int) -> list[list[tuple[int, int]]]:
+    """How a packed push lays tensors out: buckets of (tensor index, byte offset), each bucket one uint8 buffer
+    of at most `bucket_bytes` (a larger tensor gets a bucket of its own), in the tensors' order. The sender
+    and every receiver compute the same plan from the push's shapes and dtypes."""
+    buckets: list[list[tuple[int, int]]] = [[]]
+    used = 0
+    for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
+        size = math.prod(shape) * dtype.itemsize
+        if buckets[-1] and used + size > bucket_bytes:
+            buckets.append([])
+            used = 0
+        buckets[-1].append((i, used))
+        used += -(-size // _ALIGN) * _ALIGN
+    return buckets if buckets[-1] else []
+
+
+def bucket_bytes(plan_bucket: list[tuple[int, int]], shapes: list[list[int]], dtypes: list[torch.dtype]) -> int:
+    """The byte length of one bucket of `pack_plan` (its last tensor's end)."""
+    i, offset = plan_bucket[-1]
+    return offset + math.prod(shapes[i]) * dtypes[i].itemsize
 
 
 @dataclass

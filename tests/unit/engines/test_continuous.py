@@ -143,6 +143,36 @@ def test_weight_update_waits_for_running_requests_which_finish_on_old_weights(en
     assert new.logprobs == pytest.approx(teacher_logprobs(new_model, prompt, new.token_ids), abs=1e-4)
 
 
+def test_staged_update_returns_at_once_and_lands_when_running_requests_finish(engine, tiny_model, tokenizer):
+    prompt = mixed_requests(tokenizer, 1)[0][0]
+    new_model = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        for p in new_model.parameters():
+            p.mul_(1.5)
+    running = engine.submit(prompt, SamplingParams(max_tokens=300, greedy=True))  # greedy: no early eos
+    wait_until(lambda: running.admitted_step is not None)
+    half = [(n, p.detach().clone()) for n, p in new_model.named_parameters()]
+    applied, busy = engine.stage_weights(half[: len(half) // 2], version=6)
+    applied_again, _ = engine.stage_weights(half[len(half) // 2 :], version=7)  # merges into the first
+    # the caller was not held: the request is still decoding on the old weights, nothing applied yet
+    assert busy and applied is applied_again and not applied.is_set() and not running.done()
+    assert engine.version == 0 and engine.pending_version == 7
+    later = engine.submit(prompt, SamplingParams(max_tokens=20), seed=1)  # after the call: new weights only
+    assert applied.wait(TIMEOUT_S) and engine.version == 7
+    [old] = running.result(TIMEOUT_S)
+    assert running.policy_version == 0 and len(old.token_ids) == 300
+    assert old.logprobs == pytest.approx(teacher_logprobs(tiny_model, prompt, old.token_ids), abs=1e-4)
+    [new] = later.result(TIMEOUT_S)
+    assert later.policy_version == 7 and later.admitted_step >= running.finished_step
+    assert new.logprobs == pytest.approx(teacher_logprobs(new_model, prompt, new.token_ids), abs=1e-4)
+    # scoring waits for a staged update: it sees the weights staged before the call
+    engine.stage_weights(tiny_model.named_parameters(), version=8)
+    [(scored, _)] = engine.score_ranked([prompt + list(new.token_ids)])
+    assert engine.version == 8
+    assert scored.token_logprobs[len(prompt) - 1 :] == pytest.approx(
+        teacher_logprobs(tiny_model, prompt, new.token_ids), abs=1e-4)
+
+
 def test_interrupting_update_aborts_running_requests_with_their_tokens(engine, tiny_model, tokenizer):
     prompt = mixed_requests(tokenizer, 1)[0][0]
     running = engine.submit(prompt, SamplingParams(max_tokens=400, n=2, greedy=True))

@@ -197,6 +197,43 @@ def test_weight_update_from_disk_bumps_the_version_and_changes_the_logprobs(tiny
     assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected, abs=1e-4)
 
 
+def test_weight_update_is_answered_while_a_request_is_still_running(tiny_model_path, reference, tmp_path):
+    """The route stages the update: a push does not wait for the request in flight, which ends on the old
+    weights; the next request runs on the new ones."""
+    new_model = copy.deepcopy(reference)
+    with torch.no_grad():
+        for p in new_model.parameters():
+            p.mul_(1.25)
+    new_model.save_pretrained(tmp_path / "v4")
+    engine = ContinuousEngine.from_pretrained(tiny_model_path, max_batch=8)
+    server, _ = start_in_thread(create_app(engine, model_name="tiny"))
+    prompt = [10, 11, 12, 13]
+    long = {"prompt": prompt, "max_tokens": 400, "temperature": 0, "logprobs": 0}
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as c, ThreadPoolExecutor(1) as pool:
+            running = pool.submit(c.post, "/v1/completions", json=long)
+            deadline = time.monotonic() + 30
+            while engine.stats()["running_rows"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            done = c.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "v4"),
+                                                             "policy_version": 4}).json()
+            answered_first = not running.done()
+            assert done["success"] and done["policy_version"] == 4
+            after = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "logprobs": 0}).json()
+            old = running.result(60).json()
+    finally:
+        server.stop()
+        engine.close()
+    assert answered_first, "the push waited for the running request"
+    [slow], [fresh] = old["choices"], after["choices"]
+    assert slow["policy_version"] == 0 and len(slow["token_ids"]) == 400
+    assert slow["logprobs"]["token_logprobs"] == pytest.approx(
+        teacher_logprobs(reference, prompt, slow["token_ids"]), abs=1e-4)
+    assert fresh["policy_version"] == 4
+    assert fresh["logprobs"]["token_logprobs"] == pytest.approx(
+        teacher_logprobs(new_model, prompt, fresh["token_ids"]), abs=1e-4)
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--host", "0.0.0.0"], "refusing to serve on non-loopback host '0.0.0.0'"),
     (["--host", "0.0.0.0", "--allow-remote"], "--allow-remote together with --token"),

@@ -143,14 +143,16 @@ def test_files_send_only_what_is_pushed(server, tiny_model, tmp_path):
 
 
 # -------------------------------------------------------------------------------------------------- broadcast
-@pytest.mark.parametrize("api", ["sglang", "vllm"])
-def test_broadcast_push_matches_trainer(server, tiny_model, api):
-    sync = BroadcastSync([server.url], api=api, backend="gloo", timeout_s=20, token=TOKEN)
+@pytest.mark.parametrize(("api", "bucket_bytes"), [("sglang", 0), ("vllm", 0), ("sglang", 1 << 20), ("sglang", 5000)])
+def test_broadcast_push_matches_trainer(server, tiny_model, api, bucket_bytes):
+    """One broadcast per tensor, or packed into buckets: one, or several of at most 5,000 bytes (the tiny
+    model's tensors are 128 B to 16 KiB: small ones share a bucket, large ones go alone)."""
+    sync = BroadcastSync([server.url], api=api, backend="gloo", timeout_s=20, token=TOKEN, bucket_bytes=bucket_bytes)
     assert isinstance(sync, WeightSync)
     try:
         for step in (3, 4):
             version = server.version() + 1
-            perturb(tiny_model, seed=step + (10 if api == "vllm" else 0))
+            perturb(tiny_model, seed=step + (10 if api == "vllm" else 0) + bucket_bytes % 97)
             assert_out_of_sync(server, tiny_model)
             sync.push(trainable(tiny_model), version)
             assert_in_sync(server, tiny_model, version)
@@ -194,8 +196,9 @@ def test_bad_disk_updates_are_refused_and_old_weights_kept(server, tiny_model, t
     assert server.version() == version
 
 
-def test_bad_broadcast_is_refused_and_the_group_stays_usable(server, tiny_model):
-    sync = BroadcastSync([server.url], timeout_s=20, token=TOKEN)
+@pytest.mark.parametrize("bucket_bytes", [0, 5000])
+def test_bad_broadcast_is_refused_and_the_group_stays_usable(server, tiny_model, bucket_bytes):
+    sync = BroadcastSync([server.url], timeout_s=20, token=TOKEN, bucket_bytes=bucket_bytes)
     try:
         version = server.version() + 1
         sync.push(trainable(tiny_model), version)
