@@ -68,10 +68,12 @@ class PromptLogprobs:
                      logits (temperature 1)
     top_logprobs:    per scored position, the k most likely token ids and their logprobs (when asked for
                      top_k > 0); None otherwise
+    policy_version:  the version of the weights that scored it, where the engine says (a server's answer)
     """
 
     token_logprobs: tuple[float, ...]
     top_logprobs: tuple[dict[int, float], ...] | None = None
+    policy_version: int | None = None
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ class RemoteEngine:
             raise ValueError("sequences: a sequence is empty (at least one token)")
         answers = list(self._workers.map(lambda s: self.pool.post("/v1/completions", self._score_body(s, top_k)),
                                          sequences))
-        return [_prompt_logprobs(s, a["choices"][0], top_k) for s, a in zip(sequences, answers, strict=True)]
+        return [_prompt_logprobs(s, a, top_k) for s, a in zip(sequences, answers, strict=True)]
 
     def score_each(self, sequences: list[list[int]], top_k: int = 0) -> dict[str, list[PromptLogprobs]]:
         """`score` on every live server (url -> scores, for the servers that answered every sequence): what the
@@ -100,7 +100,7 @@ class RemoteEngine:
         out: dict[str, list[PromptLogprobs]] = {}
         for s in sequences:
             for url, answer in self.pool.post_live("/v1/completions", self._score_body(s, top_k)).items():
-                out.setdefault(url, []).append(_prompt_logprobs(s, answer["choices"][0], top_k))
+                out.setdefault(url, []).append(_prompt_logprobs(s, answer, top_k))
         return {url: scores for url, scores in out.items() if len(scores) == len(sequences)}
 
     def _score_body(self, ids: list[int], top_k: int) -> dict[str, Any]:
@@ -150,9 +150,12 @@ def _completion(choice: dict[str, Any]) -> Completion:
                       choice.get("text", ""))
 
 
-def _prompt_logprobs(ids: list[int], choice: dict[str, Any], top_k: int) -> PromptLogprobs:
-    """A choice's vLLM-shaped `prompt_logprobs` (None, then {"<id>": {"logprob", "rank", ...}} per token) as a
-    `PromptLogprobs`: the prompt token's logprob, and the `top_k` alternatives of rank <= top_k."""
+def _prompt_logprobs(ids: list[int], answer: dict[str, Any], top_k: int) -> PromptLogprobs:
+    """An answer's vLLM-shaped `prompt_logprobs` (None, then {"<id>": {"logprob", "rank", ...}} per token) as a
+    `PromptLogprobs`: the prompt token's logprob, the `top_k` alternatives of rank <= top_k, and the
+    answer's `policy_version` where the server gives one (tokenmill serve does; vLLM does not)."""
+    choice = answer["choices"][0]
+    version = answer.get("policy_version", choice.get("policy_version"))
     entries = choice.get("prompt_logprobs")
     if not isinstance(entries, list) or len(entries) != len(ids):
         raise ValueError("the engine server's answer has no prompt_logprobs for each prompt token (tokenmill serve "
@@ -162,4 +165,5 @@ def _prompt_logprobs(ids: list[int], choice: dict[str, Any], top_k: int) -> Prom
         picked.append(float(entry[str(t)]["logprob"]))
         ranked = sorted(((int(k), v) for k, v in entry.items()), key=lambda kv: -kv[1]["logprob"])
         tops.append({k: float(v["logprob"]) for k, v in ranked[:top_k]})
-    return PromptLogprobs(tuple(picked), tuple(tops) if top_k else None)
+    return PromptLogprobs(tuple(picked), tuple(tops) if top_k else None,
+                          int(version) if isinstance(version, int) else None)

@@ -74,3 +74,34 @@ def test_a_dropped_push_to_a_server_process_fails_the_probe_at_that_step(tiny_mo
     assert [rows[s]["probe/ok"] for s in (1, 2, 3)] == [1.0, 0.0, 1.0]
     assert rows[1]["probe/max_abs"] <= 1e-4 and rows[3]["probe/max_abs"] <= 1e-4
     assert rows[2]["probe/max_abs"] > 1e-3
+
+
+def test_beside_a_producer_running_ahead_the_probe_runs_in_the_background_and_still_catches_a_lost_sync(
+        tiny_model_path, tmp_path, monkeypatch):
+    """max_staleness 1 on a server: the probe's scoring waits for the server's batch in flight, so it runs
+    in a thread and reports at a later step, naming the push it checked (probe/step). Every push from step 3
+    on is dropped: the probes of those pushes fail, the earlier ones pass."""
+    (tmp_path / "rewards.py").write_text(REWARD)
+    made = drop_pushes(monkeypatch, set(range(3, 20)))
+    tokenmill.train({
+        "model": {"path": tiny_model_path},
+        "data": {"task": "addition", "num_train": 200, "num_eval": 0},
+        "rewards": [{"function": f"{tmp_path / 'rewards.py'}:digit_share"}],
+        "generation": {"group_size": 4, "max_tokens": 4},
+        "training": {"learning_rate": 1e-2},
+        "controller": {"steps": 8, "prompts_per_step": 4, "max_staleness": 1},
+        "engine": {"placement": "process", "sync": "files", "threads": 1},
+        "tracking": {"output_dir": str(tmp_path / "run"), "console": "none"},
+        "checkpoint": {"every": 0, "save_final": False},
+        "health": {"alarms": {"probe": {"policy": "warn"}}},
+    })
+    assert [d.dropped for d in made] == [list(range(3, 9))]
+    rows = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+            if "probe/ok" in r]
+    checked = {int(r["probe/step"]): r for r in rows}
+    assert all(r["step"] > r["probe/step"] for r in rows)  # reported after the push it checked
+    passed = [s for s in checked if s < 3]
+    failed = [s for s in checked if s >= 3]
+    assert passed and failed, f"probes that came back: {sorted(checked)}"
+    assert all(checked[s]["probe/ok"] == 1.0 and checked[s]["probe/max_abs"] <= 1e-4 for s in passed)
+    assert all(checked[s]["probe/ok"] == 0.0 and checked[s]["probe/max_abs"] > 1e-3 for s in failed)
