@@ -120,16 +120,22 @@ def test_n_samples_share_one_prefill_and_seeds_reproduce(engine, tokenizer):
     assert [c.token_ids for c in other] != [c.token_ids for c in group]
 
 
+def scaled_copy(model, scale: float):
+    """A copy of `model` with every weight times `scale` (other weights, the same architecture)."""
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.mul_(scale)
+    return new
+
+
 def _shifted_weights(model, scale: float):
     return [(name, p.detach() * scale) for name, p in model.named_parameters()]
 
 
 def test_weight_update_waits_for_running_requests_which_finish_on_old_weights(engine, tiny_model, tokenizer):
     prompt = mixed_requests(tokenizer, 1)[0][0]
-    new_model = copy.deepcopy(tiny_model)
-    with torch.no_grad():
-        for p in new_model.parameters():
-            p.mul_(1.5)
+    new_model = scaled_copy(tiny_model, 1.5)
     running = engine.submit(prompt, SamplingParams(max_tokens=150, greedy=True))  # greedy: no early eos
     wait_until(lambda: running.admitted_step is not None)
     engine.update_weights(new_model.named_parameters(), version=7)  # returns once swapped
@@ -145,10 +151,7 @@ def test_weight_update_waits_for_running_requests_which_finish_on_old_weights(en
 
 def test_staged_update_returns_at_once_and_lands_when_running_requests_finish(engine, tiny_model, tokenizer):
     prompt = mixed_requests(tokenizer, 1)[0][0]
-    new_model = copy.deepcopy(tiny_model)
-    with torch.no_grad():
-        for p in new_model.parameters():
-            p.mul_(1.5)
+    new_model = scaled_copy(tiny_model, 1.5)
     running = engine.submit(prompt, SamplingParams(max_tokens=300, greedy=True))  # greedy: no early eos
     wait_until(lambda: running.admitted_step is not None)
     half = [(n, p.detach().clone()) for n, p in new_model.named_parameters()]

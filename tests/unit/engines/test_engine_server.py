@@ -172,14 +172,20 @@ def test_token_host_and_origin_checks(tiny_model_path):
         engine.close()
 
 
-def test_weight_update_from_disk_bumps_the_version_and_changes_the_logprobs(tiny_model_path, reference, tmp_path):
+def served_with_new_weights(model_path, reference, folder):
+    """(the reference times 1.25, saved to `folder`; a fresh engine of `model_path`; its server on loopback)."""
     new_model = copy.deepcopy(reference)
     with torch.no_grad():
         for p in new_model.parameters():
             p.mul_(1.25)
-    new_model.save_pretrained(tmp_path / "v3")
-    engine = ContinuousEngine.from_pretrained(tiny_model_path, max_batch=8)
+    new_model.save_pretrained(folder)
+    engine = ContinuousEngine.from_pretrained(model_path, max_batch=8)
     server, _ = start_in_thread(create_app(engine, model_name="tiny"))
+    return new_model, engine, server
+
+
+def test_weight_update_from_disk_bumps_the_version_and_changes_the_logprobs(tiny_model_path, reference, tmp_path):
+    new_model, engine, server = served_with_new_weights(tiny_model_path, reference, tmp_path / "v3")
     prompt = [10, 11, 12, 13]
     try:
         with httpx.Client(base_url=server.url, timeout=60) as c:
@@ -200,13 +206,7 @@ def test_weight_update_from_disk_bumps_the_version_and_changes_the_logprobs(tiny
 def test_weight_update_is_answered_while_a_request_is_still_running(tiny_model_path, reference, tmp_path):
     """The route stages the update: a push does not wait for the request in flight, which ends on the old
     weights; the next request runs on the new ones."""
-    new_model = copy.deepcopy(reference)
-    with torch.no_grad():
-        for p in new_model.parameters():
-            p.mul_(1.25)
-    new_model.save_pretrained(tmp_path / "v4")
-    engine = ContinuousEngine.from_pretrained(tiny_model_path, max_batch=8)
-    server, _ = start_in_thread(create_app(engine, model_name="tiny"))
+    new_model, engine, server = served_with_new_weights(tiny_model_path, reference, tmp_path / "v4")
     prompt = [10, 11, 12, 13]
     long = {"prompt": prompt, "max_tokens": 400, "temperature": 0, "logprobs": 0}
     try:

@@ -53,21 +53,27 @@ def test_the_colocated_engine_shares_the_module_and_every_nth_push_is_probed(tin
         run.close()
 
 
-def test_a_dropped_push_to_a_server_process_fails_the_probe_at_that_step(tiny_model_path, tmp_path, monkeypatch):
-    (tmp_path / "rewards.py").write_text(REWARD)  # dense: every step changes the weights
-    made = drop_pushes(monkeypatch, {2})
+def train_on_a_server(model_path: str, tmp_path, steps: int, max_staleness: int = 0) -> None:
+    """A short GRPO run on a `tokenmill serve` process (files sync), dense reward, probe alarm warning only
+    (stop would end the run at the first failed probe)."""
     tokenmill.train({
-        "model": {"path": tiny_model_path},
-        "data": {"task": "addition", "num_train": 100, "num_eval": 0},
+        "model": {"path": model_path},
+        "data": {"task": "addition", "num_train": 200, "num_eval": 0},
         "rewards": [{"function": f"{tmp_path / 'rewards.py'}:digit_share"}],
         "generation": {"group_size": 4, "max_tokens": 4},
         "training": {"learning_rate": 1e-2},
-        "controller": {"steps": 3, "prompts_per_step": 4},
+        "controller": {"steps": steps, "prompts_per_step": 4, "max_staleness": max_staleness},
         "engine": {"placement": "process", "sync": "files", "threads": 1},
         "tracking": {"output_dir": str(tmp_path / "run"), "console": "none"},
         "checkpoint": {"every": 0, "save_final": False},
-        "health": {"alarms": {"probe": {"policy": "warn"}}},  # (stop: the run would end at step 2)
+        "health": {"alarms": {"probe": {"policy": "warn"}}},
     })
+
+
+def test_a_dropped_push_to_a_server_process_fails_the_probe_at_that_step(tiny_model_path, tmp_path, monkeypatch):
+    (tmp_path / "rewards.py").write_text(REWARD)  # dense: every step changes the weights
+    made = drop_pushes(monkeypatch, {2})
+    train_on_a_server(tiny_model_path, tmp_path, steps=3)
     assert [d.dropped for d in made] == [[2]]
     rows = {r["step"]: r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
             if "probe/ok" in r}
@@ -83,18 +89,7 @@ def test_beside_a_producer_running_ahead_the_probe_runs_in_the_background_and_st
     on is dropped: the probes of those pushes fail, the earlier ones pass."""
     (tmp_path / "rewards.py").write_text(REWARD)
     made = drop_pushes(monkeypatch, set(range(3, 20)))
-    tokenmill.train({
-        "model": {"path": tiny_model_path},
-        "data": {"task": "addition", "num_train": 200, "num_eval": 0},
-        "rewards": [{"function": f"{tmp_path / 'rewards.py'}:digit_share"}],
-        "generation": {"group_size": 4, "max_tokens": 4},
-        "training": {"learning_rate": 1e-2},
-        "controller": {"steps": 8, "prompts_per_step": 4, "max_staleness": 1},
-        "engine": {"placement": "process", "sync": "files", "threads": 1},
-        "tracking": {"output_dir": str(tmp_path / "run"), "console": "none"},
-        "checkpoint": {"every": 0, "save_final": False},
-        "health": {"alarms": {"probe": {"policy": "warn"}}},
-    })
+    train_on_a_server(tiny_model_path, tmp_path, steps=8, max_staleness=1)
     assert [d.dropped for d in made] == [list(range(3, 9))]
     rows = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
             if "probe/ok" in r]
