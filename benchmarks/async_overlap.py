@@ -2,6 +2,7 @@
 
     python benchmarks/async_overlap.py                        # sync, thread, worker and process placements (~3 min)
     python benchmarks/async_overlap.py --placements process   # only the `tokenmill serve` process
+    python benchmarks/async_overlap.py --placements process --process-sync broadcast --output X.json
 
 The sync run alternates generation (generate + reward) and training (train + sync) on one torch thread; its
 per-step times give `gen` and `train`. Each async run (`controller.max_staleness`, default 1) puts the engine
@@ -98,6 +99,8 @@ def pair(model: str, work: Path, args, i: int) -> dict:
     for name in ("sync", *args.placements):
         extra = {} if name == "sync" else {"engine.placement": name, "engine.threads": 1,
                                            "controller.max_staleness": args.staleness}
+        if name == "process":
+            extra["engine.sync"] = args.process_sync
         out = work / f"{name}{i}"
         t0 = time.perf_counter()
         tokenmill.train(config(model, out, args, **extra), rewards=[digit_share])
@@ -134,6 +137,8 @@ def main() -> None:
     p.add_argument("--placements", nargs="+", choices=["thread", "worker", "process"],
                    default=["thread", "worker", "process"])
     p.add_argument("--staleness", type=int, default=1)
+    p.add_argument("--process-sync", choices=["files", "broadcast"], default="files",
+                   help="engine.sync of the process placement (files is the config's default)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--prompts", type=int, default=16)
