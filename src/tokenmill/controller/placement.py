@@ -287,34 +287,28 @@ def build_placement(run) -> Placement:
 
 
 def seeded_remote_engine(urls: list[str], seed: int, **kwargs):
-    """A `RemoteEngine` whose requests carry a seed made of `seed`, the policy version and the request's index
-    since the last weight push: the servers' samples do not depend on what they served before, so a run
-    resumed from a checkpoint (its first push sets the version) draws what an uninterrupted run drew.
-    For servers that take a per-request seed (`tokenmill serve`, vLLM)."""
+    """A `RemoteEngine` for `tokenmill serve` processes: a call's prompts go out as one request per server, each
+    with a seed made of `seed`, the policy version and its first prompt's index since the last weight push
+    (the server gives prompt i of a request seed + i). The servers' samples do not depend on what they
+    served before, so a run resumed from a checkpoint (its first push sets the version) draws what an
+    uninterrupted run drew."""
     from tokenmill.engines.openai import RemoteEngine
     from tokenmill.engines.worker import call_seed
 
-    class SeededPrompt(list):
-        seed = 0
-
     class SeededRemoteEngine(RemoteEngine):
         def generate(self, prompts, params):
-            start, self._drawn = self._drawn, self._drawn + len(prompts)
-            seeded = []
-            for i, prompt in enumerate(prompts):
-                seeded.append(SeededPrompt(prompt))
-                seeded[-1].seed = call_seed(seed, self.version, start + i)
-            return super().generate(seeded, params)
+            self._start, self._drawn = self._drawn, self._drawn + len(prompts)
+            return super().generate(prompts, params)
 
-        def _body(self, prompt, params):
-            return super()._body(prompt, params) | {"seed": prompt.seed}
+        def _body(self, prompts, params, first):
+            return super()._body(prompts, params, first) | {"seed": call_seed(seed, self.version, self._start + first)}
 
         def update_weights(self, named_tensors, version):
             super().update_weights(named_tensors, version)
             self._drawn = 0
 
-    engine = SeededRemoteEngine(urls, **kwargs)
-    engine._drawn = 0
+    engine = SeededRemoteEngine(urls, prompts_per_request=0, **kwargs)
+    engine._drawn = engine._start = 0
     return engine
 
 

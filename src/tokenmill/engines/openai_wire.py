@@ -18,6 +18,14 @@ from tokenmill.types import Completion, PromptLogprobs, SamplingParams
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
+def prompt_seed(seed: int | None, i: int) -> int | None:
+    """The seed of a request's i-th prompt: `seed + i`, wrapped into the seedable range, so that equal
+    prompts in one request do not draw equal samples."""
+    if seed is None or i == 0:
+        return seed
+    return _SEED_MIN + (seed + i - _SEED_MIN) % (_SEED_MAX - _SEED_MIN + 1)
+
+
 # ------------------------------------------------------------------------------------------ request bodies
 class _Sampling(BaseModel):
     # OpenAI SDKs send fields we do not use (user, metadata, ...): ignored, but the ones that would change the
@@ -32,7 +40,8 @@ class _Sampling(BaseModel):
     n: int = Field(1, ge=1, le=1024, description="Samples per prompt; they share one prefill.")
     stop: str | list[str] | None = Field(None, description="Stop strings (up to 16); the text is cut before.")
     seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX,
-                             description="Per-request seed: the same seed gives the same tokens.")
+                             description="Per-request seed: the same seed gives the same tokens. With several "
+                             "prompts, prompt i samples with seed + i (`prompt_seed`).")
     stream: bool = Field(False, description="Answer as server-sent events (chunks, then `data: [DONE]`).")
     stream_options: dict[str, Any] | None = Field(None, description="{'include_usage': true}: a last usage chunk.")
     presence_penalty: float = 0.0

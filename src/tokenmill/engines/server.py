@@ -116,10 +116,11 @@ class Completer:
         futures: list[RequestFuture] = []
         try:
             for i, prompt in enumerate(prompts):
+                own = wire.prompt_seed(seed, i)
                 if feed is None:  # an engine that cannot stream still serves plain answers
-                    futures.append(self.engine.submit(prompt, params, seed=seed))
+                    futures.append(self.engine.submit(prompt, params, seed=own))
                 else:
-                    futures.append(self.engine.submit(prompt, params, seed=seed, on_token=feed.for_prompt(i, params.n)))
+                    futures.append(self.engine.submit(prompt, params, seed=own, on_token=feed.for_prompt(i, params.n)))
                     feed.watch(i, futures[-1])
         except ValueError as exc:  # the engine names the field ("prompt: ...", "n: ...")
             self._cancel(futures)

@@ -75,6 +75,42 @@ def test_remote_samples_are_exact_tokens_with_the_models_logprobs(two_servers, t
     engine.close()
 
 
+def test_prompts_batched_one_request_per_server_come_back_to_their_own_prompts(two_servers, tiny_model, tokenizer):
+    """prompts_per_request=0: 5 prompts over 2 servers go out as requests of 3 and 2 prompts; each prompt's
+    samples are its own (greedy: the tokens of that prompt alone; sampled: the model's logprobs of them)."""
+    urls = [url for _, url in two_servers]
+    batched = RemoteEngine(urls, pad_id=tokenizer.pad_token_id, timeout_s=60, prompts_per_request=0)
+    single = RemoteEngine(urls, pad_id=tokenizer.pad_token_id, timeout_s=60)
+    assert batched._spans(5) == [(0, 3), (3, 5)] and single._spans(2) == [(0, 1), (1, 2)]
+    prompts = [list(tokenizer(p)["input_ids"]) for p in ["12+34=", "7+8=", "99+1=", "5+5=", "40+2="]]
+    greedy = SamplingParams(max_tokens=6, greedy=True)
+    served_before = sum(s["served"] for s in batched.pool.stats().values())
+    got = batched.generate(prompts, greedy)
+    assert sum(s["served"] for s in batched.pool.stats().values()) - served_before == 2  # two requests
+    assert [g[0].token_ids for g in got] == [g[0].token_ids for g in single.generate(prompts, greedy)]
+    sampled = batched.generate(prompts, SamplingParams(max_tokens=6, n=2, temperature=1.0))
+    assert [len(group) for group in sampled] == [2] * 5
+    for prompt, group in zip(prompts, sampled, strict=True):
+        for c in group:
+            want = teacher_logprobs(tiny_model, prompt, list(c.token_ids))
+            assert max(abs(a - b) for a, b in zip(c.logprobs, want, strict=True)) < 1e-4
+    batched.close()
+    single.close()
+
+
+def test_a_seeded_request_gives_prompt_i_the_seed_plus_i(two_servers, tokenizer):
+    url = two_servers[0][1]
+    body = {"max_tokens": 6, "n": 2, "temperature": 1.0, "return_token_ids": True}
+    prompt = list(tokenizer("12+34=")["input_ids"])
+    together = httpx.post(f"{url}/v1/completions", json=body | {"prompt": [prompt, prompt], "seed": 41},
+                          timeout=60).json()["choices"]
+    ids = [tuple(c["token_ids"]) for c in sorted(together, key=lambda c: c["index"])]
+    alone = [[tuple(c["token_ids"]) for c in httpx.post(f"{url}/v1/completions", json=body | {
+        "prompt": prompt, "seed": seed}, timeout=60).json()["choices"]] for seed in (41, 42)]
+    assert ids[:2] == alone[0] and ids[2:] == alone[1]
+    assert ids[:2] != ids[2:]  # the same prompt twice in one request: not the same samples
+
+
 def test_load_is_spread_and_a_bad_request_is_not_retried(two_servers, tokenizer):
     engine = RemoteEngine([url for _, url in two_servers], pad_id=0, timeout_s=60)
     engine.generate([[5, 6, 7]] * 32, SamplingParams(max_tokens=4))
