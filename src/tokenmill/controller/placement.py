@@ -343,8 +343,9 @@ def _server_placement(run) -> ServerPlacement:
         kwargs = {"pad_id": run.engine.pad_id, "token": token, "timeout_s": cfg.engine.timeout_s, "sync": sync}
         if cfg.engine.placement == "process":  # our own servers: seeded requests, so a resume is exact
             engine = seeded_remote_engine(urls, cfg.training.seed, **kwargs)
-        else:
-            engine = RemoteEngine(urls, **kwargs, **({"model": LORA_ADAPTER_NAME} if adapters else {}))
+        else:  # Ray's fleet is tokenmill servers too: a call's prompts go one request per server
+            engine = RemoteEngine(urls, **kwargs, **({"model": LORA_ADAPTER_NAME} if adapters else {}),
+                                  prompts_per_request=0 if fleet is not None else 1)
         if fleet is not None:
             fleet.attach(engine)  # a replaced replica joins its pool and sync, with the current weights
     except BaseException:
