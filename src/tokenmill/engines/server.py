@@ -321,11 +321,11 @@ def _routes(app: FastAPI, engine, completer: Completer, model_name: str) -> None
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionBody, request: Request) -> Any:
-        return await completer.text(body, request)
+        return _json(await completer.text(body, request))
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatBody, request: Request) -> Any:
-        return await completer.chat(body, request)
+        return _json(await completer.chat(body, request))
 
     if completer.recorder is None:
         return
@@ -333,14 +333,20 @@ def _routes(app: FastAPI, engine, completer: Completer, model_name: str) -> None
     # proxy mode: the same answers, each call recorded into its episode
     @app.post("/proxy/{episode_id}/v1/completions", response_model=None)
     async def proxy_completions(episode_id: str, body: CompletionBody, request: Request) -> Any:
-        return await completer.text(body, request, episode_id)
+        return _json(await completer.text(body, request, episode_id))
 
     @app.post("/proxy/{episode_id}/v1/chat/completions", response_model=None)
     async def proxy_chat_completions(episode_id: str, body: ChatBody, request: Request) -> Any:
-        return await completer.chat(body, request, episode_id)
+        return _json(await completer.chat(body, request, episode_id))
 
     app.get("/proxy/{episode_id}/v1/models")(models)
     app.include_router(episode_routes(completer.recorder))
+
+
+def _json(answer: Any) -> Any:
+    """An answer as it goes out: a plain dict straight to JSON (FastAPI would otherwise walk it value by value
+    with `jsonable_encoder`: a quarter of the server's time on a batch of 128 choices), a stream as it is."""
+    return JSONResponse(answer) if isinstance(answer, dict) else answer
 
 
 def _weight_routes(engine) -> APIRouter | None:
