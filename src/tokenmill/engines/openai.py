@@ -12,7 +12,7 @@ so a GRPO group shares one prefill on the server; the prompts of a batch go out 
 servers' continuous batching turns them into one running batch. With `prompts_per_request=0` a call's
 prompts go out as one request per live server instead (a list of token-id lists, the answer's choices in
 prompt order): one HTTP round trip and one admission per server rather than one per prompt (on the 2-core
-machine, 16 prompts x 8 samples x 8 tokens to one `tokenmill serve`: 54 ms against 98 ms).
+machine, 16 prompts x 8 samples x 8 tokens to one `tokenmill serve`: 36 ms against 71 ms).
 
 What must match on the server side for the logprobs to be the trainer's quantity (the tempered
 distribution's logprob of each sampled token): tokenmill's server does this by default; vLLM needs
