@@ -220,7 +220,7 @@ def spawn_servers(model_dir: str, count: int, *, threads: int = 0, timeout_s: fl
     return urls, procs
 
 
-def _weight_sync(cfg, urls: list[str], token: str | None, scratch: Path, ours: bool):
+def _weight_sync(cfg, urls: list[str], token: str | None, scratch: Path, ours: bool = False):
     """The push to `urls`; `ours`: tokenmill servers (spawned here or by the Ray fleet), which take packed
     broadcasts."""
     from tokenmill.sync import BroadcastSync, FileSync
