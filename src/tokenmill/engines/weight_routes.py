@@ -34,7 +34,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenmill.sync.group import VLLM_GROUP, WeightGroup, bucket_bytes, open_group, pack_plan, parse_dtype
+from tokenmill.sync.group import VLLM_GROUP, WeightGroup, bucket_length, open_group, pack_plan, parse_dtype
 from tokenmill.types import TokenmillError
 
 
@@ -265,7 +265,7 @@ def _received(group: WeightGroup, dtypes: list[torch.dtype], shapes: list[list[i
             yield i, buf
         return
     for bucket in pack_plan(shapes, dtypes, packed):
-        buf = torch.empty(bucket_bytes(bucket, shapes, dtypes), dtype=torch.uint8, device=device)
+        buf = torch.empty(bucket_length(bucket, shapes, dtypes), dtype=torch.uint8, device=device)
         group.broadcast(buf, src=0)
         for i, offset in bucket:
             size = math.prod(shapes[i]) * dtypes[i].itemsize

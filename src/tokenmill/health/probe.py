@@ -41,9 +41,9 @@ def tolerance_for(dtype: torch.dtype, configured: float | None) -> float:
     return configured if configured is not None else DTYPE_TOLERANCE.get(dtype, 1e-1)
 
 
-def probe_gap(engine, model: torch.nn.Module, sequence: list[int], version: int | None = None) -> float:
+def probe_gap(engine, model: torch.nn.Module, sequence: list[int]) -> float:
     """max |engine - trainer| logprob over the probe's positions (and over the servers of a remote engine)."""
-    return engine_gap(engine, trainer_logprobs(model, sequence), sequence, version)
+    return engine_gap(engine, trainer_logprobs(model, sequence), sequence)
 
 
 def trainer_logprobs(model: torch.nn.Module, sequence: list[int]) -> torch.Tensor:

@@ -41,7 +41,7 @@ from tokenmill.sync.base import NamedTensors, WeightSyncError, check_engine_name
 from tokenmill.sync.group import (
     VLLM_GROUP,
     WeightGroup,
-    bucket_bytes,
+    bucket_length,
     dtype_name,
     host_store,
     open_group,
@@ -221,7 +221,7 @@ class BroadcastSync:
             return
         shapes, dtypes = [list(t.shape) for _, t in tensors], [t.dtype for _, t in tensors]
         for bucket in pack_plan(shapes, dtypes, self.bucket_bytes):
-            buf = torch.empty(bucket_bytes(bucket, shapes, dtypes), dtype=torch.uint8, device=self.device)
+            buf = torch.empty(bucket_length(bucket, shapes, dtypes), dtype=torch.uint8, device=self.device)
             for i, offset in bucket:
                 flat = tensors[i][1].reshape(-1).view(torch.uint8)
                 buf[offset : offset + flat.numel()].copy_(flat)

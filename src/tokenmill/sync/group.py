@@ -59,7 +59,7 @@ def pack_plan(shapes: list[list[int]], dtypes: list[torch.dtype], bucket_bytes: 
     return buckets if buckets[-1] else []
 
 
-def bucket_bytes(plan_bucket: list[tuple[int, int]], shapes: list[list[int]], dtypes: list[torch.dtype]) -> int:
+def bucket_length(plan_bucket: list[tuple[int, int]], shapes: list[list[int]], dtypes: list[torch.dtype]) -> int:
     """The byte length of one bucket of `pack_plan` (its last tensor's end)."""
     i, offset = plan_bucket[-1]
     return offset + math.prod(shapes[i]) * dtypes[i].itemsize
