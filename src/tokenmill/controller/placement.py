@@ -131,10 +131,12 @@ class ServerPlacement(Placement):
     """Engines behind HTTP (`RemoteEngine`); the trainer pushes weights through `tokenmill.sync`."""
 
     def __init__(self, engine, generator, agent, urls: list[str], processes: list[subprocess.Popen] | None = None,
-                 scratch: tempfile.TemporaryDirectory | None = None, lora_model: torch.nn.Module | None = None) -> None:
+                 scratch: tempfile.TemporaryDirectory | None = None, lora_model: torch.nn.Module | None = None,
+                 ours: bool = False) -> None:
         super().__init__(engine, generator, agent)
         self.urls, self.processes, self.scratch = urls, processes or [], scratch
         self.lora_model = lora_model
+        self.ours = ours  # tokenmill servers (spawned here, or Ray's fleet): they stage pushes, report versions
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         if self.lora_model is not None:  # a server holds the plain model: send W + BA under the plain names
@@ -320,6 +322,7 @@ def _server_placement(run) -> ServerPlacement:
     scratch = tempfile.TemporaryDirectory(prefix="tokenmill-weights-", dir=run.output_dir)
     procs: list[subprocess.Popen] = []
     fleet = run.engine_fleet  # engine replicas on Ray (tokenmill.controller.ray.engines.EngineFleet), or None
+    ours = fleet is not None or cfg.engine.placement == "process"  # tokenmill servers
     try:
         if fleet is not None:
             urls = list(fleet.urls)
@@ -338,14 +341,13 @@ def _server_placement(run) -> ServerPlacement:
             sync = VLLMLoRASync(urls, Path(run.output_dir) / "vllm-lora", run.model.peft_config["default"],
                                 token=token, timeout_s=cfg.engine.timeout_s, drop_failed=len(urls) > 1)
         else:
-            sync = _weight_sync(cfg, urls, token, Path(scratch.name),
-                                ours=fleet is not None or cfg.engine.placement == "process")
+            sync = _weight_sync(cfg, urls, token, Path(scratch.name), ours=ours)
         kwargs = {"pad_id": run.engine.pad_id, "token": token, "timeout_s": cfg.engine.timeout_s, "sync": sync}
         if cfg.engine.placement == "process":  # our own servers: seeded requests, so a resume is exact
             engine = seeded_remote_engine(urls, cfg.training.seed, **kwargs)
         else:  # Ray's fleet is tokenmill servers too: a call's prompts go one request per server
             engine = RemoteEngine(urls, **kwargs, **({"model": LORA_ADAPTER_NAME} if adapters else {}),
-                                  prompts_per_request=0 if fleet is not None else 1)
+                                  prompts_per_request=0 if ours else 1)
         if fleet is not None:
             fleet.attach(engine)  # a replaced replica joins its pool and sync, with the current weights
     except BaseException:
@@ -354,4 +356,4 @@ def _server_placement(run) -> ServerPlacement:
         scratch.cleanup()
         raise
     lora = run.model if cfg.model.lora.rank > 0 and not adapters else None
-    return ServerPlacement(engine, None, None, urls, procs, scratch, lora_model=lora)
+    return ServerPlacement(engine, None, None, urls, procs, scratch, lora_model=lora, ours=ours)

@@ -90,8 +90,8 @@ def probed_engine(feed, run):
 class WeightProbe:
     """`after_push(step)` every `health.probe_every`-th push: the `probe/*` metrics of that step ({} otherwise).
 
-    Beside a producer that runs ahead (`controller.max_staleness` >= 1) on servers, the engine's side runs in
-    a thread: a server scores only once its running requests have finished and the pushed weights are in,
+    Beside a producer that runs ahead (`controller.max_staleness` >= 1) on tokenmill's own servers (the process
+    placement, Ray's fleet), the engine's side runs in a thread: a server scores only once its running requests have finished and the pushed weights are in,
     and the trainer must not wait for that. The trainer's side is computed at the push; the result is
     reported by the first `after_push` after it comes, with `probe/step`, the push it checked.
     """
@@ -109,9 +109,11 @@ class WeightProbe:
         self.tolerance = tolerance_for(dtype, health.probe_tolerance)
         self.sequence = probe_sequence(vocab, health.probe_tokens)
         self.pushes = 0
-        # in the background: a producer runs ahead of the pushes, on servers that report versions
-        self.background = (self.engine is not None and hasattr(self.engine, "score_each")
-                           and getattr(feed, "side", None) is not None and run.cfg.controller.max_staleness > 0)
+        # in the background: a producer runs ahead of the pushes, on tokenmill's servers, which stage a push and
+        # say which version scored (another server's later score cannot be told from one of the pushed weights)
+        placement = getattr(getattr(feed, "feed", feed), "placement", None)
+        self.background = (self.engine is not None and getattr(placement, "ours", False)
+                           and run.cfg.controller.max_staleness > 0)
         self._pending: tuple[int, threading.Thread, list] | None = None
 
     def after_push(self, step: int) -> dict[str, float]:
