@@ -30,6 +30,7 @@ from tokenmill.rollout.base import Rollout
 from tokenmill.rollout.generator import Generator, build_generator
 from tokenmill.rollout.record import ReplayEngine
 from tokenmill.tracking.logger import MetricsLogger
+from tokenmill.training.allocator import keep_freed_memory
 from tokenmill.training.base import TrainBackend
 from tokenmill.training.critic import Critic, load_critic
 from tokenmill.training.local import LocalBackend, ReferenceModel
@@ -130,6 +131,8 @@ def _with_prompts(rows, column: str, field: str):
 def load_policy(cfg: ModelConfig, device: torch.device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if device.type == "cpu":  # a CPU trainer's steps reuse freed memory instead of faulting pages in again
+        keep_freed_memory()
     kwargs: dict[str, Any] = {"dtype": torch.float32}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
