@@ -15,7 +15,7 @@ import torch
 
 from tokenmill.config.distill import DistillConfig
 from tokenmill.testing import build_tiny_model
-from tokenmill.training.teacher import build_teacher, distill_groups
+from tokenmill.training.teacher import build_teacher, distill_groups, loss_teacher
 from tokenmill.types import Group, Sample, StopReason
 
 
@@ -99,9 +99,9 @@ def test_full_loss_with_a_top_k_server_equals_the_in_process_teacher(served_teac
     got = {}
     for name, teacher_cfg in (("local", {"path": path}), ("server", {"url": url})):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-        backend = LocalBackend(model, learning_rate=1e-3, total_steps=1)
         dist = DistillConfig(teacher=teacher_cfg, top_k=3, loss="full")
-        teacher = build_teacher(dist, model, tokenizer, torch.device("cpu"), backend=backend, full=True)
+        teacher = build_teacher(dist, model, tokenizer, torch.device("cpu"))
+        backend = LocalBackend(model, learning_rate=1e-3, total_steps=1, distill_teacher=loss_teacher(teacher, dist))
         try:
             metrics = backend.forward_backward(batch, lambda lp, b: ((lp * 0).sum(), {}))
         finally:

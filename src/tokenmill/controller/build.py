@@ -36,7 +36,7 @@ from tokenmill.training.base import TrainBackend
 from tokenmill.training.critic import Critic, load_critic
 from tokenmill.training.local import LocalBackend, ReferenceModel
 from tokenmill.training.logprobs import set_fast_forward
-from tokenmill.training.teacher import build_teacher
+from tokenmill.training.teacher import Teacher, build_teacher, loss_teacher
 from tokenmill.types import ConfigError
 
 
@@ -215,7 +215,8 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
             fast_decode=cfg.engine.fast_decode, cuda_graphs=cfg.engine.cuda_graphs,
             compile_step=cfg.engine.compile_step,
             max_batch_tokens=cfg.engine.max_batch_tokens)
-    backend, reference, critic = build_trainer(cfg, model, device, amp)
+    teacher = build_teacher(cfg.distillation, model, tokenizer, device, autocast_dtype=amp)
+    backend, reference, critic = build_trainer(cfg, model, device, amp, teacher)
     generator = build_generator(cfg, engine, tokenizer, reward_set)
     agent = build_agent(cfg, engine, tokenizer) if cfg.env is not None else None
     out = Path(cfg.tracking.output_dir)
@@ -239,8 +240,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
         actor=actor,
         source=PromptSource(train_rows, seed=cfg.training.seed, shuffle=cfg.data.shuffle),
         eval_rows=eval_rows, logger=logger, update_rng=random.Random(cfg.training.seed + 1), output_dir=out,
-        teacher=build_teacher(cfg.distillation, model, tokenizer, device, autocast_dtype=amp, backend=backend,
-                              full=full_kl(cfg)),
+        teacher=teacher,
     )
     # the setup's objects (modules, model, datasets: hundreds of thousands) leave the garbage collector's sight
     # until `close`: a full collection in the loop would otherwise scan them all (200 ms on the quickstart)
@@ -248,9 +248,10 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     return run
 
 
-def build_trainer(cfg: RLConfig, model, device, amp) -> tuple[TrainBackend, Any, Any]:
+def build_trainer(cfg: RLConfig, model, device, amp, teacher: Teacher | None = None) -> tuple[TrainBackend, Any, Any]:
     """The policy's train backend, the KL reference (None without KL) and the PPO critic (None without GAE);
-    with `training.backend: fsdp2` all three are sharded over the torchrun group."""
+    with `training.backend: fsdp2` all three are sharded over the torchrun group. With distillation's full
+    loss (`config.distill.full_kl`) the backend's loss adds the reverse KL to `teacher`."""
     gen, tr = cfg.generation, cfg.training
     sharded = tr.backend == "fsdp2"
     if sharded:
@@ -269,6 +270,9 @@ def build_trainer(cfg: RLConfig, model, device, amp) -> tuple[TrainBackend, Any,
     if sharded:
         backend: TrainBackend = ShardedBackend(copy.deepcopy(model), checkpoint_dir=shards,
                                                keep=cfg.checkpoint.keep_last + 1, **train)
+    elif teacher is not None and full_kl(cfg):
+        backend = LocalBackend(model, distill_teacher=loss_teacher(teacher, cfg.distillation),
+                               distill_coef=cfg.distillation.kl_coef, **train)
     else:
         backend = LocalBackend(model, **train)
     reference = None

@@ -177,12 +177,14 @@ class WeightReceiver:
         self.groups: dict[str, WeightGroup] = {}
         self.lock = threading.Lock()
 
-    def apply(self, named: list[tuple[str, torch.Tensor]], version: int) -> int:
+    def apply(self, named: list[tuple[str, torch.Tensor]], version: int, alias: dict[str, str] | None = None) -> int:
         """Hand the checked tensors to the engine. One that stages updates (`ContinuousEngine`) takes them at
         once and applies them when its running requests are done: the answer then comes without waiting
         for them, so a trainer's push never waits for a rollout in flight (if nothing was running, it waits
-        the moment it takes to apply, and /health shows the new version when the answer comes)."""
-        _, alias = parameter_specs(self.engine)
+        the moment it takes to apply, and /health shows the new version when the answer comes). `alias`: the
+        second half of `parameter_specs`, where the caller has it already."""
+        if alias is None:
+            _, alias = parameter_specs(self.engine)
         named = [(alias[n], t) for n, t in named]
         stage = getattr(self.engine, "stage_weights", None)
         if stage is None:
@@ -195,9 +197,9 @@ class WeightReceiver:
 
     def from_disk(self, body: DiskBody) -> int:
         with self.lock:
-            specs, _ = parameter_specs(self.engine)
+            specs, alias = parameter_specs(self.engine)
             return self.apply(read_folder(body.model_path, specs),
-                              _version(self.engine, body.policy_version, body.weight_version))
+                              _version(self.engine, body.policy_version, body.weight_version), alias)
 
     def init_group(self, body: GroupBody) -> None:
         with self.lock:
@@ -235,7 +237,7 @@ class WeightReceiver:
                 parsed = [parse_dtype(d) for d in dtypes]
             except ValueError as e:
                 raise UpdateRefused(f"dtypes: {e}") from e
-            specs, _ = parameter_specs(self.engine)
+            specs, alias = parameter_specs(self.engine)
             device = "cuda" if _is_nccl(group) else "cpu"
             errors, received = [], []
             try:
@@ -251,7 +253,7 @@ class WeightReceiver:
             if errors:
                 more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
                 raise UpdateRefused("; ".join(errors[:5]) + more)
-            return self.apply(received, _version(self.engine, policy_version, weight_version))
+            return self.apply(received, _version(self.engine, policy_version, weight_version), alias)
 
 
 def _received(group: WeightGroup, dtypes: list[torch.dtype], shapes: list[list[int]], device: str,

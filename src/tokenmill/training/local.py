@@ -156,13 +156,10 @@ class LocalBackend:
     """Trains one module in this process. `temperature` matches the sampler's (logits are divided by it). The
     LM head runs on chunks of `logits_chunk_mib` MiB of fp32 logits (`training.logprobs`; 0 = full logits).
 
-    `distill_teacher` (set after construction; on-policy distillation's `loss: full`): a frozen module with
-    the policy's vocabulary, or a `training.teacher.TopKTeacher`; every micro-batch's loss then adds
+    `distill_teacher` (on-policy distillation's `loss: full`; `training.teacher.loss_teacher`): a frozen module
+    with the policy's vocabulary, or a `training.teacher.TopKTeacher`; every micro-batch's loss then adds
     `distill_coef` x the weighted reverse KL from the policy to it at each trained position
     (`logprobs.reverse_kl`; bucketed for top-k), reported as `distill/reverse_kl`."""
-
-    distill_teacher: Any = None
-    distill_coef: float = 1.0
 
     def __init__(
         self,
@@ -182,8 +179,11 @@ class LocalBackend:
         share_prompts: bool = True,
         pack_sequences: bool = False,
         logits_chunk_mib: float = DEFAULT_CHUNK_MIB,
+        distill_teacher: Any = None,
+        distill_coef: float = 1.0,
     ) -> None:
         self.model = model
+        self.distill_teacher, self.distill_coef = distill_teacher, distill_coef
         self.chunk_bytes = int(logits_chunk_mib * 2**20)  # 0: the model's full logits
         self.device = next(model.parameters()).device
         self.params = [p for p in model.parameters() if p.requires_grad]

@@ -6,7 +6,7 @@ server that returns prompt logprobs (`RemoteEngine`: `tokenmill serve`, vLLM). `
 them behind one call: several are routed per row by a data column, or mixed (mean probability).
 `distill_groups` turns their scores into per-token advantages (`algorithms.distill`). With the full reverse
 KL (`distillation.loss: full`) the teacher is not asked here: the trainer runs it on each micro-batch and adds
-the exact per-position KL to the loss (`LocalBackend.distill_teacher`), and the advantages carry only the task
+the exact per-position KL to the loss (`LocalBackend`'s `distill_teacher`), and the advantages carry only the task
 reward's share.
 """
 
@@ -185,11 +185,9 @@ def _with_token_advantages(groups: list[Group], samples: list[Sample], adv_B_T: 
 
 
 def build_teacher(dist: DistillConfig | None, student: torch.nn.Module, tokenizer: Any, device: torch.device,
-                  *, autocast_dtype: torch.dtype | None = None, backend: Any = None,
-                  full: bool = False) -> Teacher | None:
+                  *, autocast_dtype: torch.dtype | None = None) -> Teacher | None:
     """The run's teacher (None without a distillation section); an in-process teacher must share the policy's
-    vocabulary (checked here: ConfigError naming the field). `full` (`config.distill.full_kl`): the teacher's
-    module is handed to `backend` (a `LocalBackend`), whose loss then adds the reverse KL to it."""
+    vocabulary (checked here: ConfigError naming the field)."""
     if dist is None:
         return None
     single = dist.teacher is not None
@@ -197,12 +195,14 @@ def build_teacher(dist: DistillConfig | None, student: torch.nn.Module, tokenize
     for name, tc in dist.named.items():
         field = "distillation.teacher" if single else f"distillation.teachers.{name}"
         scorers[name] = _scorer(tc, field, student, tokenizer, device, autocast_dtype)
-    teacher = Teacher(scorers, route_by=dist.route_by, top_k=dist.top_k)
-    if full:
-        (scorer,) = scorers.values()
-        backend.distill_teacher = TopKTeacher(scorer, dist.top_k) if dist.top_k else teacher.module
-        backend.distill_coef = dist.kl_coef
-    return teacher
+    return Teacher(scorers, route_by=dist.route_by, top_k=dist.top_k)
+
+
+def loss_teacher(teacher: Teacher, dist: DistillConfig) -> Any:
+    """What a `LocalBackend`'s loss takes the full reverse KL to (`distillation.loss: full`, one teacher):
+    the teacher's module, or with `top_k` its scorer's top-k view (`TopKTeacher`)."""
+    (scorer,) = teacher.scorers.values()
+    return TopKTeacher(scorer, dist.top_k) if dist.top_k else teacher.module
 
 
 def _scorer(tc: TeacherConfig, field: str, student, tokenizer, device, amp):

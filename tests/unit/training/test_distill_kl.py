@@ -74,8 +74,8 @@ def test_trainer_kl_and_gradient_equal_the_plain_formula_padded_packed_and_chunk
     for share, chunk in ((False, 0), (False, 3), (True, 3), (True, 0)):
         model = _load(tiny_model_path)
         backend = LocalBackend(model, learning_rate=1e-3, total_steps=1, temperature=0.7, share_prompts=share,
-                               logits_chunk_mib=chunk * 4 * model.config.vocab_size / 2**20)
-        backend.distill_teacher, backend.distill_coef = teacher, 0.5
+                               logits_chunk_mib=chunk * 4 * model.config.vocab_size / 2**20,
+                               distill_teacher=teacher, distill_coef=0.5)
         metrics = backend.forward_backward(batch, lambda lp, b: ((lp * 0).sum(), {}))
         assert metrics["distill/reverse_kl"] == pytest.approx(expected, rel=1e-5), (share, chunk)
         assert metrics["loss"] == pytest.approx(0.5 * expected, rel=1e-5)
@@ -114,8 +114,8 @@ def test_top_k_teacher_gives_the_bucketed_kl_and_the_full_kl_when_k_covers_the_v
     (want * batch.weights_B_T).sum().backward()
     want_grads = [p.grad.clone() for p in model.parameters()]
     student = _load(tiny_model_path)
-    backend = LocalBackend(student, learning_rate=1e-3, total_steps=1, logits_chunk_mib=3 * 4 * vocab / 2**20)
-    backend.distill_teacher = TopKTeacher(HFEngine(teacher, tokenizer), k)
+    backend = LocalBackend(student, learning_rate=1e-3, total_steps=1, logits_chunk_mib=3 * 4 * vocab / 2**20,
+                           distill_teacher=TopKTeacher(HFEngine(teacher, tokenizer), k))
     metrics = backend.forward_backward(batch, lambda lp, b: ((lp * 0).sum(), {}))
     assert metrics["distill/reverse_kl"] == pytest.approx(float((want * batch.weights_B_T).sum().detach()), rel=1e-4)
     assert metrics["distill/reverse_kl"] > 0.001
