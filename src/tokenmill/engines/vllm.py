@@ -203,10 +203,12 @@ class VLLMServer:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the server's whole process group (API server, engine core, workers), SIGKILL after
-        `timeout_s`; idempotent."""
+        `timeout_s`; idempotent. The shared-memory segments its processes had mapped (vLLM's message queues,
+        160-250 MiB each, which a signalled process leaves behind in /dev/shm) are removed once it is gone."""
         if self._closed:
             return
         self._closed = True
+        segments = shared_segments(group_pids(self.process.pid))
         try:
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 try:
@@ -221,12 +223,52 @@ class VLLMServer:
         finally:
             if self.extension_dir is not None:
                 shutil.rmtree(self.extension_dir, ignore_errors=True)
+            remove_orphaned(segments)
 
     def log_tail(self, chars: int = 3000) -> str:
         try:
             return self.log.read_text(errors="replace")[-chars:]
         except OSError:
             return ""
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The live processes of process group `pgid` (Linux /proc; empty elsewhere)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def shared_segments(pids: list[int]) -> set[Path]:
+    """The /dev/shm files that `pids` have mapped."""
+    found: set[Path] = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            parts = line.split(maxsplit=5)  # address perms offset device inode [path]
+            path = parts[5] if len(parts) == 6 else ""
+            if path.startswith("/dev/shm/") and not path.endswith("(deleted)"):
+                found.add(Path(path))
+    return found
+
+
+def remove_orphaned(segments: set[Path]) -> None:
+    """Unlink `segments` that no live process of ours maps (a stopped server's leftovers)."""
+    mine = shared_segments([os.getpid()])
+    for path in segments - mine:
+        try:
+            path.unlink()
+        except OSError:
+            pass
 
 
 def start_server(python: Path | str, model: str, *, port: int, host: str = "127.0.0.1", log: Path | None = None,
