@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vs_trl_parts import baton
 from vs_trl_parts.children import child_tokenmill, child_trl
 from vs_trl_parts.decode import compare_decode, print_decode
 from vs_trl_parts.measure import current_rss_mib, peak_rss_mib
@@ -52,6 +53,9 @@ def run_child(kind: str, spec_path: Path, result_path: Path) -> None:
     result["peak_rss_mib"] = peak_rss_mib()
     result["rss_end_mib"] = current_rss_mib()
     result_path.write_text(json.dumps(result, indent=1, default=str))
+    turn = baton.Baton.of_child(spec.get("interleave", 0))
+    if turn is not None:
+        turn.done()
 
 
 # ------------------------------------------------------------------------------------------ parent process
@@ -103,19 +107,47 @@ def prepare_model(spec: dict[str, Any], sft_steps: int, rebuild: bool) -> dict[s
     return info
 
 
-def launch(kind: str, spec_path: Path, workdir: Path) -> dict[str, Any]:
+def _child(kind: str, spec_path: Path, workdir: Path) -> tuple[list[str], Path]:
     result_path = workdir / f"result_{kind}.json"
     result_path.unlink(missing_ok=True)
-    cmd = [sys.executable, str(HERE), kind, "--spec", str(spec_path), "--result", str(result_path)]
+    return [sys.executable, str(HERE), kind, "--spec", str(spec_path), "--result", str(result_path)], result_path
+
+
+def _result(kind: str, code: int, result_path: Path, start: float) -> dict[str, Any]:
+    if code != 0 or not result_path.exists():
+        raise SystemExit(f"{kind} child failed with exit code {code}")
+    result = json.loads(result_path.read_text())
+    result["wall_seconds_process"] = time.perf_counter() - start
+    return result
+
+
+def launch(kind: str, spec_path: Path, workdir: Path) -> dict[str, Any]:
+    cmd, result_path = _child(kind, spec_path, workdir)
     print(f"\n=== {kind}: {' '.join(cmd[1:])}", flush=True)
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, check=False)
-    if proc.returncode != 0 or not result_path.exists():
-        raise SystemExit(f"{kind} child failed with exit code {proc.returncode}")
-    result = json.loads(result_path.read_text())
-    result["wall_seconds_process"] = time.perf_counter() - start
-    return result
+    return _result(kind, proc.returncode, result_path, start)
+
+
+def launch_interleaved(kinds: list[str], spec_path: Path, workdir: Path) -> dict[str, dict[str, Any]]:
+    """Both children at once, taking turns by blocks of steps (`vs_trl_parts.baton`); the first of `kinds`
+    has the first turn."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+    procs, pipes, paths = {}, {}, {}
+    start = time.perf_counter()
+    for kind in kinds:
+        cmd, paths[kind] = _child(kind, spec_path, workdir)
+        print(f"\n=== {kind} (interleaved): {' '.join(cmd[1:])}", flush=True)
+        child_env, child_fds, pipes[kind] = baton.child_env(env)
+        procs[kind] = subprocess.Popen(cmd, env=child_env, pass_fds=child_fds)
+        for fd in child_fds:
+            os.close(fd)
+    turns = baton.take_turns(procs, pipes, kinds[0])
+    baton.finish(procs, pipes)
+    print(f"{len(turns)} turns", flush=True)
+    return {kind: _result(kind, procs[kind].returncode, paths[kind], start) | {"turns": turns.count(kind)}
+            for kind in kinds}
 
 
 
@@ -152,7 +184,11 @@ def run_parent(args: argparse.Namespace) -> None:
         "fast_decode": not args.no_fast_decode,
         "placement": args.placement,
         "max_staleness": 0 if args.placement == "colocated" else 1,
+        "interleave": args.interleave,
     }
+    if args.interleave and args.placement != "colocated":
+        raise SystemExit("--interleave needs --placement colocated: an engine beside the trainer keeps generating "
+                         "while the other trainer has its turn")
     if eval_rows > spec["num_eval"]:
         raise SystemExit(f"--eval-rows {eval_rows} exceeds the {spec['num_eval']} held-out problems")
     model_info = prepare_model(spec, args.sft_steps, args.rebuild)
@@ -164,7 +200,11 @@ def run_parent(args: argparse.Namespace) -> None:
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
 
-    results = {kind: launch(kind, spec_path, workdir) for kind in args.order.split(",")}
+    kinds = args.order.split(",")
+    if spec["interleave"]:
+        results = launch_interleaved(kinds, spec_path, workdir)
+    else:
+        results = {kind: launch(kind, spec_path, workdir) for kind in kinds}
     tm, tr = results["tokenmill"], results["trl"]
     summary = {"tokenmill": summarise(tm), "trl": summarise(tr)}
     keys = [
@@ -285,6 +325,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-only", action="store_true",
                    help="no training: tokenmill's engine with fast decode on and off, interleaved generate() calls")
     p.add_argument("--order", default="tokenmill,trl", help="order the children run in")
+    p.add_argument("--interleave", type=int, default=0, metavar="N",
+                   help="run both trainers at once, taking turns by blocks of N steps (both meet the same "
+                        "machine; vs_trl_parts/baton.py); 0 = one after the other")
     p.add_argument(
         "--workdir", default="/tmp/tokenmill_vs_trl", help="models and run folders (warm start cached)"
     )

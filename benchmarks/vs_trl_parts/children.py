@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vs_trl_parts.baton import Baton
 from vs_trl_parts.measure import current_rss_mib, evaluate_model, load_meter
 
 
@@ -77,6 +78,21 @@ def child_tokenmill(spec: dict[str, Any]) -> dict[str, Any]:
         for name in ("metrics.jsonl", "samples.jsonl", "config.yaml"):
             (out_dir / name).unlink(missing_ok=True)
     cfg = tokenmill_config(spec, str(out_dir))
+    turn = Baton.of_child(spec.get("interleave", 0))
+    if turn is not None:  # an interleaved run: each step waits for tokenmill's turn before its timer starts
+        import contextlib
+
+        import tokenmill.controller.rl as loop
+
+        timed = loop.step_timer
+
+        @contextlib.contextmanager
+        def step_timer_after_turn(*args, **kwargs):
+            turn.before_step()
+            with timed(*args, **kwargs) as timer:
+                yield timer
+
+        loop.step_timer = step_timer_after_turn
     rss_before = current_rss_mib()
     wall_start = time.perf_counter()
     with load_meter() as load:
@@ -196,6 +212,8 @@ def step_timer(spec: dict[str, Any], seen: dict[str, Any], tokenizer, eval_rows)
     import torch
     from transformers import TrainerCallback
 
+    turn = Baton.of_child(spec.get("interleave", 0))
+
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:
             self.step_seconds: list[float] = []
@@ -211,6 +229,8 @@ def step_timer(spec: dict[str, Any], seen: dict[str, Any], tokenizer, eval_rows)
             self.train_begin = time.perf_counter()
 
         def on_step_begin(self, args, state, control, **kwargs):
+            if turn is not None:  # an interleaved run: wait for this trainer's turn, untimed
+                turn.before_step()
             self._g0 = seen["generated"]
             self._t0 = time.perf_counter()
 

@@ -217,7 +217,11 @@ def print_report(spec, report) -> None:
         f"other processes {lr_['other_cores']:.2f}"
     )
     busy = max(lt["other_cores"], lr_["other_cores"])
-    if busy > 0.25:
+    if spec.get("interleave"):
+        print(f"interleaved by blocks of {spec['interleave']} steps: tokenmill had {tm.get('turns')} turns, TRL "
+              f"{tr.get('turns')}; the load of 'other processes' above is mostly the other trainer's turns, while "
+              "this one waited untimed")
+    elif busy > 0.25:
         print(
             f"WARNING: other processes used up to {busy:.2f} cores while a trainer ran: the timings above measure "
             f"that contention as much as the trainers (with {spec['threads']} torch threads on "
