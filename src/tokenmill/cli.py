@@ -272,7 +272,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
     from tokenmill.engines.server import serve
+    from tokenmill.sandbox.lifetime import watch_parent
 
+    watch_parent()  # started by a trainer (`engine.placement: process`): go when it goes
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     token = args.token if args.token is not None else os.environ.get("TOKENMILL_SERVE_TOKEN") or None
     try:

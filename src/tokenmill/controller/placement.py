@@ -31,7 +31,7 @@ import torch
 
 from tokenmill.rollout.agent import build_agent
 from tokenmill.rollout.generator import Generator, build_generator
-from tokenmill.sandbox.lifetime import preexec_die_with_parent, stop_process
+from tokenmill.sandbox.lifetime import parent_env, preexec_die_with_parent, stop_process
 from tokenmill.types import ConfigError, Group, TokenmillError
 
 
@@ -195,7 +195,7 @@ def spawn_servers(model_dir: str, count: int, *, threads: int = 0, timeout_s: fl
     from tokenmill.serving import wait_for_port
 
     urls, procs = [], []
-    env = dict(os.environ)
+    env = parent_env(dict(os.environ))  # `tokenmill serve` watches for this process
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     try:

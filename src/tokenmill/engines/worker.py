@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from tokenmill.engines.base import EngineUnavailable
-from tokenmill.sandbox.lifetime import preexec_die_with_parent, stop_process
+from tokenmill.sandbox.lifetime import parent_env, preexec_die_with_parent, stop_process, watch_parent
 from tokenmill.types import Completion, SamplingParams
 
 START_TIMEOUT_S = 300.0  # a new worker imports torch and transformers, then unpickles the model
@@ -84,7 +84,7 @@ class WorkerEngine:
         self._shm = shared_memory.SharedMemory(create=True, size=max(offset, 64))
         self.staging = staging_views(self._shm.buf, layout)
         mine, theirs = socket.socketpair()
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        env = parent_env(dict(os.environ, OMP_NUM_THREADS=str(threads)))
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "tokenmill.engines.worker", str(theirs.fileno())], pass_fds=[theirs.fileno()],
@@ -231,4 +231,5 @@ def _serve(conn: Connection) -> None:
 
 
 if __name__ == "__main__":
+    watch_parent()
     _serve(Connection(int(sys.argv[1])))

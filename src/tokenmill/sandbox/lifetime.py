@@ -4,7 +4,8 @@ A kill -9 runs no cleanup: `atexit`, `finally` and `Process(daemon=True)` do not
 only waits for a message (or spins in user code) would live on forever. The kernel can do it instead:
 `prctl(PR_SET_PDEATHSIG, SIGKILL)` in the child makes the kernel kill it when its parent goes. Two
 caveats, both handled here: the signal is tied to the *thread* that forked the child (a worker forked
-from a short-lived thread is killed early, and simply re-forked by its owner), and a parent that died
+from a short-lived thread is killed early, and simply re-forked by its owner; a long-lived program started
+from such a thread gets no signal and watches its parent instead: `parent_env`, `watch_parent`), and a parent that died
 before the prctl ran is caught by comparing `getppid()` with the pid the parent had. Where prctl does
 not exist (not Linux), a daemon thread in the child polls `getppid()` instead.
 """
@@ -22,6 +23,7 @@ from collections.abc import Callable
 
 PR_SET_PDEATHSIG = 1
 POLL_S = 0.5
+PARENT_ENV = "TOKENMILL_PARENT_PID"
 
 
 def _load_prctl() -> Callable[..., int] | None:
@@ -59,14 +61,33 @@ def preexec_die_with_parent() -> Callable[[], None]:
     """A `preexec_fn` for `subprocess.Popen`: the spawned program is killed when the caller exits (the
     death signal survives exec). Build it in the parent: it captures the parent's pid."""
     parent = os.getpid()
+    # the signal follows the thread that forks: from any other thread it would kill the child when that thread
+    # ends, so there the child watches for the parent itself (`parent_env` and `watch_parent`)
+    on_main = threading.current_thread() is threading.main_thread()
 
     def preexec() -> None:
-        if _PRCTL is not None:
+        if on_main and _PRCTL is not None:
             _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
         if os.getppid() != parent:
             os._exit(1)
 
     return preexec
+
+
+def parent_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a child that calls `watch_parent`: it names this process as the parent to watch."""
+    return env | {PARENT_ENV: str(os.getpid())}
+
+
+def watch_parent() -> None:
+    """In a child started with `parent_env`: exit when the parent named there is gone (polled every `POLL_S`);
+    the death signal of `preexec_die_with_parent` does it at once where it applies, this wherever it does not."""
+    named = os.environ.pop(PARENT_ENV, "")
+    if not named.isdigit():
+        return
+    if os.getppid() != int(named):
+        os._exit(1)
+    threading.Thread(target=_watch, args=(int(named),), name="die-with-parent", daemon=True).start()
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0, *, terminate: bool = True) -> None:

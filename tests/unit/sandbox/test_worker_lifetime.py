@@ -134,3 +134,41 @@ def test_stop_process_terminates_then_kills_what_ignores_it():
     stop_process(stubborn, timeout_s=0.5)
     assert stubborn.returncode == -signal.SIGKILL and time.monotonic() - t0 < 10
     stubborn.stdout.close()
+
+
+THREAD_SPAWNER = textwrap.dedent("""
+    import os, subprocess, sys, threading, time
+    from tokenmill.sandbox.lifetime import parent_env, preexec_die_with_parent
+
+    CHILD = "from tokenmill.sandbox.lifetime import watch_parent; import time; watch_parent(); time.sleep(600)"
+    started = []
+
+    def start():  # a thread that ends at once: a death signal tied to it would kill the child now
+        started.append(subprocess.Popen([sys.executable, "-c", CHILD], env=parent_env(dict(os.environ)),
+                                        preexec_fn=preexec_die_with_parent()))
+
+    t = threading.Thread(target=start)
+    t.start()
+    t.join()
+    print(started[0].pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_program_started_from_a_thread_outlives_it_and_dies_with_the_parent(tmp_path):
+    script = tmp_path / "spawner.py"
+    script.write_text(THREAD_SPAWNER)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(parent.stdout.readline())
+        time.sleep(1.5)  # the starting thread is long gone, and the child's watcher runs
+        assert _alive(child), "the child died with the thread that started it"
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=10)
+        assert _wait_gone([child], 5.0) == []
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)
