@@ -82,20 +82,8 @@ SPAWNER = textwrap.dedent("""
 
 def test_spawned_program_dies_with_a_killed_parent(tmp_path):
     """What `spawn_servers` does for `tokenmill serve`: the death signal set before exec survives it."""
-    script = tmp_path / "spawner.py"
-    script.write_text(SPAWNER)
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    try:
-        child = int(parent.stdout.readline())
-        assert _alive(child)
-        os.kill(parent.pid, signal.SIGKILL)
-        parent.wait(timeout=10)
-        assert _wait_gone([child], 5.0) == []
-    finally:
-        if parent.poll() is None:
-            parent.kill()
-        if "child" in locals() and _alive(child):
-            os.kill(child, signal.SIGKILL)
+    _kill_parent_then_check_child(tmp_path, SPAWNER, settle_s=0.0)
+
 
 
 def test_a_reward_worker_ignores_ctrl_c_meant_for_its_trainer():
@@ -156,14 +144,21 @@ THREAD_SPAWNER = textwrap.dedent("""
 
 
 def test_program_started_from_a_thread_outlives_it_and_dies_with_the_parent(tmp_path):
+    # 1.5 s: the starting thread is long gone, and the child's watcher runs
+    _kill_parent_then_check_child(tmp_path, THREAD_SPAWNER, settle_s=1.5)
+
+
+def _kill_parent_then_check_child(tmp_path, spawner: str, settle_s: float) -> None:
+    """Run `spawner` (it prints its child's pid), check the child is alive after `settle_s`, SIGKILL the
+    spawner and check the child is gone within 5 s."""
     script = tmp_path / "spawner.py"
-    script.write_text(THREAD_SPAWNER)
+    script.write_text(spawner)
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     child = None
     try:
         child = int(parent.stdout.readline())
-        time.sleep(1.5)  # the starting thread is long gone, and the child's watcher runs
-        assert _alive(child), "the child died with the thread that started it"
+        time.sleep(settle_s)
+        assert _alive(child), "the child died before its parent"
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(timeout=10)
         assert _wait_gone([child], 5.0) == []
