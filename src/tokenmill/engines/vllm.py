@@ -43,6 +43,7 @@ from typing import Any
 
 import httpx
 
+from tokenmill.sandbox.lifetime import STAT_PGRP, pids_where
 from tokenmill.sync.base import NamedTensors, WeightSyncError
 from tokenmill.sync.broadcast import BroadcastSync
 from tokenmill.sync.files import write_folder
@@ -208,7 +209,7 @@ class VLLMServer:
         if self._closed:
             return
         self._closed = True
-        segments = shared_segments(group_pids(self.process.pid))
+        segments = shared_segments(pids_where(STAT_PGRP, self.process.pid))
         try:
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 try:
@@ -230,19 +231,6 @@ class VLLMServer:
             return self.log.read_text(errors="replace")[-chars:]
         except OSError:
             return ""
-
-
-def group_pids(pgid: int) -> list[int]:
-    """The live processes of process group `pgid` (Linux /proc; empty elsewhere)."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid:
-            pids.append(int(stat.parent.name))
-    return pids
 
 
 def shared_segments(pids: list[int]) -> set[Path]:

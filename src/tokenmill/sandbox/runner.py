@@ -34,6 +34,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 
+from tokenmill.sandbox.lifetime import STAT_PPID, pids_where, stat_fields
 from tokenmill.sandbox.limits import Limits, RunResult, SandboxUnavailable
 
 log = logging.getLogger("tokenmill.sandbox")
@@ -209,16 +210,12 @@ def _remove_tree(top: str) -> None:
 
 
 def _parent_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(b")") + 2:].split()[1])  # after "pid (comm) state"
+    fields = stat_fields(pid)
+    return None if fields is None else int(fields[STAT_PPID])
 
 
 def _children(pid: int) -> list[int]:
-    return [int(e.name) for e in os.scandir("/proc") if e.name.isdigit() and _parent_of(int(e.name)) == pid]
+    return pids_where(STAT_PPID, pid)
 
 
 def _has_exited(pid: int) -> bool:
