@@ -177,14 +177,12 @@ class WeightReceiver:
         self.groups: dict[str, WeightGroup] = {}
         self.lock = threading.Lock()
 
-    def apply(self, named: list[tuple[str, torch.Tensor]], version: int, alias: dict[str, str] | None = None) -> int:
+    def apply(self, named: list[tuple[str, torch.Tensor]], version: int, alias: dict[str, str]) -> int:
         """Hand the checked tensors to the engine. One that stages updates (`ContinuousEngine`) takes them at
         once and applies them when its running requests are done: the answer then comes without waiting
         for them, so a trainer's push never waits for a rollout in flight (if nothing was running, it waits
         the moment it takes to apply, and /health shows the new version when the answer comes). `alias`: the
-        second half of `parameter_specs`, where the caller has it already."""
-        if alias is None:
-            _, alias = parameter_specs(self.engine)
+        second half of the `parameter_specs` the caller checked the tensors against."""
         named = [(alias[n], t) for n, t in named]
         stage = getattr(self.engine, "stage_weights", None)
         if stage is None:
