@@ -107,10 +107,12 @@ def prepare_model(spec: dict[str, Any], sft_steps: int, rebuild: bool) -> dict[s
     return info
 
 
-def _child(kind: str, spec_path: Path, workdir: Path) -> tuple[list[str], Path]:
+def _child(kind: str, spec_path: Path, workdir: Path) -> tuple[list[str], dict[str, str], Path]:
+    """A child's command, environment and result path (an old result removed)."""
     result_path = workdir / f"result_{kind}.json"
     result_path.unlink(missing_ok=True)
-    return [sys.executable, str(HERE), kind, "--spec", str(spec_path), "--result", str(result_path)], result_path
+    cmd = [sys.executable, str(HERE), kind, "--spec", str(spec_path), "--result", str(result_path)]
+    return cmd, dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore"), result_path
 
 
 def _result(kind: str, code: int, result_path: Path, start: float) -> dict[str, Any]:
@@ -122,9 +124,8 @@ def _result(kind: str, code: int, result_path: Path, start: float) -> dict[str, 
 
 
 def launch(kind: str, spec_path: Path, workdir: Path) -> dict[str, Any]:
-    cmd, result_path = _child(kind, spec_path, workdir)
+    cmd, env, result_path = _child(kind, spec_path, workdir)
     print(f"\n=== {kind}: {' '.join(cmd[1:])}", flush=True)
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, check=False)
     return _result(kind, proc.returncode, result_path, start)
@@ -133,11 +134,10 @@ def launch(kind: str, spec_path: Path, workdir: Path) -> dict[str, Any]:
 def launch_interleaved(kinds: list[str], spec_path: Path, workdir: Path) -> dict[str, dict[str, Any]]:
     """Both children at once, taking turns by blocks of steps (`vs_trl_parts.baton`); the first of `kinds`
     has the first turn."""
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
     procs, pipes, paths = {}, {}, {}
     start = time.perf_counter()
     for kind in kinds:
-        cmd, paths[kind] = _child(kind, spec_path, workdir)
+        cmd, env, paths[kind] = _child(kind, spec_path, workdir)
         print(f"\n=== {kind} (interleaved): {' '.join(cmd[1:])}", flush=True)
         child_env, child_fds, pipes[kind] = baton.child_env(env)
         procs[kind] = subprocess.Popen(cmd, env=child_env, pass_fds=child_fds)
