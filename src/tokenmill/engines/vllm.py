@@ -200,16 +200,24 @@ class VLLMServer:
     process: subprocess.Popen
     log: Path
     extension_dir: Path | None = None  # the worker extension's folder (removed by stop)
+    segments: set[Path] = field(default_factory=set)  # /dev/shm files its group mapped (noted when it is up)
     _closed: bool = field(default=False, repr=False)
+
+    def note_segments(self) -> None:
+        """Remember the /dev/shm files the server's process group maps now, so `stop` removes them even when
+        the group is gone by then (killed from outside: nothing is left to read its maps from)."""
+        self.segments |= shared_segments(pids_where(STAT_PGRP, self.process.pid))
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the server's whole process group (API server, engine core, workers), SIGKILL after
         `timeout_s`; idempotent. The shared-memory segments its processes had mapped (vLLM's message queues,
-        160-250 MiB each, which a signalled process leaves behind in /dev/shm) are removed once it is gone."""
+        160-250 MiB each, which a signalled process leaves behind in /dev/shm) are removed once it is gone:
+        those mapped now and those `note_segments` saw."""
         if self._closed:
             return
         self._closed = True
-        segments = shared_segments(pids_where(STAT_PGRP, self.process.pid))
+        self.note_segments()
+        segments = self.segments
         try:
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 try:
@@ -285,6 +293,7 @@ def start_server(python: Path | str, model: str, *, port: int, host: str = "127.
     except BaseException:
         server.stop(timeout_s=10)
         raise
+    server.note_segments()  # its message queues exist once it answers
     return server
 
 
