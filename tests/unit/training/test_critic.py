@@ -180,6 +180,7 @@ def test_critic_packs_shared_prompts_with_the_values_and_gradients_of_padded_row
         assert [b.values[i] for i in trained] == pytest.approx([a.values[i] for i in trained], abs=1e-5)
         assert b.token_advantages == pytest.approx(a.token_advantages, abs=1e-5)
     assert any(abs(v) > 0.05 for s in adv0 for v in s.values)
-    assert m1["value_loss"] == pytest.approx(m0["value_loss"], abs=1e-6) and m0["value_loss"] > 1e-3
+    # relative: a loss of 152 is 1.5e-5 apart from its fp32 neighbours (3.8e-6 apart on an AVX-512 CPU)
+    assert m1["value_loss"] == pytest.approx(m0["value_loss"], rel=1e-6) and m0["value_loss"] > 1e-3
     for name, g in g0.items():
         torch.testing.assert_close(g1[name], g, atol=1e-5, rtol=1e-4, msg=name)

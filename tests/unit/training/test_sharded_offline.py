@@ -90,10 +90,14 @@ def test_two_ranks_train_like_one_process(runs, kind):
     assert r0[kind] == pytest.approx(alone[kind], rel=1e-5)
     assert alone[kind][-1] < alone[kind][0]  # it trained
     want = alone[f"{kind}_weights"]
-    for rank in (r0, r1):  # every rank holds the whole trained model at the end
+    # every rank holds the whole trained model at the end. The two ranks all-reduce their gradients in another
+    # order than one process sums them, and AdamW divides by the root of the second moment, so a gradient
+    # entry near zero can take a step up to the learning rate apart: 1.2e-5 on one of 128 LoRA entries on an
+    # AVX-512 CPU, none above 1e-5 on AVX2
+    for rank in (r0, r1):
         assert sorted(rank[f"{kind}_weights"]) == sorted(want)
         for name, tensor in want.items():
-            torch.testing.assert_close(rank[f"{kind}_weights"][name], tensor, rtol=0, atol=1e-5, msg=name)
+            torch.testing.assert_close(rank[f"{kind}_weights"][name], tensor, rtol=0, atol=5e-5, msg=name)
 
 
 def test_rank_zero_exports_the_trained_model(runs):
