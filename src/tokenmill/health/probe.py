@@ -92,8 +92,9 @@ class WeightProbe:
 
     Beside a producer that runs ahead (`controller.max_staleness` >= 1) on tokenmill's own servers (the process
     placement, Ray's fleet), the engine's side runs in a thread: a server scores only once its running
-    requests have finished and the pushed weights are in, and the trainer must not wait for that. The trainer's side is computed at the push; the result is
-    reported by the first `after_push` after it comes, with `probe/step`, the push it checked.
+    requests have finished and the pushed weights are in, and the trainer must not wait for that. The trainer's
+    side is computed at the push; the result is reported by the first `after_push` after it comes, with
+    `probe/step`, the push it checked.
     """
 
     def __init__(self, run, feed, say=print) -> None:

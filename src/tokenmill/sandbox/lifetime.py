@@ -6,8 +6,8 @@ only waits for a message (or spins in user code) would live on forever. The kern
 caveats, both handled here: the signal is tied to the *thread* that forked the child (a worker forked
 from a short-lived thread is killed early, and simply re-forked by its owner; a long-lived program
 started from such a thread gets no signal and watches its parent instead: `parent_env`, `watch_parent`),
-and a parent that died before the prctl ran is caught by comparing `getppid()` with the pid the parent had. Where prctl does
-not exist (not Linux), a daemon thread in the child polls `getppid()` instead.
+and a parent that died before the prctl ran is caught by comparing `getppid()` with the pid the parent
+had. Where prctl does not exist (not Linux), a daemon thread in the child polls `getppid()` instead.
 """
 
 from __future__ import annotations
