@@ -49,9 +49,9 @@ def build_teacher(work: Path, *, sft_steps: int = 1200, seed: int = 0) -> Path:
     """A stronger teacher with the quickstart's tokenizer: 3 layers x 192 wide, supervised on correct answers
     (no slips) for `sft_steps` steps; returns its folder."""
     from tokenmill.config.schema import ModelConfig
-    from tokenmill.controller.build import load_policy, resolve_device
     from tokenmill.data.registry import task_splits
     from tokenmill.recipes.tiny import build_tiny_model
+    from tokenmill.training.model import load_policy, resolve_device
     from tokenmill.training.sft import run_sft
 
     base = build_tiny_model(work / "teacher_base", seed=seed + 1, **TEACHER)
@@ -121,8 +121,8 @@ def supervised_reference(warm: Path, work: Path, steps: int, *, batch_size: int 
     """Held-out accuracy of the student after `steps` supervised steps on correct answers (what the teacher,
     at 1.000, answers): the densest signal a student can get, as a bound on what distillation can do per step."""
     from tokenmill.config.schema import ModelConfig
-    from tokenmill.controller.build import load_policy, resolve_device
     from tokenmill.data.registry import task_splits
+    from tokenmill.training.model import load_policy, resolve_device
     from tokenmill.training.sft import run_sft
 
     rows, _, _ = task_splits("addition", 20000, 500, seed=seed, slip=0.0)

@@ -95,10 +95,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_sft(args: argparse.Namespace) -> int:
     from tokenmill.config import SFTConfig, load_config, parse_overrides
     from tokenmill.config.preflight import check_model_and_data
-    from tokenmill.controller.build import load_policy, resolve_device
     from tokenmill.data import load_rows
     from tokenmill.data.registry import task_splits
     from tokenmill.training.dist import is_main
+    from tokenmill.training.model import load_policy, resolve_device
     from tokenmill.training.sft import run_sft
 
     cfg = load_config(SFTConfig, args.config, parse_overrides(args.overrides))
@@ -146,12 +146,12 @@ def _offline_logger(cfg, label: str):
 def cmd_preference(args: argparse.Namespace) -> int:
     from tokenmill.config import PreferenceConfig, load_config, parse_overrides
     from tokenmill.config.preflight import check_model_and_data
-    from tokenmill.controller.build import load_policy, resolve_device
     from tokenmill.data import load_rows
     from tokenmill.data.registry import HELD_OUT_SEED_OFFSET
     from tokenmill.data.tasks import addition_preferences
     from tokenmill.training import preference as pref
     from tokenmill.training.dist import is_main
+    from tokenmill.training.model import load_policy, resolve_device
 
     cfg = load_config(PreferenceConfig, args.config, parse_overrides(args.overrides))
     check_model_and_data(cfg.model, cfg.data.path, cfg.data.split)
@@ -187,10 +187,12 @@ def cmd_preference(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from tokenmill.config.preflight import check_run
-    from tokenmill.controller.build import build_datasets, build_rewards, load_policy, resolve_device
     from tokenmill.controller.evaluate import evaluate
+    from tokenmill.data.build import build_datasets
     from tokenmill.engines.hf import HFEngine
+    from tokenmill.rewards.build import build_rewards
     from tokenmill.rollout.generator import build_generator
+    from tokenmill.training.model import load_policy, resolve_device
 
     cfg = _rl_config(args.config, args.overrides)
     check_run(cfg)

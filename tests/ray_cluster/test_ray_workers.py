@@ -15,6 +15,7 @@ ray = pytest.importorskip("ray")
 
 from tokenmill.config import AlgorithmConfig
 from tokenmill.testing.samples import uneven_groups
+from tokenmill.training.spec import TrainerSpec
 from tokenmill.types import Sample
 
 STEPS = 4
@@ -65,7 +66,7 @@ def test_a_killed_rank_is_detected_and_the_group_resumes_exactly(ray_cluster, mo
     plan = make_plan(ClusterConfig(backend="ray", nodes=2, cpus_per_node=3, trainer_ranks=2,
                                    strategy="STRICT_SPREAD"))
     assert plan.trainer_nodes() == [0, 1]
-    spec = BackendSpec(model_path, str(tmp_path / "shards"), seed=0, backend_kwargs=KWARGS, pg_timeout_s=60)
+    spec = BackendSpec(model_path, str(tmp_path / "shards"), seed=0, trainer=TrainerSpec(**KWARGS), pg_timeout_s=60)
     group = WorkerGroup(ray_cluster, spec, 2, strategy="STRICT_SPREAD", start_timeout_s=180)
     from transformers import AutoConfig
 

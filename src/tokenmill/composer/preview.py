@@ -102,7 +102,7 @@ class Previewer:
         self._tokenizer: Any = None
 
     def _policy(self, cfg: RLConfig) -> tuple[Any, Any, float]:
-        from tokenmill.controller.build import load_policy, resolve_device
+        from tokenmill.training.model import load_policy, resolve_device
 
         key = (cfg.model.path, cfg.model.tokenizer_path or "", cfg.model.device, cfg.model.attn_implementation or "")
         if key == self._key:
@@ -154,7 +154,7 @@ class Previewer:
 
 
 def _rows(cfg: RLConfig, n: int) -> tuple[list[dict[str, Any]], Any]:
-    from tokenmill.controller.build import build_datasets
+    from tokenmill.data.build import build_datasets
 
     small = cfg.model_copy(update={"data": cfg.data.model_copy(update={"num_train": n, "num_eval": 0})})
     try:
@@ -239,8 +239,8 @@ def _rewards(cfg: RLConfig, codes: list[RewardCode], task_reward: Any,
     """The reward set to score with (task, config, code: built as a run builds its own, except that the
     config's functions are resolved in their workers and reward models are timed) and a description of each.
     A code reward with a syntax error is described, with its error, but not run."""
-    from tokenmill.controller.build import build_rewards
     from tokenmill.rewards.base import FunctionReward
+    from tokenmill.rewards.build import build_rewards
 
     infos: list[dict[str, Any]] = []
     if task_reward is not None:

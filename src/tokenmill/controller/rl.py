@@ -11,7 +11,7 @@ from tokenmill.algorithms.shaping import has_spread, shape_overlong
 from tokenmill.checkpoint.atomic import load_latest, rng_state, save_checkpoint, set_rng_state
 from tokenmill.checkpoint.export import export_atomic
 from tokenmill.config.distill import full_kl
-from tokenmill.controller.build import Run, parameter_counts
+from tokenmill.controller.build import Run
 from tokenmill.controller.evaluate import evaluate, evaluate_agent, rollout_metrics, sample_records
 from tokenmill.controller.feeds import Feed, rollout_feed
 from tokenmill.health.alarms import Alarms
@@ -20,6 +20,7 @@ from tokenmill.health.report import EfficiencyReport, efficiency_metrics
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.critic import gae_advantages
 from tokenmill.training.dist import barrier, is_main
+from tokenmill.training.model import parameter_counts
 from tokenmill.training.teacher import distill_groups
 from tokenmill.training.update import policy_update, value_update
 from tokenmill.types import ConfigError, Group, Sample

@@ -22,9 +22,9 @@ def warm_start(
 ) -> Path:
     """Build the tiny model and give it the sloppy teacher's supervised warm start; return the warm folder."""
     from tokenmill.config.schema import ModelConfig
-    from tokenmill.controller.build import load_policy, resolve_device
     from tokenmill.data.registry import task_splits
     from tokenmill.recipes.tiny import build_tiny_model
+    from tokenmill.training.model import load_policy, resolve_device
     from tokenmill.training.sft import run_sft
 
     out = Path(output_dir)
@@ -155,9 +155,9 @@ def game_warm_start(
     from datasets import Dataset
 
     from tokenmill.config.schema import ModelConfig
-    from tokenmill.controller.build import load_policy, resolve_device
     from tokenmill.envs.guess import guess_demonstration
     from tokenmill.recipes.tiny import build_tiny_model
+    from tokenmill.training.model import load_policy, resolve_device
     from tokenmill.training.sft import run_sft
 
     out = Path(output_dir)

@@ -57,6 +57,7 @@ from tokenmill.training.dist import (
     world,
 )
 from tokenmill.training.local import LocalBackend, ReferenceModel, packing_segments
+from tokenmill.training.logprobs import DEFAULT_CHUNK_MIB
 from tokenmill.training.packing import plan_lines, prompt_segments
 from tokenmill.types import ConfigError, TokenmillError
 
@@ -156,10 +157,11 @@ class ShardedReference(ReferenceModel):
     `adapters_off`, `model` is a LoRA policy the trainer already sharded, run with its adapters disabled."""
 
     def __init__(self, model: torch.nn.Module, *, temperature: float, token_budget: int,
-                 share_prompts: bool = True, adapters_off: bool = False) -> None:
+                 share_prompts: bool = True, adapters_off: bool = False,
+                 logits_chunk_mib: float = DEFAULT_CHUNK_MIB) -> None:
         super().__init__(model if adapters_off else shard_model(model.requires_grad_(False)),
                          temperature=temperature, token_budget=token_budget, share_prompts=share_prompts,
-                         adapters_off=adapters_off)
+                         adapters_off=adapters_off, logits_chunk_mib=logits_chunk_mib)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         return split_logprobs(batch, super().forward, self.token_budget, self.share_prompts)

@@ -243,8 +243,8 @@ def test_a_server_that_never_joins_fails_within_the_timeout():
 # -------------------------------------------------------------------------------------------------- LoRA
 def test_lora_pushes_merged_weights(server, tiny_model_path, tiny_model, tmp_path):
     from tokenmill.config.schema import LoRAConfig, ModelConfig
-    from tokenmill.controller.build import load_policy
     from tokenmill.training import LocalBackend
+    from tokenmill.training.model import load_policy
 
     model, _ = load_policy(ModelConfig(path=tiny_model_path, lora=LoRAConfig(rank=4)), torch.device("cpu"))
     backend = LocalBackend(model, learning_rate=1e-2, total_steps=1)

@@ -113,7 +113,7 @@ def test_steps_aside_where_it_would_not_be_the_same_forward():
 
 def test_training_config_turns_it_off(tmp_path, tiny_model_path):
     from tokenmill.config.schema import RLConfig
-    from tokenmill.controller.build import build_trainer
+    from tokenmill.controller.trainer import build_trainer
 
     cfg = RLConfig.model_validate({"model": {"path": tiny_model_path}, "data": {"task": "addition"},
                                    "training": {"fast_forward": False},

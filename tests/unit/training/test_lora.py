@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tokenmill.config.schema import LoRAConfig, ModelConfig
-from tokenmill.controller.build import load_policy, parameter_counts
+from tokenmill.training.model import load_policy, parameter_counts
 from tokenmill.types import ConfigError
 
 

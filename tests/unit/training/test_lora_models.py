@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tokenmill.config.schema import AlgorithmConfig, CriticConfig, LoRAConfig, ModelConfig
-from tokenmill.controller.build import load_policy, parameter_counts
 from tokenmill.data.tasks import addition_preferences
 from tokenmill.training import preference as pref
 from tokenmill.training.critic import Critic, gae_advantages, load_critic
+from tokenmill.training.model import load_policy, parameter_counts
 from tokenmill.training.update import value_update
 from tokenmill.types import ConfigError, Sample, StopReason
 

@@ -21,21 +21,19 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.controller.ray.cluster import connect
-from tokenmill.controller.ray.workers import BackendSpec, RankFailure, RayBackend, WorkerGroup
+from tokenmill.controller.ray.workers import BackendSpec, RankFailure, WorkerGroup
 
 
-def _backend_kwargs(cfg) -> dict[str, Any]:
-    """The keyword arguments `build_run` gives its `LocalBackend`, so that the ranks train alike."""
-    from tokenmill.controller.build import autocast_dtype, resolve_device
+def _spec(cfg) -> BackendSpec:
+    """What every trainer rank builds: the policy folder and the run's `TrainerSpec` (the same one the driver's
+    `build_trainer` derives), so that the ranks train with every option of the config."""
+    from tokenmill.training.model import autocast_dtype, resolve_device
+    from tokenmill.training.spec import TrainerSpec
 
-    tr, gen = cfg.training, cfg.generation
-    return {
-        "learning_rate": tr.learning_rate, "weight_decay": tr.weight_decay, "betas": tr.betas,
-        "total_steps": cfg.controller.steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches,
-        "warmup_steps": tr.warmup_steps, "lr_schedule": tr.lr_schedule, "max_grad_norm": tr.max_grad_norm,
-        "micro_batch_tokens": tr.micro_batch_tokens, "temperature": gen.temperature,
-        "autocast_dtype": autocast_dtype(cfg.model, resolve_device(cfg.model.device)), "share_prompts": tr.share_prompts,
-    }
+    shards = Path(cfg.tracking.output_dir).resolve() / "checkpoints" / "shards"
+    trainer = TrainerSpec.from_config(cfg, autocast_dtype(cfg.model, resolve_device(cfg.model.device)))
+    return BackendSpec(cfg.model.path, str(shards), seed=cfg.training.seed, trainer=trainer,
+                       tokenizer_path=cfg.model.tokenizer_path)
 
 
 def _check(cfg) -> None:
@@ -81,15 +79,15 @@ def _start_engines(cfg, cluster):
     return fleet
 
 
-def _build(cfg, rewards, fleet):
+def _build(cfg, rewards, fleet, group):
     """The driver's run; with engine replicas, generation goes to them (engine.placement process, files sync)
     and the driver's model follows the trainer's weights for the checkpoints and the export."""
     from tokenmill.controller import build_run
 
     if fleet is None:
-        return build_run(cfg, rewards)
+        return build_run(cfg, rewards, trainer_group=group)
     engine = cfg.engine.model_copy(update={"placement": "process", "sync": None, "num_servers": 1})
-    run = build_run(cfg.model_copy(update={"engine": engine}), rewards)
+    run = build_run(cfg.model_copy(update={"engine": engine}), rewards, trainer_group=group)
     run.engine_fleet = fleet
     return run
 
@@ -110,16 +108,12 @@ def train_on_ray(cfg, rewards=None, cluster=None) -> dict[str, Any]:
     starting = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-engines")
     engines = starting.submit(_start_engines, cfg, cluster)  # the replicas start while the ranks do
     try:
-        shards = Path(cfg.tracking.output_dir).resolve() / "checkpoints" / "shards"
-        spec = BackendSpec(cfg.model.path, str(shards), seed=cfg.training.seed,
-                           backend_kwargs=_backend_kwargs(cfg))
-        group = WorkerGroup(cluster, spec, c.trainer_ranks, cpus_per_rank=c.cpus_per_rank,
+        group = WorkerGroup(cluster, _spec(cfg), c.trainer_ranks, cpus_per_rank=c.cpus_per_rank,
                             gpus_per_rank=c.rank_gpus, strategy=c.strategy, start_timeout_s=c.start_timeout_s)
         fleet = engines.result()
-        run = _build(cfg, rewards, fleet)
+        run = _build(cfg, rewards, fleet, group)
         restarts = 0
         while True:
-            run.backend = RayBackend(group, mirror=run.model if fleet is not None else None)
             try:
                 result = run_rl(run)
                 break
@@ -134,7 +128,7 @@ def train_on_ray(cfg, rewards=None, cluster=None) -> dict[str, Any]:
                 run.close()
                 run = None
                 cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": True})})
-                run = _build(cfg, rewards, fleet)  # fresh weights, data position and RNGs; resume() restores them
+                run = _build(cfg, rewards, fleet, group)  # fresh weights, data position and RNGs; resume() restores them
         result["restarts"] = restarts
         result["engine_restarts"] = fleet.restarts if fleet is not None else 0
         return result

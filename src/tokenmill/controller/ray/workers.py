@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.controller.ray.cluster import LOOPBACK, ClusterError, RayCluster, import_ray
+from tokenmill.training.spec import TrainerSpec
 
 log = logging.getLogger("tokenmill.controller.ray")
 
@@ -38,13 +39,33 @@ class RankFailure(ClusterError):
 @dataclass(frozen=True)
 class BackendSpec:
     """What each rank builds: the model folder (same weights on every rank; the seed fixes any fresh heads),
-    where the sharded checkpoints go (a filesystem every node sees), and `LocalBackend`'s keyword arguments."""
+    where the sharded checkpoints go (a filesystem every node sees), and the run's `TrainerSpec` (with
+    distillation's full loss, each rank loads the teacher it names; `tokenizer_path` is the policy's tokenizer
+    when it is not in the model folder)."""
 
     model_path: str
     checkpoint_dir: str
     seed: int = 0
-    backend_kwargs: dict[str, Any] = field(default_factory=dict)
+    trainer: TrainerSpec = field(kw_only=True)
+    tokenizer_path: str | None = None
     pg_timeout_s: float = 300.0  # a collective waiting longer than this raises in the rank
+
+
+def rank_backend(spec: BackendSpec, model: Any, device: Any) -> Any:
+    """One rank's `ShardedBackend` of `spec.trainer` over `model` (call inside the ranks' process group), with
+    its own copy of the distillation teacher when the loss carries the full KL."""
+    from tokenmill.training.spec import policy_backend
+
+    teacher = None
+    if spec.trainer.distill is not None:
+        from transformers import AutoTokenizer
+
+        from tokenmill.training.teacher import build_teacher, loss_teacher
+
+        tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path or spec.model_path)
+        teacher = loss_teacher(build_teacher(spec.trainer.distill, model, tokenizer, device,
+                                             autocast_dtype=spec.trainer.autocast_dtype), spec.trainer.distill)
+    return policy_backend(spec.trainer, model, teacher=teacher, sharded=True, checkpoint_dir=spec.checkpoint_dir)
 
 
 class TrainerRankActor:
@@ -56,7 +77,6 @@ class TrainerRankActor:
         from transformers import AutoModelForCausalLM
 
         from tokenmill.training.dist import init_distributed
-        from tokenmill.training.sharded import ShardedBackend
 
         if ray.util.get_node_ip_address() == LOOPBACK:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pairs on loopback, like the cluster
@@ -64,7 +84,7 @@ class TrainerRankActor:
         init_distributed(spec.pg_timeout_s, init_method=init_method, rank=rank, world_size=world)
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32)
-        self.backend = ShardedBackend(model, checkpoint_dir=spec.checkpoint_dir, **spec.backend_kwargs)
+        self.backend = rank_backend(spec, model, next(model.parameters()).device)
         self.rank = rank
         return {"rank": rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 

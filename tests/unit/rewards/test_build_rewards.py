@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokenmill.config.schema import RLConfig
-from tokenmill.controller.build import build_datasets, build_rewards
+from tokenmill.data.build import build_datasets
+from tokenmill.rewards.build import build_rewards
 from tokenmill.rewards.isolation import ProcessCaller
 
 

@@ -1,0 +1,56 @@
+"""Loading the policy a run trains: the device, the autocast dtype, the HF model and tokenizer (with LoRA
+adapters when asked), and its parameter counts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tokenmill.config.schema import ModelConfig
+from tokenmill.training.allocator import keep_freed_memory
+from tokenmill.types import ConfigError
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"model.device: {spec!r} requested but CUDA is not available")
+    return device
+
+
+def autocast_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast (fp32 master weights) on GPU by default; plain fp32 on CPU."""
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    return {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
+
+
+def load_policy(cfg: ModelConfig, device: torch.device):
+    """(model, tokenizer) from `model.path` on `device`, wrapped with peft LoRA adapters when `model.lora.rank`
+    is set (only they train; the engine samples from the same module). ConfigError names the field."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tokenmill.training.lora import add_lora
+
+    if device.type == "cpu":  # a CPU trainer's steps reuse freed memory instead of faulting pages in again
+        keep_freed_memory()
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.path)
+        model = AutoModelForCausalLM.from_pretrained(cfg.path, **kwargs).to(device)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.path: cannot load {cfg.path!r}: {exc}") from None
+    if cfg.lora.rank > 0:
+        model = add_lora(model, cfg.lora, task_type="CAUSAL_LM", field="model.lora")
+    return model, tokenizer
+
+
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
