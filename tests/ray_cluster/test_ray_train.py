@@ -112,3 +112,39 @@ def test_training_with_an_engine_replica_survives_a_killed_rank(ray_cluster, alo
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5, msg=name)
     # the replica's samples, not the driver engine's: another run
     assert max((colocated[n] - want[n]).abs().max().item() for n in want) > 1e-4
+
+
+def test_distillation_on_ray_adds_the_teachers_kl_like_one_process(ray_cluster, tmp_path):
+    """`distillation.loss` auto with an in-process teacher is the full reverse KL in the trainer's loss: each Ray
+    rank loads the teacher from the run's `TrainerSpec` and adds the term, so every step logs the same
+    `distill/reverse_kl` as the one-process run on the same seeds (the loop leaves that term to the trainer)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    import tokenmill
+    from tokenmill.config import RLConfig, load_config
+    from tokenmill.controller.ray.run import train_on_ray
+    from tokenmill.testing import build_tiny_model
+
+    student = build_tiny_model(tmp_path / "student", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                               seed=1)
+    teacher = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32)
+    with torch.no_grad():
+        teacher.model.norm.weight.mul_(8.0)  # the student, sharpened: a distribution it can reach
+    teacher.save_pretrained(tmp_path / "teacher")
+    distill = {"algorithm": {"advantage": "distill", "mini_batches": 1},
+               "distillation": {"teacher": {"path": str(tmp_path / "teacher")}},
+               "controller": {"steps": 2, "prompts_per_step": 4}, "checkpoint": {"every": 0, "save_final": False}}
+
+    def kl(out: Path) -> list[float]:
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r["distill/reverse_kl"] for r in rows if "distill/reverse_kl" in r]
+
+    tokenmill.train(_config(student, str(tmp_path / "alone")) | distill)
+    cfg = load_config(RLConfig, _config(student, str(tmp_path / "ray"), backend="ray", nodes=2, cpus_per_node=3,
+                                        trainer_ranks=2, max_restarts=0, call_timeout_s=120) | distill)
+    train_on_ray(cfg, cluster=ray_cluster)
+    want, got = kl(tmp_path / "alone"), kl(tmp_path / "ray")
+    assert len(want) == 2 and min(want) > 0.05
+    assert got == pytest.approx(want, rel=1e-4)

@@ -199,6 +199,11 @@ class LocalBackend:
         self.share_prompts = share_prompts
         self.pack_sequences = pack_sequences
 
+    @property
+    def teacher_in_loss(self) -> bool:
+        """Whether every micro-batch's loss adds the reverse KL to a teacher (then no sample is without gradient)."""
+        return self.distill_teacher is not None
+
     def forward_backward(self, batch: Batch, loss_fn: BatchLoss, entropy_coef: float = 0.0) -> dict[str, float]:
         """Accumulate gradients of `loss_fn` (minus `entropy_coef` x the weighted token entropy: an entropy
         bonus) over the micro-batches; return the metrics summed over them."""

@@ -205,6 +205,10 @@ class ShardedBackend:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.keep = keep
 
+    @property
+    def teacher_in_loss(self) -> bool:
+        return self.local.teacher_in_loss
+
     # ------------------------------------------------------------------------------------------ training
     def _mine(self, batch: Batch) -> Batch | None:
         rows = rank_rows(batch, world())[rank()]

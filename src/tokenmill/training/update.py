@@ -144,9 +144,9 @@ def policy_update(
     else from the first optimiser step's own forward (the samples it trains: zero-advantage ones are skipped)."""
     loss_fn = _batch_loss(algo.loss, algo)
     # a zero-advantage sample still carries gradient through the KL term, the entropy bonus or distillation's
-    # full reverse KL (a backend with a `distill_teacher`)
+    # full reverse KL (a backend whose loss carries the teacher: `teacher_in_loss`)
     skip_zero = (algo.skip_zero_advantage and reference is None and algo.entropy_coef == 0
-                 and getattr(backend, "distill_teacher", None) is None)
+                 and not getattr(backend, "teacher_in_loss", False))
     behaviour = None
     gap: dict[str, float] = {}
     if algo.off_policy != "none":  # clip against the trainer's own logprobs; weigh by trainer / sampler

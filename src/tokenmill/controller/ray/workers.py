@@ -232,6 +232,7 @@ class RayBackend:
     def __init__(self, group: WorkerGroup, mirror=None) -> None:
         self.group = group
         self.mirror = mirror  # a module in this process that every `weights()` call refreshes (the driver's copy)
+        self.teacher_in_loss = group.spec.trainer.distill is not None  # each rank's loss adds the teacher's KL
 
     def forward_backward(self, batch, loss_fn, entropy_coef: float = 0.0) -> dict[str, float]:
         return self.group.call("forward_backward", batch, loss_fn, entropy_coef)[0]
