@@ -129,11 +129,11 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tokenmill.controller.placement import spawn_servers
     from tokenmill.data.registry import task_splits
     from tokenmill.engines import vllm
     from tokenmill.engines.hf import HFEngine
     from tokenmill.engines.openai import RemoteEngine
+    from tokenmill.engines.server import spawn_servers
     from tokenmill.recipes import warm_start
     from tokenmill.rollout.generator import encode_prompts
 

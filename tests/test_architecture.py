@@ -162,6 +162,18 @@ def test_ray_only_in_the_controller():
     assert not bad, report(bad)
 
 
+def test_the_controller_defines_no_engine():
+    """The controller places engines and drives them; an engine's behaviour (a seeded client, a wrapper) is an
+    engine class or option under `engines/`, where its tests are."""
+    bad = [
+        f"{p.relative_to(SRC)}:{node.lineno} class {node.name}({ast.unparse(base)})"
+        for p in source_files() if under(p, "tokenmill.controller")
+        for node in ast.walk(parse(p)) if isinstance(node, ast.ClassDef)
+        for base in node.bases if ast.unparse(base).split(".")[-1].endswith("Engine")
+    ]
+    assert not bad, "\n".join(bad)
+
+
 @pytest.mark.parametrize("package", ["tokenmill.envs", "tokenmill.rewards"])
 def test_envs_and_rewards_import_no_torch_or_ray_at_import_time(package):
     """Environments and rewards run in CPU-only sandboxes and env servers: importing them must stay cheap.

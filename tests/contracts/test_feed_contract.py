@@ -1,4 +1,4 @@
-"""The `Feed` contract (controller/feeds.py), run against the feeds the loop chooses between.
+"""The `Feed` contract (controller/feeds/), run against the feeds the loop chooses between.
 
 For each step `get(step)` returns that step's groups (one per prompt, `group_size` samples each) and sampling
 metrics; every sample comes from a policy version the staleness bound allows (step - 1 - max_staleness up to

@@ -28,13 +28,14 @@ def test_vllm_sync_refuses_truncated_sampling(override, field):
 
 
 def test_vllm_sync_is_the_reload_sync(tmp_path):
-    from tokenmill.controller.placement import _weight_sync
     from tokenmill.engines.vllm import VLLMReloadSync
+    from tokenmill.sync import for_servers
 
     cfg = load_config(RLConfig, {"model": {"path": "m"}, "data": {"task": "addition"}},
                       {"engine.placement": "remote", "engine.urls": ["http://127.0.0.1:9", "http://127.0.0.1:10"],
                        "engine.sync": "vllm", "engine.timeout_s": 7})
-    sync = _weight_sync(cfg, list(cfg.engine.urls), None, tmp_path)
+    sync = for_servers(cfg.engine.weight_sync, list(cfg.engine.urls), tmp_path / "weights",
+                       timeout_s=cfg.engine.timeout_s)
     try:
         assert isinstance(sync, VLLMReloadSync)
         assert sync.servers.urls == ["http://127.0.0.1:9", "http://127.0.0.1:10"]

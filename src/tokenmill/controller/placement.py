@@ -3,14 +3,16 @@
 - thread:  a second `HFEngine` in this process holding a copy of the weights. The trainer's `push` stages a
            copy; the producer thread applies it between rollouts (or, with partial rollouts, between chunks of
            tokens), so the engine's weights never change under a running forward.
-- process: `tokenmill serve` subprocesses on free loopback ports, reached through `RemoteEngine`; weights
-           go through `tokenmill.sync` (files or broadcast). The servers are stopped at the end.
+- process: `tokenmill serve` subprocesses on free loopback ports (`engines.server.spawn_servers`), reached
+           through a seeded `RemoteEngine`; weights go through `tokenmill.sync.for_servers` (files or
+           broadcast). The servers are stopped at the end.
 - worker:  the in-process engine in a spawned worker process (`engines.worker`): the two sides run at once
            on their own cores; a push copies the weights into shared memory, the producer has the worker
            load them between rollouts. CPU only.
 - remote:  the same client and sync, for servers at `engine.urls` (ours, vLLM, SGLang).
 
-Colocated runs need none of this (the engine shares the trainer's module; see `feeds.InlineFeed`).
+Colocated runs need none of this (the engine shares the trainer's module; see `feeds.InlineFeed`). A new
+placement is a `Placement` subclass here and one branch in `build_placement`.
 """
 
 from __future__ import annotations
@@ -18,10 +20,8 @@ from __future__ import annotations
 import copy
 import os
 import subprocess
-import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +31,8 @@ import torch
 
 from tokenmill.rollout.agent import build_agent
 from tokenmill.rollout.generator import Generator, build_generator
-from tokenmill.sandbox.lifetime import parent_env, preexec_die_with_parent, stop_process
-from tokenmill.types import ConfigError, Group, TokenmillError
+from tokenmill.sandbox.lifetime import stop_process
+from tokenmill.types import ConfigError, Group
 
 
 class _LockedRewards:
@@ -80,12 +80,18 @@ class Placement:
 
 
 class ThreadPlacement(Placement):
-    """A copy of the policy in this process, updated by the producer thread from staged tensors."""
+    """A copy of the policy in this process, updated by the producer thread from staged tensors. With
+    `partial_chunk` > 0 the engine is wrapped in a `PartialRolloutEngine`, which has this placement apply
+    staged weights between chunks of that many tokens."""
 
-    def __init__(self, engine, generator, agent) -> None:
-        super().__init__(engine, generator, agent)
+    def __init__(self, engine, partial_chunk: int = 0) -> None:
         self._lock = threading.Lock()
         self._staged: tuple[dict[str, torch.Tensor], int] | None = None
+        if partial_chunk:
+            from tokenmill.engines.partial import PartialRolloutEngine
+
+            engine = PartialRolloutEngine(engine, partial_chunk, self)
+        super().__init__(engine, None, None)
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         with torch.no_grad():
@@ -188,64 +194,6 @@ def thread_split(cfg) -> tuple[int, int]:
     return per_engine, max(1, min(torch.get_num_threads(), cores - per_engine * engines))
 
 
-def spawn_servers(model_dir: str, count: int, *, threads: int = 0, timeout_s: float = 120.0, seed: int = 0,
-                  device: str = "cpu", log_dir: Path | None = None) -> tuple[list[str], list[subprocess.Popen]]:
-    """Start `count` `tokenmill serve MODEL_DIR --port 0` processes (each binds a free loopback port and names
-    it in its ready line, so no port can be taken in between) and wait until each is ready."""
-    from tokenmill.serving import wait_for_port
-
-    urls, procs = [], []
-    env = parent_env(dict(os.environ))  # `tokenmill serve` watches for this process
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    try:
-        for i in range(count):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tokenmill.cli", "serve", model_dir, "--port", "0", "--seed",
-                 str(seed + i), "--device", device], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                # a kill -9 of the trainer takes its servers along; the hook only calls prctl and getppid
-                preexec_fn=preexec_die_with_parent(),  # noqa: PLW1509
-            ))
-        deadline = time.monotonic() + timeout_s
-        for i, proc in enumerate(procs):
-            log = open(log_dir / f"server_{i}.log", "wb") if log_dir else None  # noqa: SIM115
-            try:
-                port = wait_for_port(proc, timeout_s=max(0.0, deadline - time.monotonic()), log=log)
-            except (TimeoutError, ChildProcessError) as exc:
-                raise TokenmillError(f"engine.placement process: `tokenmill serve` #{i} {exc} "
-                                     f"(engine.timeout_s={timeout_s:g}s)") from None
-            urls.append(f"http://127.0.0.1:{port}")
-    except BaseException:
-        for p in procs:
-            p.kill()
-        raise
-    return urls, procs
-
-
-def _weight_sync(cfg, urls: list[str], token: str | None, scratch: Path, ours: bool = False):
-    """The push to `urls`; `ours`: tokenmill servers (spawned here or by the Ray fleet), which take packed
-    broadcasts."""
-    from tokenmill.sync import BroadcastSync, FileSync
-    from tokenmill.sync.broadcast import PACKED_BUCKET_BYTES
-
-    # with several servers, one that stops answering is dropped (the pool sends its requests elsewhere) and
-    # the run goes on; a refusal, or the last server gone, still stops it
-    survive = len(urls) > 1
-    if cfg.engine.weight_sync == "files":
-        return FileSync(urls, scratch / "weights", token=token, timeout_s=cfg.engine.timeout_s, drop_failed=survive)
-    if cfg.engine.weight_sync == "vllm":  # vLLM's own reload routes (tokenmill.engines.vllm)
-        from tokenmill.engines.vllm import VLLMReloadSync
-
-        return VLLMReloadSync(urls, scratch / "weights", token=token, timeout_s=cfg.engine.timeout_s,
-                              drop_failed=survive)
-    if cfg.engine.weight_sync == "vllm_broadcast":  # gloo into tokenmill's vLLM worker extension
-        from tokenmill.engines.vllm import VLLMBroadcastSync
-
-        return VLLMBroadcastSync(urls, token=token, timeout_s=cfg.engine.timeout_s, drop_failed=survive)
-    return BroadcastSync(urls, token=token, timeout_s=cfg.engine.timeout_s, drop_failed=survive,
-                         bucket_bytes=PACKED_BUCKET_BYTES if ours else 0)
-
-
 def build_placement(run) -> Placement:
     """The producer's engine for `run.cfg.engine.placement` (thread, worker, process or remote)."""
     cfg = run.cfg
@@ -260,14 +208,8 @@ def build_placement(run) -> Placement:
         # one sampling stream: what a checkpoint saves (the run's engine's) is what the producer draws from
         engine.generator = run.engine.generator
         engine.version = run.engine.version
-        if cfg.controller.partial_rollouts:
-            from tokenmill.engines.partial import PartialRolloutEngine
-
-            placement = ThreadPlacement(None, None, None)
-            engine = PartialRolloutEngine(engine, cfg.controller.partial_chunk_tokens, placement)
-            placement.engine = engine
-        else:
-            placement = ThreadPlacement(engine, None, None)
+        chunk = cfg.controller.partial_chunk_tokens if cfg.controller.partial_rollouts else 0
+        placement = ThreadPlacement(engine, partial_chunk=chunk)
     elif place == "worker":
         from tokenmill.engines.worker import WorkerEngine
 
@@ -280,42 +222,17 @@ def build_placement(run) -> Placement:
         placement = WorkerPlacement(engine, None, None)
     elif place in ("process", "remote"):
         placement = _server_placement(run)
-        engine = placement.engine
     else:
         raise ConfigError(f"engine.placement: {place!r} has no producer (colocated runs in place)")
-    placement.generator = build_generator(cfg, engine, run.tokenizer, rewards)
-    placement.agent = build_agent(cfg, engine, run.tokenizer) if cfg.env is not None else None
+    placement.generator = build_generator(cfg, placement.engine, run.tokenizer, rewards)
+    placement.agent = build_agent(cfg, placement.engine, run.tokenizer) if cfg.env is not None else None
     return placement
-
-
-def seeded_remote_engine(urls: list[str], seed: int, **kwargs):
-    """A `RemoteEngine` for `tokenmill serve` processes: a call's prompts go out as one request per server, each
-    with a seed made of `seed`, the policy version and its first prompt's index since the last weight push
-    (the server gives prompt i of a request seed + i). The servers' samples do not depend on what they
-    served before, so a run resumed from a checkpoint (its first push sets the version) draws what an
-    uninterrupted run drew."""
-    from tokenmill.engines.openai import RemoteEngine
-    from tokenmill.engines.worker import call_seed
-
-    class SeededRemoteEngine(RemoteEngine):
-        def generate(self, prompts, params):
-            self._start, self._drawn = self._drawn, self._drawn + len(prompts)
-            return super().generate(prompts, params)
-
-        def _body(self, prompts, params, first):
-            return super()._body(prompts, params, first) | {"seed": call_seed(seed, self.version, self._start + first)}
-
-        def update_weights(self, named_tensors, version):
-            super().update_weights(named_tensors, version)
-            self._drawn = 0
-
-    engine = SeededRemoteEngine(urls, prompts_per_request=0, **kwargs)
-    engine._drawn = engine._start = 0
-    return engine
 
 
 def _server_placement(run) -> ServerPlacement:
     from tokenmill.engines.openai import RemoteEngine
+    from tokenmill.engines.server import spawn_servers
+    from tokenmill.sync import servers as server_sync
 
     cfg = run.cfg
     token = cfg.engine.token or os.environ.get("TOKENMILL_SERVE_TOKEN")
@@ -332,22 +249,22 @@ def _server_placement(run) -> ServerPlacement:
                                         device=str(run.engine.device), log_dir=run.output_dir)
         else:
             urls = list(cfg.engine.urls)
-        # a LoRA run into vLLM pushes the adapters, sampled under their own name (tokenmill.engines.vllm)
+        # a LoRA run into vLLM pushes the adapters, sampled under their own name (tokenmill.engines.vllm); not
+        # in the scratch folder: vLLM re-reads an adapter from its path, and the last one must outlive the run
         adapters = cfg.engine.weight_sync == "vllm" and cfg.model.lora.rank > 0
-        if adapters:
-            from tokenmill.engines.vllm import LORA_ADAPTER_NAME, VLLMLoRASync
-
-            # not in the scratch folder: vLLM re-reads an adapter from its path, and the last one must outlive the run
-            sync = VLLMLoRASync(urls, Path(run.output_dir) / "vllm-lora", run.model.peft_config["default"],
-                                token=token, timeout_s=cfg.engine.timeout_s, drop_failed=len(urls) > 1)
-        else:
-            sync = _weight_sync(cfg, urls, token, Path(scratch.name), ours=ours)
+        folder = Path(run.output_dir) / "vllm-lora" if adapters else Path(scratch.name) / "weights"
+        sync = server_sync.for_servers(cfg.engine.weight_sync, urls, folder, token=token,
+                                       timeout_s=cfg.engine.timeout_s, packed=ours,
+                                       peft_config=run.model.peft_config["default"] if adapters else None)
         kwargs = {"pad_id": run.engine.pad_id, "token": token, "timeout_s": cfg.engine.timeout_s, "sync": sync}
-        if cfg.engine.placement == "process":  # our own servers: seeded requests, so a resume is exact
-            engine = seeded_remote_engine(urls, cfg.training.seed, **kwargs)
-        else:  # Ray's fleet is tokenmill servers too: a call's prompts go one request per server
-            engine = RemoteEngine(urls, **kwargs, **({"model": LORA_ADAPTER_NAME} if adapters else {}),
-                                  prompts_per_request=0 if ours else 1)
+        if adapters:
+            from tokenmill.engines.vllm import LORA_ADAPTER_NAME
+
+            kwargs["model"] = LORA_ADAPTER_NAME
+        # our own servers (spawned here, or Ray's fleet) take a call's prompts as one request per server; the
+        # spawned ones seeded per request, so a resume is exact
+        engine = RemoteEngine(urls, **kwargs, prompts_per_request=0 if ours else 1,
+                              seed=cfg.training.seed if cfg.engine.placement == "process" else None)
         if fleet is not None:
             fleet.attach(engine)  # a replaced replica joins its pool and sync, with the current weights
     except BaseException:

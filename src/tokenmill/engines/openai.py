@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tokenmill.engines.pool import EndpointPool
+from tokenmill.engines.worker import call_seed
 from tokenmill.types import Completion, PromptLogprobs, SamplingParams, StopReason
 
 if TYPE_CHECKING:  # annotation only: an engine import need not load the sync package and its transports
@@ -48,17 +49,25 @@ class RemoteEngine:
     max_parallel:  requests in flight at once across all servers
     prompts_per_request: prompts sent in one request (1: one request per prompt, what any server takes; 0: a
                    call's prompts split evenly, one request per live server)
+    seed:          None: the servers sample with their own RNGs. An int: each request carries the seed
+                   `call_seed(seed, version, index of its first prompt since the last weight push)`, and the
+                   server gives prompt i of a request seed + i (tokenmill serve does), so what the servers draw
+                   does not depend on what they served before: a client made afresh at the same version (a
+                   resumed run) draws what the first one drew
     """
 
     def __init__(self, urls: list[str], *, pad_id: int, token: str | None = None, model: str = "tokenmill",
                  timeout_s: float = 300.0, retries: int = 3, backoff_s: float = 0.5, cooldown_s: float = 5.0,
-                 sync: WeightSync | None = None, max_parallel: int = 256, prompts_per_request: int = 1) -> None:
+                 sync: WeightSync | None = None, max_parallel: int = 256, prompts_per_request: int = 1,
+                 seed: int | None = None) -> None:
         self.pool = EndpointPool(urls, token=token, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
                                  cooldown_s=cooldown_s)
         self.pad_id = pad_id
         self.model = model
         self.sync = sync
         self.prompts_per_request = prompts_per_request
+        self.seed = seed
+        self._drawn = self._start = 0  # prompts drawn since the last push; the first of the call in progress
         self.version = 0
         self.versions_seen: list[int] = []
         self._workers = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="tokenmill-remote")
@@ -67,6 +76,7 @@ class RemoteEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         if not prompts:
             return []
+        self._start, self._drawn = self._drawn, self._drawn + len(prompts)
         spans = self._spans(len(prompts))
         answers = list(self._workers.map(
             lambda se: self.pool.post("/v1/completions", self._body(prompts[se[0]:se[1]], params, se[0])), spans))
@@ -99,6 +109,8 @@ class RemoteEngine:
             body["top_k"] = params.top_k
         if params.stop:
             body["stop"] = list(params.stop)
+        if self.seed is not None:
+            body["seed"] = call_seed(self.seed, self.version, self._start + first)
         return body
 
     # ------------------------------------------------------------------------------------------- scoring
@@ -133,6 +145,7 @@ class RemoteEngine:
                                "(tokenmill.sync), or set engine.sync in the config")
         self.sync.push(named_tensors, version)
         self.version = version
+        self._drawn = 0
         servers = getattr(self.sync, "servers", None)  # files and broadcast syncs drop a server that did not answer
         if servers is not None:
             self.pool.retire({e.url for e in self.pool.endpoints} - {u.rstrip("/") for u in servers.urls})

@@ -23,13 +23,20 @@ Errors are OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`: 400
 field), 401 a missing or wrong bearer token, 403 a foreign `Origin`, 400 a `Host` we do not serve (DNS
 rebinding), 413 a body over `max_body_bytes`, 429 the engine's queue is full, 503 the engine is closed or
 crashed, 504 no answer in time. The guard, binding and error shape are `tokenmill.serving`'s.
+
+`spawn_servers` starts `serve` in subprocesses on free loopback ports (what `engine.placement: process` uses).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -42,10 +49,11 @@ from tokenmill.engines.openai_wire import ChatBody, CompletionBody, render_chat
 from tokenmill.engines.proxy_routes import check_episode_id, episode_routes
 from tokenmill.engines.streaming import Streamer, StreamSpec, TokenFeed, stream
 from tokenmill.rollout.proxy import EpisodeError, EpisodeRecorder
+from tokenmill.sandbox.lifetime import parent_env, preexec_die_with_parent
 from tokenmill.serving import ApiError
-from tokenmill.types import Completion, SamplingParams, StopReason
+from tokenmill.types import Completion, SamplingParams, StopReason, TokenmillError
 
-__all__ = ["Completer", "create_app", "render_chat", "serve"]
+__all__ = ["Completer", "create_app", "render_chat", "serve", "spawn_servers"]
 
 
 async def _disconnected(request: Request) -> None:
@@ -368,8 +376,6 @@ def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, token: s
     """Load `model_dir` into a ContinuousEngine and serve it until interrupted; once it accepts connections,
     print its `serving.ready_line` (port 0 binds a free port, named there). Loopback only unless `allow_remote`
     and a token are both given (ValueError otherwise)."""
-    from pathlib import Path
-
     import torch
 
     serving.check_exposure(host, token, allow_remote)
@@ -400,3 +406,35 @@ def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, token: s
         serving.serve_forever(app, sock, on_ready=ready)
     finally:
         engine.close()
+
+
+def spawn_servers(model_dir: str, count: int, *, threads: int = 0, timeout_s: float = 120.0, seed: int = 0,
+                  device: str = "cpu", log_dir: Path | None = None) -> tuple[list[str], list[subprocess.Popen]]:
+    """Start `count` `tokenmill serve MODEL_DIR --port 0` processes (each binds a free loopback port and names
+    it in its ready line, so no port can be taken in between) and wait until each is ready."""
+    urls, procs = [], []
+    env = parent_env(dict(os.environ))  # `tokenmill serve` watches for this process
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    try:
+        for i in range(count):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "tokenmill.cli", "serve", model_dir, "--port", "0", "--seed",
+                 str(seed + i), "--device", device], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                # a kill -9 of the trainer takes its servers along; the hook only calls prctl and getppid
+                preexec_fn=preexec_die_with_parent(),  # noqa: PLW1509
+            ))
+        deadline = time.monotonic() + timeout_s
+        for i, proc in enumerate(procs):
+            log = open(log_dir / f"server_{i}.log", "wb") if log_dir else None  # noqa: SIM115
+            try:
+                port = serving.wait_for_port(proc, timeout_s=max(0.0, deadline - time.monotonic()), log=log)
+            except (TimeoutError, ChildProcessError) as exc:
+                raise TokenmillError(f"engine.placement process: `tokenmill serve` #{i} {exc} "
+                                     f"(engine.timeout_s={timeout_s:g}s)") from None
+            urls.append(f"http://127.0.0.1:{port}")
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    return urls, procs

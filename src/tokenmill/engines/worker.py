@@ -47,7 +47,7 @@ START_TIMEOUT_S = 300.0  # a new worker imports torch and transformers, then unp
 
 def call_seed(seed: int, version: int, index: int) -> int:
     """The sampling seed of the `index`-th generate call on weights of `version` (also the per-request seed the
-    process placement sends its own servers: `controller.placement.seeded_remote_engine`)."""
+    process placement's `RemoteEngine(seed=...)` sends its own servers)."""
     return ((seed * 1_000_003 + version) * 1_000_003 + index) % (1 << 62)
 
 

@@ -58,14 +58,14 @@ class DroppedPushes:
 def drop_pushes(monkeypatch: Any, versions: set[int]) -> list[DroppedPushes]:
     """Make every weight sync a process / remote placement builds drop the pushes of `versions` (pytest's
     `monkeypatch` undoes it); returns the syncs made, as they are made."""
-    from tokenmill.controller import placement
+    from tokenmill.sync import servers
 
     made: list[DroppedPushes] = []
-    real = placement._weight_sync
+    real = servers.for_servers
 
     def wrapped(*args: Any, **kwargs: Any) -> DroppedPushes:
         made.append(DroppedPushes(real(*args, **kwargs), versions))
         return made[-1]
 
-    monkeypatch.setattr(placement, "_weight_sync", wrapped)
+    monkeypatch.setattr(servers, "for_servers", wrapped)
     return made

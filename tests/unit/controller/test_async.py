@@ -169,9 +169,9 @@ def test_partial_rollouts_continue_with_new_weights_and_record_token_versions(ti
     with torch.no_grad():
         for p in new.parameters():
             p.add_(0.3 * torch.randn_like(p))
-    placement = ThreadPlacement(None, None, None)
-    engine = PartialRolloutEngine(HFEngine(model, tokenizer, seed=0), chunk=3, placement=placement)
-    placement.engine = engine
+    placement = ThreadPlacement(HFEngine(model, tokenizer, seed=0), partial_chunk=3)
+    engine = placement.engine
+    assert isinstance(engine, PartialRolloutEngine) and engine.chunk == 3 and engine.placement is placement
     placement.push(new.named_parameters(), version=7)  # staged: lands at the first chunk boundary
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     out = engine.generate(prompts, SamplingParams(max_tokens=8, n=2, temperature=1.0))

@@ -1,31 +1,7 @@
-"""The feeds: where `run_rl` gets each step's scored groups, and where it hands the new weights.
-
-`run_rl` (controller/rl.py) asks a *feed* for each step's groups and hands it the new weights after each
-update. Four feeds, one protocol (`Feed`):
-
-- `InlineFeed` (colocated engine): calls the loop's own `rollout` on the spot: the synchronous loop.
-- `AsyncFeed` (engine placed elsewhere): runs the same `rollout` in a producer thread against an engine in
-  a thread, `tokenmill serve` subprocesses or remote servers (`controller/placement.py`), and puts each
-  step's scored groups into a bounded buffer that the trainer drains. Asynchronous training is the
-  synchronous loop started early.
-- `ProxyFeed` (`proxy:` section): serves a copy of the policy at an OpenAI endpoint, starts the agent
-  program if asked, and runs the same `rollout` with the proxy collector in place of the generator.
-- `ReplayFeed` (`record.replay`): each step's groups as a rollout dump recorded them; nothing generates.
-  With `record.rollouts`, a `RecordingFeed` around any of them writes each step's groups to the dump.
-
-Staleness (AsyncFeed), enforced per sample by the policy version that produced it: a sample trained at step s
-comes from weights of version v (the trainer holds version s - 1 while it trains step s); its lag is
-(s - 1) - v. The producer starts the rollout of step s only once version s - 1 - k is published (k =
-`controller.max_staleness`): it *waits* rather than run more than k versions ahead, so with k = 0 every batch
-is generated with the newest weights, after the previous update: the synchronous loop, step for step. The
-trainer also checks every group's oldest sample and drops (and counts) groups older than k; that only happens
-when an engine did not take an update (a restarted server), since the producer never runs further ahead.
-
-Resume in async mode restores weights, optimiser, RNGs, the data position of the last *trained* batch (the
-feed sets `run.source` to it as batches are taken) and the batches that were complete in the buffer (generated
-ahead, not trained yet): the resumed run trains them first, with their original versions, and the producer
-draws prompts after them. Only a batch still being generated at the checkpoint is lost; its prompts are
-drawn again. A proxy run keeps nothing of the agent's episodes across a checkpoint: the agent plays on.
+"""The asynchronous producer: `AsyncFeed` runs the loop's `rollout` in a thread ahead of the trainer, at most
+`controller.max_staleness` policy versions ahead, against the engine its placement (`controller/placement.py`)
+put elsewhere; `RolloutBatch` is one step's output in the bounded buffer (and in a checkpoint), and
+`within_staleness` the trainer's per-group check. The package docstring explains the staleness rule and resume.
 """
 
 from __future__ import annotations
@@ -33,77 +9,18 @@ from __future__ import annotations
 import contextlib
 import copy
 import queue
-import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from tokenmill.controller.feeds.base import RolloutFn
 from tokenmill.controller.placement import Placement, build_placement, thread_split
-from tokenmill.sandbox.lifetime import stop_process
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.types import Group, Sample, StopReason, TokenmillError
-
-# the loop's rollout(run, step) -> (groups, sampling metrics): one step's prompts, generated and scored
-RolloutFn = Callable[[Any, int], tuple[list[Group], dict[str, float]]]
-
-
-class Feed(Protocol):
-    """Where the loop's groups come from and where its weights go.
-
-        >>> with rollout_feed(run, rollout, start=0) as feed:                    # doctest: +SKIP
-        ...     for step in range(1, steps + 1):
-        ...         groups, metrics = feed.get(step)    # None: the source ran dry (a proxy agent exited)
-        ...         ...                                 # advantages, policy update
-        ...         feed.push(step)                     # weights of version `step` to the engine side
-        ...     state = feed.state_dict()               # for a checkpoint
-
-    side: the label of the loop's stage events ("trainer" when a producer runs beside it; None when one side)
-    """
-
-    side: str | None
-
-    def get(self, step: int) -> tuple[list[Group], dict[str, float]] | None:
-        """The scored groups for `step` and the step's sampling metrics; None when nothing more will come."""
-        ...
-
-    def push(self, step: int) -> None:
-        """Hand the trainer's weights, version `step`, to whatever generates."""
-        ...
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the feed (`{"batches": [...]}`: rollouts generated ahead, not trained)."""
-        ...
-
-    def close(self, finish: bool = False) -> None:
-        """Stop what the feed started; `finish` on a clean stop (work in flight may be kept)."""
-        ...
-
-
-class InlineFeed:
-    """Colocated: the engine shares the trainer's module, so rollouts happen in place, one step at a time."""
-
-    side = None  # one side: generation and training take turns in the trainer's step (stage events)
-
-    def __init__(self, run, rollout: RolloutFn) -> None:
-        self.run, self.rollout = run, rollout
-
-    def get(self, step: int) -> tuple[list[Group], dict[str, float]]:
-        return self.rollout(self.run, step)
-
-    def push(self, step: int) -> None:
-        """A version bump: the engine already samples from the updated module."""
-        self.run.engine.update_weights(self.run.backend.weights(), version=step)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"batches": []}  # nothing is generated ahead
-
-    def close(self, finish: bool = False) -> None:
-        pass
 
 
 @dataclass(frozen=True)
@@ -367,147 +284,3 @@ class AsyncFeed:
         self.thread.join(timeout=max(5.0, min(self.timeout_s, 60.0)))  # a request in flight ends within its timeout
         self.placement.close()
         torch.set_num_threads(self.trainer_threads_before)
-
-
-class ProxyFeed:
-    """Proxy mode: an external agent program plays against a copy of the policy served at
-    `http://HOST:PORT/proxy/<episode id>/v1` and posts rewards; `get` runs the loop's `rollout` with the proxy
-    collector, so dynamic sampling and overlong shaping apply as in any run.
-
-    The serving copy lives in a continuous-batching engine: the agent keeps playing while the trainer trains,
-    so its next episodes come from a policy at most a step old (each sample keeps the version it came from).
-    """
-
-    side = None  # one trainer side (the agent is not ours to label)
-
-    def __init__(self, run, rollout: RolloutFn, start: int) -> None:
-        from tokenmill.engines.continuous import ContinuousEngine
-        from tokenmill.engines.server import create_app
-        from tokenmill.rollout.proxy import EpisodeRecorder, ProxyCollector
-        from tokenmill.serving import check_exposure, start_in_thread
-
-        cfg, pc = run.cfg, run.cfg.proxy
-        check_exposure(pc.host, pc.token, pc.allow_remote, flag="proxy.allow_remote", token_flag="proxy.token")
-        self.run, self.rollout, self.agent = run, rollout, None
-        self.serving = ContinuousEngine(copy.deepcopy(run.model).eval(), run.tokenizer, seed=cfg.training.seed)
-        self.serving.version = start
-        self.recorder = EpisodeRecorder(ttl_s=pc.episode_ttl_s)
-        app = create_app(self.serving, model_name="policy", token=pc.token, recorder=self.recorder,
-                         default_max_tokens=cfg.generation.max_tokens, max_tokens_cap=cfg.generation.max_tokens)
-        try:
-            self.server, _ = start_in_thread(app, pc.host, pc.port)
-        except BaseException:
-            self.serving.close()
-            raise
-        run.logger.message(f"proxy endpoint: {self.server.url}/proxy/<episode id>/v1 (OpenAI API); post rewards "
-                           f"to {self.server.url}/v1/episodes/<episode id>/reward")
-        if pc.agent_command:
-            argv = [a.replace("{url}", self.server.url).replace("{token}", pc.token or "none")
-                    for a in pc.agent_command]
-            try:
-                self.agent = subprocess.Popen(argv)
-            except OSError as exc:
-                self.close()
-                raise TokenmillError(f"proxy.agent_command: cannot start {argv[0]!r}: {exc}") from None
-        self.collector = ProxyCollector(self.recorder, cfg.generation.group_size, pc.wait_timeout_s, self.agent)
-        self.view = replace(run, actor=self.collector)
-
-    def get(self, step: int) -> tuple[list[Group], dict[str, float]] | None:
-        groups, info = self.rollout(self.view, step)
-        if not groups and self.collector.exhausted:
-            self.run.logger.message(f"the agent exited; stopping after {step - 1} step(s)")
-            return None
-        lags = [step - 1 - s.version for g in groups for s in g.samples] or [0]
-        return groups, info | {"proxy/version_lag_mean": sum(lags) / len(lags),
-                               "proxy/version_lag_max": float(max(lags))}
-
-    def push(self, step: int) -> None:
-        """The serving copy and the trainer's own engine take version `step` (in-flight replies finish on the
-        old weights)."""
-        self.serving.update_weights(self.run.backend.weights(), version=step)
-        self.run.engine.update_weights(self.run.backend.weights(), version=step)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"batches": []}  # episodes of incomplete groups are not kept: the agent plays on after a resume
-
-    def close(self, finish: bool = False) -> None:
-        if self.agent is not None and self.agent.poll() is None:
-            stop_process(self.agent)
-        self.server.stop()
-        self.serving.close()
-
-
-class ReplayFeed:
-    """`record.replay`: each step's groups as a dump recorded them (`rollout/record.py`); nothing generates."""
-
-    side = None
-
-    def __init__(self, run) -> None:
-        from tokenmill.rollout.record import read_dump
-
-        self.run, self.steps = run, read_dump(run.cfg.record.replay)
-
-    def get(self, step: int) -> tuple[list[Group], dict[str, float]] | None:
-        if step not in self.steps and step > max(self.steps):  # the dump ends here: so does the run
-            self.run.logger.message(f"replay: the dump ends at step {max(self.steps)}; stopping there")
-            return None
-        return self.steps.get(step, []), {}  # a step the dump skips had no groups
-
-    def push(self, step: int) -> None:
-        self.run.engine.update_weights((), version=step)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"batches": []}
-
-    def close(self, finish: bool = False) -> None:
-        pass
-
-
-class RecordingFeed:
-    """`record.rollouts`: another feed, whose groups are also written to the run's dump as they are taken."""
-
-    def __init__(self, feed: Feed, folder, every: int) -> None:
-        from tokenmill.rollout.record import RolloutRecorder
-
-        self.feed, self.side, self.recorder = feed, feed.side, RolloutRecorder(folder, every)
-
-    def get(self, step: int) -> tuple[list[Group], dict[str, float]] | None:
-        got = self.feed.get(step)
-        if got is not None:
-            self.recorder.add(step, got[0])
-        return got
-
-    def push(self, step: int) -> None:
-        self.feed.push(step)
-
-    def state_dict(self) -> dict[str, Any]:
-        self.recorder.flush()  # a checkpoint never lies ahead of the dump
-        return self.feed.state_dict()
-
-    def close(self, finish: bool = False) -> None:
-        self.recorder.flush()
-        self.feed.close(finish)
-
-
-@contextlib.contextmanager
-def rollout_feed(run, rollout: RolloutFn, start: int, buffered: dict | None = None) -> Iterator[Feed]:
-    """The feed for `run`: the proxy feed when `proxy:` is set, the synchronous in-place feed for a colocated
-    engine, else the producer thread (serving a checkpoint's `buffered` batches first). Closed on the way out
-    (finishing work in flight only on a clean exit)."""
-    rec = run.cfg.record
-    if rec.replay is not None:
-        feed: Feed = ReplayFeed(run)
-    elif run.cfg.proxy is not None:
-        feed = ProxyFeed(run, rollout, start)
-    elif run.cfg.engine.placement == "colocated":
-        feed = InlineFeed(run, rollout)
-    else:
-        feed = AsyncFeed(run, rollout, start, buffered)
-    if rec.rollouts:
-        feed = RecordingFeed(feed, rec.dir or run.output_dir / "rollouts", rec.every)
-    try:
-        yield feed
-    except BaseException:
-        feed.close(finish=False)
-        raise
-    feed.close(finish=True)

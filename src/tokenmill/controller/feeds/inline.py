@@ -1,0 +1,84 @@
+"""The feeds that run nothing beside the trainer: `InlineFeed` (the synchronous loop, rollouts in place),
+`ReplayFeed` (groups read back from a rollout dump) and `RecordingFeed` (any feed, its groups also written to
+the run's dump)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenmill.controller.feeds.base import Feed, RolloutFn
+from tokenmill.types import Group
+
+
+class InlineFeed:
+    """Colocated: the engine shares the trainer's module, so rollouts happen in place, one step at a time."""
+
+    side = None  # one side: generation and training take turns in the trainer's step (stage events)
+
+    def __init__(self, run, rollout: RolloutFn) -> None:
+        self.run, self.rollout = run, rollout
+
+    def get(self, step: int) -> tuple[list[Group], dict[str, float]]:
+        return self.rollout(self.run, step)
+
+    def push(self, step: int) -> None:
+        """A version bump: the engine already samples from the updated module."""
+        self.run.engine.update_weights(self.run.backend.weights(), version=step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batches": []}  # nothing is generated ahead
+
+    def close(self, finish: bool = False) -> None:
+        pass
+
+
+class ReplayFeed:
+    """`record.replay`: each step's groups as a dump recorded them (`rollout/record.py`); nothing generates."""
+
+    side = None
+
+    def __init__(self, run) -> None:
+        from tokenmill.rollout.record import read_dump
+
+        self.run, self.steps = run, read_dump(run.cfg.record.replay)
+
+    def get(self, step: int) -> tuple[list[Group], dict[str, float]] | None:
+        if step not in self.steps and step > max(self.steps):  # the dump ends here: so does the run
+            self.run.logger.message(f"replay: the dump ends at step {max(self.steps)}; stopping there")
+            return None
+        return self.steps.get(step, []), {}  # a step the dump skips had no groups
+
+    def push(self, step: int) -> None:
+        self.run.engine.update_weights((), version=step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batches": []}
+
+    def close(self, finish: bool = False) -> None:
+        pass
+
+
+class RecordingFeed:
+    """`record.rollouts`: another feed, whose groups are also written to the run's dump as they are taken."""
+
+    def __init__(self, feed: Feed, folder, every: int) -> None:
+        from tokenmill.rollout.record import RolloutRecorder
+
+        self.feed, self.side, self.recorder = feed, feed.side, RolloutRecorder(folder, every)
+
+    def get(self, step: int) -> tuple[list[Group], dict[str, float]] | None:
+        got = self.feed.get(step)
+        if got is not None:
+            self.recorder.add(step, got[0])
+        return got
+
+    def push(self, step: int) -> None:
+        self.feed.push(step)
+
+    def state_dict(self) -> dict[str, Any]:
+        self.recorder.flush()  # a checkpoint never lies ahead of the dump
+        return self.feed.state_dict()
+
+    def close(self, finish: bool = False) -> None:
+        self.recorder.flush()
+        self.feed.close(finish)
