@@ -43,6 +43,7 @@ def update_cost(base: Path, repeats: int = 21) -> dict[str, float]:
 
     from tokenmill.config import AlgorithmConfig
     from tokenmill.engines import HFEngine
+    from tokenmill.health.mismatch import MismatchWatch
     from tokenmill.training.batch import collate
     from tokenmill.training.local import LocalBackend
     from tokenmill.training.update import policy_update
@@ -67,7 +68,7 @@ def update_cost(base: Path, repeats: int = 21) -> dict[str, float]:
                 backend.forward(collate(samples, [1.0] * len(samples), engine.pad_id))
             else:
                 policy_update(samples, backend, algo, pad_id=engine.pad_id, max_tokens=6, rng=random.Random(0),
-                              mismatch=mode == "on")
+                              watch=MismatchWatch(backend) if mode == "on" else None)
             times[mode].append(time.process_time() - t0)
     return {f"cpu_s/{k}": statistics.median(v[1:]) for k, v in times.items()}
 

@@ -54,6 +54,7 @@ class Run:
     output_dir: Path
     engine_fleet: Any = None  # engine.placement process on Ray: the replicas (controller.ray.engines.EngineFleet)
     teacher: Any = None  # on-policy distillation's teacher (training.teacher.Teacher), or None
+    monitors: tuple[Any, ...] = ()  # health checks beside cfg.health's (hooks: tokenmill.health.monitors)
 
     def close(self) -> None:
         gc.unfreeze()

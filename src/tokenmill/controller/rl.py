@@ -14,15 +14,14 @@ from tokenmill.config.distill import full_kl
 from tokenmill.controller.build import Run
 from tokenmill.controller.evaluate import evaluate, evaluate_agent, rollout_metrics, sample_records
 from tokenmill.controller.feeds import Feed, rollout_feed
-from tokenmill.health.alarms import Alarms
-from tokenmill.health.probe import WeightProbe
-from tokenmill.health.report import EfficiencyReport, efficiency_metrics
+from tokenmill.health.monitors import health_monitors
+from tokenmill.health.report import efficiency_metrics
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.critic import gae_advantages
 from tokenmill.training.dist import barrier, is_main
 from tokenmill.training.model import parameter_counts
 from tokenmill.training.teacher import distill_groups
-from tokenmill.training.update import policy_update, value_update
+from tokenmill.training.update import UpdateWatch, policy_update, value_update
 from tokenmill.types import ConfigError, Group, Sample
 
 
@@ -46,11 +45,9 @@ def run_rl(run: Run) -> dict[str, Any]:
         last = min(last, start + cfg.controller.max_steps_per_run)
     # generation runs in place (colocated), ahead in a producer (at most controller.max_staleness versions),
     # or in an external agent program (proxy): the feed hides which
-    with rollout_feed(run, rollout, start, buffered) as feed:
-        # health.alarms: a warning is a console line and an events.jsonl row; a stop saves, then raises
-        alarms = Alarms(cfg.health.alarms, say=log.message, save=lambda s: save(run, s, feed), hints=hints(run))
-        efficiency = EfficiencyReport(run.output_dir, say=log.message)
-        probe = WeightProbe(run, feed, say=log.message)  # health: did each push reach the engine?
+    # health (cfg.health, run.monitors): the probe, the mismatch, the efficiency report and the alarms
+    with (rollout_feed(run, rollout, start, buffered) as feed,
+          health_monitors(run, feed, save=lambda s: save(run, s, feed)) as monitors):
         for step in range(start + 1, last + 1):
             with step_timer(step, side=feed.side) as timer:
                 # 1-3. sample prompts, generate G completions each (all groups in one engine batch), score them
@@ -62,19 +59,17 @@ def run_rl(run: Run) -> dict[str, Any]:
                 # 4. advantages: inside each group (GRPO family), or per token from the critic's values (PPO)
                 groups, samples, train_metrics = advantages(run, groups)
                 # 5. policy update (reference forward included when KL is in the loss), then the critic's
-                train_metrics |= update(run, step, samples)
+                train_metrics |= update(run, step, samples, monitors.watch_update(step))
                 # 6. sync weights to the engine (a version bump when it shares the module)
                 with stage("sync"):
                     feed.push(step)
-                    train_metrics |= probe.after_push(step)
+                    train_metrics |= monitors.after_push(step)
             # 7. log (the samples with the advantages they were trained with)
             metrics = log_step(run, step, groups, sampling | train_metrics, timer)
-            efficiency.add(metrics)
-            alarms.check(step, metrics, groups)
+            monitors.after_step(step, metrics, groups)
             # 8. checkpoint
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < last:
                 save(run, step, feed)
-        efficiency.finish()  # step time against its ideal, where it went, what would help most
     if last < end:
         save(run, last, feed)
         log.message(f"stopped after step {last} of {end} (max_steps_per_run); resume to go on")
@@ -136,8 +131,9 @@ def advantages(run: Run, groups: list[Group]) -> tuple[list[Group], list[Sample]
     return groups, samples, metrics
 
 
-def update(run: Run, step: int, samples: list[Sample]) -> dict[str, float]:
-    """The policy update (none while the critic warms up), then the critic's; their metrics."""
+def update(run: Run, step: int, samples: list[Sample], watch: UpdateWatch | None = None) -> dict[str, float]:
+    """The policy update (none while the critic warms up), then the critic's; their metrics (the `watch`'s
+    among them: a health monitor's view of the policy update)."""
     cfg, metrics = run.cfg, {}
     if cfg.record.rollout_only:  # generate and score (and dump) only
         return metrics
@@ -146,7 +142,7 @@ def update(run: Run, step: int, samples: list[Sample]) -> dict[str, float]:
             metrics |= policy_update(
                 samples, run.backend, cfg.algorithm, pad_id=run.engine.pad_id, max_tokens=cfg.generation.max_tokens,
                 rng=run.update_rng, reference=None if cfg.algorithm.kl_in_reward else run.reference,
-                mismatch=bool(cfg.health.mismatch_every) and step % cfg.health.mismatch_every == 0,
+                watch=watch,
             )
             t.add_tokens("train", sum(len(s.tokens) for s in samples))
     if samples and run.critic is not None:
@@ -170,18 +166,6 @@ def log_step(run: Run, step: int, groups: list[Group], step_metrics: dict[str, A
     log.log(step, metrics)
     log.log_samples(step, sample_records(groups, cfg.tracking.log_samples))
     return metrics
-
-
-def hints(run: Run) -> dict[str, Any]:
-    """Run settings the alarm messages quote."""
-    gen = run.cfg.generation
-    out: dict[str, Any] = {"max_tokens": gen.max_tokens, "temperature": gen.temperature,
-                           "distillation": run.teacher is not None}
-    for engine in (getattr(run.generator, "engine", None), run.engine):  # one that says how it samples
-        if isinstance(getattr(engine, "temperature", None), (int, float)):
-            out["engine_temperature"] = float(engine.temperature)
-            break
-    return out
 
 
 def rollout(run: Run, step: int) -> tuple[list[Group], dict[str, float]]:

@@ -112,6 +112,8 @@ class Alarms:
             raise (RewardFailureStop if first.name == "reward_failures" else AlarmStop)(first)
         return found
 
+    after_step = check  # the `Monitors` hook
+
     def _announce(self, fired: Fired) -> None:
         self.fired.append(fired)
         events.emit("alarm", **asdict(fired))

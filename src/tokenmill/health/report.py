@@ -95,6 +95,9 @@ class EfficiencyReport:
         if "efficiency/ideal_s" in metrics:
             self.rows.append(metrics)
 
+    def after_step(self, step: int, metrics: dict[str, Any], groups=()) -> None:  # the `Monitors` hook
+        self.add(metrics)
+
     def summary(self) -> dict[str, Any] | None:
         """The mean step, its ideal, the shares, and the advice; None before any timed step."""
         rows = self.rows[1:] if len(self.rows) > 1 else self.rows

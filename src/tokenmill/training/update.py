@@ -9,13 +9,13 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from typing import Protocol
 
 import torch
 
 from tokenmill.algorithms.aggregation import token_weights
 from tokenmill.algorithms.losses import LOSSES, off_policy_loss
 from tokenmill.config.schema import AlgorithmConfig
-from tokenmill.health.mismatch import add_sums, finish, mismatch_stats, mismatch_sums
 from tokenmill.training.base import TrainBackend
 from tokenmill.training.batch import Batch, collate
 from tokenmill.types import Sample
@@ -59,16 +59,25 @@ def mini_batch_splits(samples: Sequence[Sample], algo: AlgorithmConfig, rng: ran
             yield [samples[i] for i in order[mb :: algo.mini_batches]]
 
 
+class UpdateWatch(Protocol):
+    """A health monitor's view of one policy update (`tokenmill.health.mismatch.MismatchWatch`): called with
+    the trainer's logprobs before the update (no extra forward), its `metrics()` join the update's."""
+
+    def __call__(self, batch: Batch, logprobs_B_T: torch.Tensor) -> None: ...
+
+    def metrics(self) -> dict[str, float]: ...
+
+
 def with_trainer_logprobs(
-    samples: Sequence[Sample], backend: TrainBackend, pad_id: int, mismatch: dict[str, float] | None = None
+    samples: Sequence[Sample], backend: TrainBackend, pad_id: int, watch: UpdateWatch | None = None
 ) -> tuple[list[Sample], dict[int, tuple[float, ...]]]:
     """The samples with their logprobs replaced by the trainer's own before this update (the proximal policy
     of the off-policy correction, one no-grad forward), and the sampler's logprobs keyed by `id(new sample)`.
-    A `mismatch` dict is filled with the `mismatch/*` metrics of the two (`tokenmill.health.mismatch`)."""
+    A `watch` is shown that forward."""
     batch = collate(samples, [1.0] * len(samples), pad_id)
     logprobs_B_T = backend.forward(batch)
-    if mismatch is not None:
-        mismatch |= engine_trainer_mismatch(batch, logprobs_B_T, backend)
+    if watch is not None:
+        watch(batch, logprobs_B_T)
     out = list(samples)
     behaviour: dict[int, tuple[float, ...]] = {}
     for row, i in enumerate(batch.sample_index_B.tolist()):
@@ -79,41 +88,14 @@ def with_trainer_logprobs(
     return out, behaviour
 
 
-def engine_trainer_mismatch(batch: Batch, trainer_logprobs_B_T: torch.Tensor, backend: TrainBackend) -> dict[str, float]:
-    """`mismatch/*` of the sampler's logprobs (`batch.old_logprobs_B_T`) against the trainer's, on the trained
-    tokens, and `mismatch/temperature`: the temperature the trainer divided its logits by (the engine's
-    logprobs are of softmax(logits / its temperature): a different one shows up here as a gap)."""
-    trainer_B_T = trainer_logprobs_B_T.detach().float().cpu()
-    return mismatch_stats(batch.old_logprobs_B_T.cpu(), trainer_B_T, batch.weights_B_T.cpu() > 0) | _temperature(backend)
+def _watched(loss_fn, watch: UpdateWatch):
+    """`loss_fn`, showing `watch` the logprobs of each micro-batch it is called on."""
 
+    def loss(logprobs_B_T: torch.Tensor, batch: Batch):
+        watch(batch, logprobs_B_T)
+        return loss_fn(logprobs_B_T, batch)
 
-class MeasuringLoss:
-    """`loss`, also collecting the `mismatch_sums` of each micro-batch it is called on: the sampler's logprobs
-    (`old_logprobs_B_T`) against the ones being trained (before the first optimiser step: the trainer's own
-    before the update), on the trained tokens. Costs no forward."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.sums = inner, []
-
-    def __call__(self, logprobs_B_T: torch.Tensor, batch: Batch):
-        mask_B_T = batch.weights_B_T > 0
-        self.sums.append(mismatch_sums(batch.old_logprobs_B_T, logprobs_B_T.detach(), mask_B_T))
-        return self.inner(logprobs_B_T, batch)
-
-
-def finish_mismatch(sums: list[dict[str, float]], backend: TrainBackend) -> dict[str, float]:
-    """`mismatch/*` of the collected micro-batches ({} when none was run)."""
-    if not sums:
-        return {}
-    total = sums[0]
-    for part in sums[1:]:
-        total = add_sums(total, part)
-    return finish(total) | _temperature(backend)
-
-
-def _temperature(backend: TrainBackend) -> dict[str, float]:
-    temperature = getattr(backend, "temperature", None)
-    return {"mismatch/temperature": float(temperature)} if isinstance(temperature, (int, float)) else {}
+    return loss
 
 
 def _with_behaviour(batch: Batch, kept: Sequence[Sample], behaviour: dict[int, tuple[float, ...]]) -> Batch:
@@ -136,23 +118,20 @@ def policy_update(
     max_tokens: int,
     rng: random.Random,
     reference=None,
-    mismatch: bool = False,
+    watch: UpdateWatch | None = None,
 ) -> dict[str, float]:
-    """Train on `samples` (advantages already set); return metrics averaged over optimiser steps. With
-    `mismatch`, also the `mismatch/*` metrics of the samplers' logprobs against the trainer's before the
-    update, at no extra forward: with an off-policy correction from the logprobs it recomputes for all samples,
-    else from the first optimiser step's own forward (the samples it trains: zero-advantage ones are skipped)."""
+    """Train on `samples` (advantages already set); return metrics averaged over optimiser steps. A `watch`
+    is shown the trainer's logprobs before the update, at no extra forward: with an off-policy correction the
+    ones it recomputes for all samples, else the first optimiser step's own forward (the samples it trains:
+    zero-advantage ones are skipped); its metrics are returned too."""
     loss_fn = _batch_loss(algo.loss, algo)
     # a zero-advantage sample still carries gradient through the KL term, the entropy bonus or distillation's
     # full reverse KL (a backend whose loss carries the teacher: `teacher_in_loss`)
     skip_zero = (algo.skip_zero_advantage and reference is None and algo.entropy_coef == 0
                  and not getattr(backend, "teacher_in_loss", False))
     behaviour = None
-    gap: dict[str, float] = {}
     if algo.off_policy != "none":  # clip against the trainer's own logprobs; weigh by trainer / sampler
-        samples, behaviour = with_trainer_logprobs(samples, backend, pad_id, gap if mismatch else None)
-    elif mismatch:  # the first optimiser step's forward is the trainer before the update: measure there
-        loss_fn = MeasuringLoss(loss_fn)
+        samples, behaviour = with_trainer_logprobs(samples, backend, pad_id, watch)
     totals: dict[str, float] = {}
     steps = 0
     trained_seqs = 0
@@ -165,9 +144,10 @@ def policy_update(
         batch = collate(kept, [weights[i] for i in keep], pad_id)
         if behaviour is not None:
             batch = _with_behaviour(batch, kept, behaviour)
-        metrics = backend.forward_backward(_with_reference(batch, reference), loss_fn, algo.entropy_coef)
-        if isinstance(loss_fn, MeasuringLoss):  # one step measured: the rest train with the plain loss
-            gap, loss_fn = finish_mismatch(loss_fn.sums, backend), loss_fn.inner
+        # without that recomputation the first optimiser step's forward is the trainer before the update
+        first = watch is not None and behaviour is None and steps == 0
+        metrics = backend.forward_backward(_with_reference(batch, reference),
+                                           _watched(loss_fn, watch) if first else loss_fn, algo.entropy_coef)
         trained_seqs += len(keep)
         # per-token metrics were summed with weights of the whole mini-batch: renormalise to the kept part
         mass = metrics.pop("weight", 0.0)
@@ -177,11 +157,10 @@ def policy_update(
         for k, v in metrics.items():
             totals[k] = totals.get(k, 0.0) + v
         steps += 1
-    out = {k: v / steps for k, v in totals.items()} | gap
+    out = {k: v / steps for k, v in totals.items()} | (watch.metrics() if watch is not None else {})
     out["train/optimizer_steps"] = steps
     out["train/sequences_trained"] = trained_seqs
     return out
-
 
 
 def value_update(
