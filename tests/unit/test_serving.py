@@ -13,8 +13,8 @@ import pytest
 
 from tokenmill import serving
 from tokenmill.composer.app import create_app as composer_app
-from tokenmill.engines.continuous import ContinuousEngine
-from tokenmill.engines.server import create_app as engine_app
+from tokenmill.engines.local.continuous import ContinuousEngine
+from tokenmill.engines.server.app import create_app as engine_app
 from tokenmill.envs.server import create_app as env_app
 from tokenmill.serving import ExposureError, start_in_thread
 

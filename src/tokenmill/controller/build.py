@@ -22,7 +22,7 @@ from tokenmill.config.imports import resolve
 from tokenmill.config.schema import LoRAConfig, ModelConfig, RewardFunctionConfig, RLConfig
 from tokenmill.data.prompts import PromptSource, load_rows, split_held_out
 from tokenmill.engines.base import InferenceEngine
-from tokenmill.engines.hf import HFEngine
+from tokenmill.engines.local.hf import HFEngine
 from tokenmill.rewards.base import FunctionReward
 from tokenmill.rewards.model import ModelReward
 from tokenmill.rewards.set import RewardSet

@@ -381,9 +381,10 @@ class ProxyFeed:
     side = None  # one trainer side (the agent is not ours to label)
 
     def __init__(self, run, rollout: RolloutFn, start: int) -> None:
-        from tokenmill.engines.continuous import ContinuousEngine
-        from tokenmill.engines.server import create_app
-        from tokenmill.rollout.proxy import EpisodeRecorder, ProxyCollector
+        from tokenmill.engines.local.continuous import ContinuousEngine
+        from tokenmill.engines.server.app import create_app
+        from tokenmill.engines.server.recorder import EpisodeRecorder
+        from tokenmill.rollout.proxy import ProxyCollector
         from tokenmill.serving import check_exposure, start_in_thread
 
         cfg, pc = run.cfg, run.cfg.proxy

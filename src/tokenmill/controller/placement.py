@@ -5,7 +5,7 @@
            tokens), so the engine's weights never change under a running forward.
 - process: `tokenmill serve` subprocesses on free loopback ports, reached through `RemoteEngine`; weights
            go through `tokenmill.sync` (files or broadcast). The servers are stopped at the end.
-- worker:  the in-process engine in a spawned worker process (`engines.worker`): the two sides run at once
+- worker:  the in-process engine in a spawned worker process (`engines.local.worker`): the two sides run at once
            on their own cores; a push copies the weights into shared memory, the producer has the worker
            load them between rollouts. CPU only.
 - remote:  the same client and sync, for servers at `engine.urls` (ours, vLLM, SGLang).
@@ -111,7 +111,7 @@ class ThreadPlacement(Placement):
 
 
 class WorkerPlacement(Placement):
-    """`engines.worker.WorkerEngine`: an in-process engine in a spawned worker process; a push stages the
+    """`engines.local.worker.WorkerEngine`: an in-process engine in a spawned worker process; a push stages the
     weights in shared memory, the producer has the worker load them between rollouts."""
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -234,12 +234,12 @@ def _weight_sync(cfg, urls: list[str], token: str | None, scratch: Path, ours: b
     if cfg.engine.weight_sync == "files":
         return FileSync(urls, scratch / "weights", token=token, timeout_s=cfg.engine.timeout_s, drop_failed=survive)
     if cfg.engine.weight_sync == "vllm":  # vLLM's own reload routes (tokenmill.engines.vllm)
-        from tokenmill.engines.vllm import VLLMReloadSync
+        from tokenmill.engines.vllm.sync import VLLMReloadSync
 
         return VLLMReloadSync(urls, scratch / "weights", token=token, timeout_s=cfg.engine.timeout_s,
                               drop_failed=survive)
     if cfg.engine.weight_sync == "vllm_broadcast":  # gloo into tokenmill's vLLM worker extension
-        from tokenmill.engines.vllm import VLLMBroadcastSync
+        from tokenmill.engines.vllm.sync import VLLMBroadcastSync
 
         return VLLMBroadcastSync(urls, token=token, timeout_s=cfg.engine.timeout_s, drop_failed=survive)
     return BroadcastSync(urls, token=token, timeout_s=cfg.engine.timeout_s, drop_failed=survive,
@@ -253,7 +253,7 @@ def build_placement(run) -> Placement:
     rewards = _LockedRewards(run.generator.rewards, threading.Lock())
     run.generator.rewards = rewards  # the trainer's held-out evaluation takes the same lock
     if place == "thread":
-        from tokenmill.engines.hf import HFEngine
+        from tokenmill.engines.local.hf import HFEngine
 
         engine = HFEngine(copy.deepcopy(run.model), run.tokenizer, seed=cfg.training.seed,
                           autocast_dtype=run.engine.autocast_dtype)
@@ -261,7 +261,7 @@ def build_placement(run) -> Placement:
         engine.generator = run.engine.generator
         engine.version = run.engine.version
         if cfg.controller.partial_rollouts:
-            from tokenmill.engines.partial import PartialRolloutEngine
+            from tokenmill.engines.local.partial import PartialRolloutEngine
 
             placement = ThreadPlacement(None, None, None)
             engine = PartialRolloutEngine(engine, cfg.controller.partial_chunk_tokens, placement)
@@ -269,7 +269,7 @@ def build_placement(run) -> Placement:
         else:
             placement = ThreadPlacement(engine, None, None)
     elif place == "worker":
-        from tokenmill.engines.worker import WorkerEngine
+        from tokenmill.engines.local.worker import WorkerEngine
 
         if run.engine.device.type != "cpu":
             raise ConfigError(f"engine.placement: worker runs its engine on the CPU (the model is on "
@@ -294,8 +294,8 @@ def seeded_remote_engine(urls: list[str], seed: int, **kwargs):
     (the server gives prompt i of a request seed + i). The servers' samples do not depend on what they
     served before, so a run resumed from a checkpoint (its first push sets the version) draws what an
     uninterrupted run drew."""
-    from tokenmill.engines.openai import RemoteEngine
-    from tokenmill.engines.worker import call_seed
+    from tokenmill.engines.local.worker import call_seed
+    from tokenmill.engines.remote.client import RemoteEngine
 
     class SeededRemoteEngine(RemoteEngine):
         def generate(self, prompts, params):
@@ -315,7 +315,7 @@ def seeded_remote_engine(urls: list[str], seed: int, **kwargs):
 
 
 def _server_placement(run) -> ServerPlacement:
-    from tokenmill.engines.openai import RemoteEngine
+    from tokenmill.engines.remote.client import RemoteEngine
 
     cfg = run.cfg
     token = cfg.engine.token or os.environ.get("TOKENMILL_SERVE_TOKEN")
@@ -335,7 +335,8 @@ def _server_placement(run) -> ServerPlacement:
         # a LoRA run into vLLM pushes the adapters, sampled under their own name (tokenmill.engines.vllm)
         adapters = cfg.engine.weight_sync == "vllm" and cfg.model.lora.rank > 0
         if adapters:
-            from tokenmill.engines.vllm import LORA_ADAPTER_NAME, VLLMLoRASync
+            from tokenmill.engines.vllm.launch import LORA_ADAPTER_NAME
+            from tokenmill.engines.vllm.sync import VLLMLoRASync
 
             # not in the scratch folder: vLLM re-reads an adapter from its path, and the last one must outlive the run
             sync = VLLMLoRASync(urls, Path(run.output_dir) / "vllm-lora", run.model.peft_config["default"],

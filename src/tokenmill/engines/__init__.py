@@ -1,6 +1,6 @@
 """Inference engines: the protocol and the in-process transformers engine."""
 
 from tokenmill.engines.base import InferenceEngine
-from tokenmill.engines.hf import HFEngine, sample_tokens
+from tokenmill.engines.local.hf import HFEngine, sample_tokens
 
 __all__ = ["HFEngine", "InferenceEngine", "sample_tokens"]
