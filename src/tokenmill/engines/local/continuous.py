@@ -40,7 +40,8 @@ import torch.nn.functional as F
 
 from tokenmill.engines.base import EngineUnavailable
 from tokenmill.engines.local.fast_decode import has_sliding_layers
-from tokenmill.engines.local.hf import HFEngine, inverse_cdf
+from tokenmill.engines.local.hf import HFEngine
+from tokenmill.engines.local.sampling import sample_rows
 from tokenmill.types import Completion, PromptLogprobs, SamplingParams, StopReason
 
 log = logging.getLogger("tokenmill.engines.local.continuous")
@@ -510,9 +511,8 @@ class ContinuousEngine(HFEngine):
                                                   generator=request.generator or self.generator).tolist()
             table.append((*request.spec, request.uniforms_N_K[row.index][step % _UNIFORM_BLOCK]))
         table_B_5 = torch.tensor(table, dtype=torch.float64, device=logits_B_V.device)
-        return sample_rows(logits_B_V, temperature_B=table_B_5[:, 0], top_p_B=table_B_5[:, 1],
-                           top_k_B=table_B_5[:, 2].long(), greedy_B=table_B_5[:, 3].bool(),
-                           uniform_B=table_B_5[:, 4])
+        return sample_rows(logits_B_V, temperature=table_B_5[:, 0], top_p=table_B_5[:, 1],
+                           top_k=table_B_5[:, 2].long(), greedy=table_B_5[:, 3].bool(), uniform_B=table_B_5[:, 4])
 
     def _stop_reason(self, row: _Row, token: int) -> StopReason | None:
         request = row.request
@@ -540,32 +540,6 @@ class ContinuousEngine(HFEngine):
             self._finish(row, StopReason.ABORT)
         self._rows, self._cache = [], None
         self._mask_B_L = self._pos_B = self._tok_B = None
-
-
-def sample_rows(logits_B_V: torch.Tensor, *, temperature_B: torch.Tensor, top_p_B: torch.Tensor,
-                top_k_B: torch.Tensor, greedy_B: torch.Tensor, uniform_B: torch.Tensor):
-    """`hf.sample_tokens` with per-row parameters, sampling by inverse CDF from the given uniforms in [0, 1).
-
-    Same distribution as `sample_tokens` (top-k, then top-p of what is left; top_k 0 and top_p 1 are off) and
-    the same returned logprob: the sampled token's under the full tempered softmax(logits / temperature).
-    """
-    vocab = logits_B_V.shape[-1]
-    scaled_B_V = logits_B_V.float() / temperature_B[:, None].float()
-    logprobs_B_V = torch.log_softmax(scaled_B_V, dim=-1)
-    filtered_B_V = scaled_B_V
-    if bool((top_k_B > 0).any()):
-        k_B = torch.where(top_k_B > 0, top_k_B, vocab).clamp(max=vocab)
-        kth_B_1 = torch.sort(scaled_B_V, dim=-1, descending=True).values.gather(1, (k_B - 1)[:, None])
-        filtered_B_V = filtered_B_V.masked_fill(filtered_B_V < kth_B_1, float("-inf"))
-    if bool((top_p_B < 1.0).any()):
-        sorted_B_V, order_B_V = torch.sort(filtered_B_V, dim=-1, descending=True)
-        probs_sorted_B_V = torch.softmax(sorted_B_V, dim=-1)
-        drop_sorted_B_V = (probs_sorted_B_V.cumsum(dim=-1) - probs_sorted_B_V) >= top_p_B[:, None]  # keeps the first
-        drop_B_V = torch.zeros_like(drop_sorted_B_V).scatter(1, order_B_V, drop_sorted_B_V)
-        filtered_B_V = filtered_B_V.masked_fill(drop_B_V, float("-inf"))
-    tokens_B = inverse_cdf(torch.softmax(filtered_B_V, dim=-1), uniform_B)
-    tokens_B = torch.where(greedy_B, scaled_B_V.argmax(dim=-1), tokens_B)
-    return tokens_B, logprobs_B_V.gather(1, tokens_B[:, None]).squeeze(1)
 
 
 def _left_pad(t: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:

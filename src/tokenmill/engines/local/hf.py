@@ -25,6 +25,7 @@ from tokenmill.engines.local.fast_decode import (
     has_sliding_layers,
 )
 from tokenmill.engines.local.prefix_cache import PrefixCache
+from tokenmill.engines.local.sampling import sample_tokens
 from tokenmill.types import Completion, PromptLogprobs, SamplingParams, StopReason
 
 
@@ -33,43 +34,6 @@ def cache_keyword(model) -> str:
     (transformers 5.24 deprecates `past_key_values`, to be removed in 5.40), else `past_key_values`."""
     forward = causal_lm(model).forward
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
-
-
-def sample_tokens(
-    logits_B_V: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return (tokens_B, logprobs_B) under softmax(logits / temperature).
-
-    top-k / top-p shape the sampling distribution only; the returned logprob is the tempered full
-    distribution's, the same quantity the trainer recomputes (as TRL and verl do).
-    """
-    scaled_B_V = logits_B_V.float() / params.temperature
-    logprobs_B_V = torch.log_softmax(scaled_B_V, dim=-1)
-    if params.greedy:
-        tokens_B = scaled_B_V.argmax(dim=-1)
-        return tokens_B, logprobs_B_V.gather(1, tokens_B[:, None]).squeeze(1)
-    filtered_B_V = scaled_B_V
-    if params.top_k and params.top_k < filtered_B_V.shape[-1]:
-        kth_B_1 = torch.topk(filtered_B_V, params.top_k, dim=-1).values[:, -1:]
-        filtered_B_V = filtered_B_V.masked_fill(filtered_B_V < kth_B_1, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_B_V, order_B_V = torch.sort(filtered_B_V, dim=-1, descending=True)
-        cum_B_V = torch.softmax(sorted_B_V, dim=-1).cumsum(dim=-1)
-        drop_sorted_B_V = (cum_B_V - torch.softmax(sorted_B_V, dim=-1)) >= params.top_p  # keeps the first
-        drop_B_V = torch.zeros_like(drop_sorted_B_V).scatter(1, order_B_V, drop_sorted_B_V)
-        filtered_B_V = filtered_B_V.masked_fill(drop_B_V, float("-inf"))
-    uniform_B = torch.rand(filtered_B_V.shape[0], generator=generator, device=filtered_B_V.device)
-    tokens_B = inverse_cdf(torch.softmax(filtered_B_V, dim=-1), uniform_B)
-    return tokens_B, logprobs_B_V.gather(1, tokens_B[:, None]).squeeze(1)
-
-
-def inverse_cdf(probs_B_V: torch.Tensor, uniform_B: torch.Tensor) -> torch.Tensor:
-    """One token per row drawn from `probs_B_V` by the uniforms in [0, 1): the first token whose cumulative
-    probability exceeds u (a zero-probability token never is). The same distribution as `torch.multinomial`,
-    at a fraction of its cost on a CPU (one uniform per row instead of one exponential per vocabulary entry)."""
-    cdf_B_V = probs_B_V.cumsum(dim=-1)
-    target_B_1 = (uniform_B.float() * cdf_B_V[:, -1])[:, None]
-    return torch.searchsorted(cdf_B_V, target_B_1, right=True).squeeze(1).clamp(max=probs_B_V.shape[-1] - 1)
 
 
 def prefill_allowed(mask_P_K: torch.Tensor, past: int = 0) -> torch.Tensor:

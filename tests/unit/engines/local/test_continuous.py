@@ -250,35 +250,6 @@ def test_a_crashed_loop_fails_every_pending_request_with_the_cause(tiny_model, t
                    if t is engine._thread)
 
 
-def test_sample_rows_draws_from_each_rows_own_distribution():
-    from tokenmill.engines.local.continuous import sample_rows
-
-    logits_V = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
-    count = 20_000  # 4 parameter settings interleaved in one batch
-    temperature_B = torch.tensor([1.0, 0.5, 1.0, 2.0]).repeat(count)
-    top_k_B = torch.tensor([0, 0, 3, 0]).repeat(count)
-    top_p_B = torch.tensor([1.0, 1.0, 1.0, 0.8]).repeat(count)
-    greedy_B = torch.tensor([False, False, False, False]).repeat(count)
-    tokens_B, logp_B = sample_rows(logits_V.expand(4 * count, -1), temperature_B=temperature_B, top_p_B=top_p_B,
-                                   top_k_B=top_k_B, greedy_B=greedy_B,
-                                   uniform_B=torch.rand(4 * count, generator=torch.Generator().manual_seed(0)))
-    for setting, (temperature, keep) in enumerate([(1.0, 6), (0.5, 6), (1.0, 3), (2.0, None)]):
-        probs_V = torch.softmax(logits_V / temperature, dim=-1)
-        if keep is None:  # top-p 0.8 at temperature 2: the smallest prefix of sorted tokens reaching 0.8
-            keep = int((probs_V.cumsum(0) - probs_V < 0.8).sum())
-        target_V = torch.zeros(6)
-        target_V[:keep] = probs_V[:keep] / probs_V[:keep].sum()  # logits are sorted: the kept ones come first
-        drawn = tokens_B[setting::4]
-        freq_V = torch.bincount(drawn, minlength=6).float() / count
-        assert (freq_V - target_V).abs().max() < 0.015, (setting, freq_V, target_V)
-        # the logprob is the full tempered distribution's, not the truncated one's
-        assert torch.allclose(logp_B[setting::4], torch.log(probs_V)[drawn], atol=1e-6)
-    greedy, _ = sample_rows(logits_V.expand(2, -1), temperature_B=torch.ones(2), top_p_B=torch.ones(2),
-                            top_k_B=torch.zeros(2, dtype=torch.long), greedy_B=torch.tensor([True, True]),
-                            uniform_B=torch.tensor([0.99, 0.5]))
-    assert greedy.tolist() == [0, 0]
-
-
 def test_on_token_reports_every_sampled_token_in_order(engine):
     """Streaming's hook: (row, token, logprob) for each sampled token, from the loop, before the future resolves."""
     seen: list[tuple[int, int, float]] = []

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from tokenmill.engines import HFEngine, InferenceEngine, sample_tokens
+from tokenmill.engines import HFEngine, InferenceEngine
 from tokenmill.testing.reference import teacher_logprobs
 from tokenmill.types import SamplingParams, StopReason
 
@@ -166,44 +166,3 @@ def test_update_weights_from_shared_module_is_a_no_op_copy(tiny_model, tokenizer
     engine.update_weights(tiny_model.named_parameters(), version=3)
     assert engine.version == 3
     assert all(torch.equal(p, before[n]) for n, p in tiny_model.named_parameters())
-
-
-def test_sample_tokens_top_p_small_picks_the_top_token():
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(64, 50, generator=g)
-    params = SamplingParams(top_p=1e-3, temperature=1.3)
-    for _ in range(5):
-        tokens, logprobs = sample_tokens(logits, params, g)
-        assert torch.equal(tokens, logits.argmax(-1))
-        expected = torch.log_softmax(logits / 1.3, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-        torch.testing.assert_close(logprobs, expected)
-
-
-def test_sample_tokens_top_k_and_top_p_keep_only_the_head():
-    g = torch.Generator().manual_seed(1)
-    # probabilities 0.5, 0.3, 0.1, 0.1 (as logits): top_p 0.7 keeps {0, 1}; top_k 3 keeps {0, 1, 2 or 3}
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.1]])).repeat(400, 1)
-    tokens, _ = sample_tokens(logits, SamplingParams(top_p=0.7), g)
-    assert set(tokens.tolist()) == {0, 1}
-    tokens, logprobs = sample_tokens(logits, SamplingParams(top_k=2), g)
-    assert set(tokens.tolist()) == {0, 1}
-    torch.testing.assert_close(logprobs, torch.log(torch.tensor([0.5, 0.3]))[tokens])
-    # about 5/8 of the draws are token 0 once the tail is removed
-    assert 0.5 < (tokens == 0).float().mean().item() < 0.75
-
-
-def test_inverse_cdf_draws_follow_the_distribution_and_skip_zero_tokens():
-    from tokenmill.engines.local.hf import inverse_cdf
-
-    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
-    # u spans [0, 1): the token whose cumulative interval holds u, never one of probability 0
-    u = torch.tensor([0.0, 0.49, 0.5, 0.69, 0.7, 0.9999999])
-    assert inverse_cdf(probs.repeat(6, 1), u).tolist() == [1, 1, 3, 3, 4, 4]
-    g = torch.Generator().manual_seed(3)
-    rows = 20_000
-    tokens = inverse_cdf(probs.repeat(rows, 1), torch.rand(rows, generator=g))
-    freq = torch.bincount(tokens, minlength=6).float() / rows
-    assert freq[[0, 2, 5]].sum() == 0
-    assert torch.allclose(freq, probs, atol=0.015), freq  # 3 standard errors at 20,000 draws
-    # unnormalised rows (top-k / top-p leave a softmax over fewer tokens: still sums to 1, but be safe)
-    assert inverse_cdf(torch.tensor([[0.0, 2.0, 2.0]]), torch.tensor([0.75])).tolist() == [2]
