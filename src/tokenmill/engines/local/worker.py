@@ -87,7 +87,8 @@ class WorkerEngine:
         env = parent_env(dict(os.environ, OMP_NUM_THREADS=str(threads)))
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "tokenmill.engines.local.worker", str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                [sys.executable, "-m", "tokenmill.engines.local.worker", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
                 env=env, preexec_fn=preexec_die_with_parent())  # noqa: PLW1509 - prctl and getppid only
         except BaseException:
             self._shm.close()

@@ -16,8 +16,8 @@ update or cancelled). `temperature: 0` is greedy decoding (logprobs then of the 
 `prompt_logprobs: k` on /v1/completions (vLLM's extra, token-id prompts or text) adds each choice's
 `prompt_logprobs`, vLLM's shape: `[None, {"<id>": {"logprob", "rank", "decoded_token"}, ...}, ...]`, the prompt
 token's logprob at temperature 1 and its k most likely alternatives; with `max_tokens: 0` nothing is sampled
-(the `Scorer` of a remote engine). `stream: true` answers with server-sent events, one chunk per token (`tokenmill.engines.server.streaming`). A
-client that disconnects cancels its request: the engine stops decoding it at its next step.
+(the `Scorer` of a remote engine). `stream: true` answers with server-sent events, one chunk per token
+(`tokenmill.engines.server.streaming`). A client that disconnects cancels its request: the engine stops decoding it at its next step.
 
 Errors are OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`: 400 a bad body (`param` names the
 field), 401 a missing or wrong bearer token, 403 a foreign `Origin`, 400 a `Host` we do not serve (DNS
@@ -280,9 +280,9 @@ def create_app(engine, *, model_name: str, token: str | None = None, extra_route
     request_timeout_s:  a request without an answer by then is cancelled (504)
     default_max_tokens: a chat request's `max_tokens` when it sends none (capped by the context left)
     max_tokens_cap:     the most tokens any request may generate (None: the context left)
-    recorder:           proxy mode (`tokenmill.rollout.proxy`): the same two routes are also served under
+    recorder:           proxy mode (`recorder.EpisodeRecorder`): the same two routes are also served under
                         `/proxy/<episode id>/v1/...`, one reply per call, each recorded into the episode;
-                        `/v1/episodes/<id>/reward` ends an episode (see `engines/server/proxy_routes.py`)
+                        `/v1/episodes/<id>/reward` ends an episode (see `proxy_routes.py`)
     max_body_bytes:     larger request bodies are refused (413) before they are read
     """
     app = FastAPI(title="tokenmill engine server", docs_url=None, redoc_url=None, openapi_url=None)

@@ -1,5 +1,5 @@
 """The OpenAI wire format of the engine server: request bodies, their checks, prompts, and the answers'
-pieces (choices, logprobs, stream chunks). No I/O here: `engines/server/app.py` and `engines/server/streaming.py` call it."""
+pieces (choices, logprobs, stream chunks). No I/O here: `app.py` and `streaming.py` beside it call it."""
 
 from __future__ import annotations
 
