@@ -94,7 +94,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(2)
 
-    from tokenmill.engines.hf import HFEngine
+    from tokenmill.engines.local.hf import HFEngine
     from tokenmill.recipes import MODEL
     from tokenmill.recipes.tiny import build_tiny_model
     from tokenmill.rollout.agent import AgentLimits, AgentLoop

@@ -34,9 +34,9 @@ import httpx
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tokenmill.engines.continuous import ContinuousEngine
-from tokenmill.engines.hf import HFEngine
-from tokenmill.engines.server import create_app
+from tokenmill.engines.local.continuous import ContinuousEngine
+from tokenmill.engines.local.hf import HFEngine
+from tokenmill.engines.server.app import create_app
 from tokenmill.serving import BackgroundServer
 from tokenmill.testing import build_tiny_model
 from tokenmill.types import SamplingParams

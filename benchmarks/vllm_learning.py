@@ -131,9 +131,9 @@ def main() -> None:
 
     from tokenmill.data.registry import task_splits
     from tokenmill.engines import vllm
-    from tokenmill.engines.hf import HFEngine
-    from tokenmill.engines.openai import RemoteEngine
-    from tokenmill.engines.server import spawn_servers
+    from tokenmill.engines.local.hf import HFEngine
+    from tokenmill.engines.remote.client import RemoteEngine
+    from tokenmill.engines.server.app import spawn_servers
     from tokenmill.recipes import warm_start
     from tokenmill.rollout.generator import encode_prompts
 

@@ -30,6 +30,7 @@ class Import:
     line: int
     module: str  # absolute dotted name, relative imports resolved
     top_level: bool  # runs when the module is imported (not inside a function, not under TYPE_CHECKING)
+    type_only: bool = False  # under `if TYPE_CHECKING:`: never runs
 
     def __str__(self) -> str:
         return f"{self.file.relative_to(SRC)}:{self.line} imports {self.module}"
@@ -75,19 +76,22 @@ def imports(path: Path) -> list[Import]:
     """Every import in `path`, with whether it runs at import time."""
     found: list[Import] = []
 
-    def visit(node: ast.AST, top_level: bool) -> None:
+    def visit(node: ast.AST, top_level: bool, type_only: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.Import):
-                found.extend(Import(path, child.lineno, a.name, top_level) for a in child.names)
+                found.extend(Import(path, child.lineno, a.name, top_level, type_only) for a in child.names)
             elif isinstance(child, ast.ImportFrom):
-                found.extend(Import(path, child.lineno, m, top_level) for m in _resolve(path, child))
+                found.extend(Import(path, child.lineno, m, top_level, type_only) for m in _resolve(path, child))
+            elif isinstance(child, ast.If) and _is_type_checking(child):
+                for branch in child.body:  # the `else:` of a TYPE_CHECKING test runs
+                    visit(ast.Module(body=[branch], type_ignores=[]), False, True)
+                for branch in child.orelse:
+                    visit(ast.Module(body=[branch], type_ignores=[]), top_level, type_only)
             else:
-                deferred = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) or (
-                    isinstance(child, ast.If) and _is_type_checking(child)
-                )
-                visit(child, top_level and not deferred)
+                deferred = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                visit(child, top_level and not deferred, type_only)
 
-    visit(parse(path), True)
+    visit(parse(path), True, False)
     return found
 
 
@@ -116,25 +120,39 @@ def report(bad: list[Import]) -> str:
 
 def test_the_import_reader_resolves_relative_lazy_and_type_checking_imports(tmp_path, monkeypatch):
     pkg = tmp_path / "tokenmill" / "engines"
-    pkg.mkdir(parents=True)
-    (pkg / "x.py").write_text(
+    (pkg / "server").mkdir(parents=True)
+    (pkg / "local").mkdir()
+    (pkg / "server" / "x.py").write_text(
         "from typing import TYPE_CHECKING\n"
         "import torch\n"
-        "from ..envs import server\n"
-        "from . import hf\n"
+        "from ...envs import server\n"
+        "from ..local import hf\n"
+        "from . import streaming\n"
         "if TYPE_CHECKING:\n"
         "    import ray\n"
+        "else:\n"
+        "    import httpx\n"
         "def f():\n"
         "    import tokenmill.testing.tiny\n"
     )
+    (pkg / "local" / "__init__.py").write_text("from .sampling import sample_rows\n")
     monkeypatch.setitem(globals(), "SRC", tmp_path)
-    got = {(i.module, i.top_level) for i in imports(pkg / "x.py")}
+    got = {(i.module, i.top_level, i.type_only) for i in imports(pkg / "server" / "x.py")}
     assert got == {
-        ("typing", True), ("typing.TYPE_CHECKING", True), ("torch", True),
-        ("tokenmill.envs", True), ("tokenmill.envs.server", True),
-        ("tokenmill.engines", True), ("tokenmill.engines.hf", True),
-        ("ray", False), ("tokenmill.testing.tiny", False),
+        ("typing", True, False), ("typing.TYPE_CHECKING", True, False), ("torch", True, False),
+        ("tokenmill.envs", True, False), ("tokenmill.envs.server", True, False),
+        ("tokenmill.engines.local", True, False), ("tokenmill.engines.local.hf", True, False),
+        ("tokenmill.engines.server", True, False), ("tokenmill.engines.server.streaming", True, False),
+        ("ray", False, True), ("httpx", True, False), ("tokenmill.testing.tiny", False, False),
     }
+    got = {i.module for i in imports(pkg / "local" / "__init__.py")}
+    assert got == {"tokenmill.engines.local.sampling", "tokenmill.engines.local.sampling.sample_rows"}
+
+
+def test_the_cycle_finder_finds_each_cycle_once():
+    edges = {("a", "b"): ["a.py:1"], ("b", "c"): ["b.py:2"], ("c", "a"): ["c.py:3"], ("c", "d"): ["c.py:4"]}
+    assert cycles(edges) == [["a", "b", "c"]]
+    assert cycles({k: v for k, v in edges.items() if k != ("c", "a")}) == []
 
 
 # --- import direction --------------------------------------------------------------------------------------
@@ -202,6 +220,116 @@ def test_importing_the_cli_loads_no_composer_module():
     assert done.stdout.strip() == "[]"
 
 
+# --- no package cycles -----------------------------------------------------------------------------------
+
+# Runtime imports (at import time or inside a function) that are allowed to close a cycle, each with why.
+# Imports under `if TYPE_CHECKING:` never run and never count.
+ALLOWED_LAZY_EDGES = {
+    # config validates `env.name` and `data.task` against the environment and task registries. The registries
+    # import `config.imports.resolve` (envs) and the environments (data) at import time, so config imports
+    # them late, inside the validator, and only for the registries' names (no environment class is loaded).
+    ("tokenmill.config", "tokenmill.envs"): "config/preflight.py `_env_problem`: `envs.BUILTIN_ENVS`, names only",
+    ("tokenmill.config", "tokenmill.data"): "config/schema.py `DataConfig`: `data.registry.task_names`",
+}
+
+
+def package_of(module: str, level: str) -> str | None:
+    """The child of `level` that `module` is in (`tokenmill.engines.local.hf` at level `tokenmill.engines`:
+    `tokenmill.engines.local`); None outside `level`."""
+    if not module.startswith(level + "."):
+        return None
+    return level + "." + module[len(level) + 1:].split(".")[0]
+
+
+def package_edges(level: str) -> dict[tuple[str, str], list[str]]:
+    """(importing package, imported package) -> the import lines, between the children of `level`, for every
+    import that runs (top level or in a function; not under TYPE_CHECKING), the allowed lazy ones left out."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for imp in all_imports():
+        source, target = package_of(module_name(imp.file), level), package_of(imp.module, level)
+        if imp.type_only or source is None or target is None or source == target:
+            continue
+        if (source, target) in ALLOWED_LAZY_EDGES and not imp.top_level:
+            continue
+        found = edges.setdefault((source, target), [])
+        if not any(line.startswith(f"{imp.file.relative_to(SRC)}:{imp.line} ") for line in found):
+            found.append(str(imp))  # one line per statement (`from a import b` is both `a` and `a.b`)
+    return edges
+
+
+def cycles(edges: dict[tuple[str, str], list[str]]) -> list[list[str]]:
+    """The strongly connected sets of more than one node (each sorted): every package in one imports, through
+    the others, itself."""
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+
+    def reaches(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    reach = {node: reaches(node) for node in graph}
+    found = {tuple(sorted(n for n in graph if n in reach[node] and node in reach[n])) for node in graph}
+    return sorted(list(c) for c in found if len(c) > 1)
+
+
+@pytest.mark.parametrize("level", ["tokenmill", "tokenmill.engines"])
+def test_no_import_cycle_between_packages(level):
+    """Packages (and a package's role sub-packages) form layers: if a imports b, b imports nothing of a, at
+    import time or in a function. Only a type annotation may point back (under TYPE_CHECKING); a lazy import
+    that must close a cycle is listed in ALLOWED_LAZY_EDGES with the reason."""
+    edges = package_edges(level)
+    problems = []
+    for cycle in cycles(edges):
+        lines = [line for (a, b), found in edges.items() if a in cycle and b in cycle for line in found]
+        problems.append(f"cycle {' <-> '.join(cycle)}:\n  " + "\n  ".join(sorted(lines)))
+    assert not problems, "\n".join(problems)
+
+
+def test_the_allowed_lazy_edges_are_still_needed_and_still_lazy():
+    """Each allowed edge exists (else delete it from ALLOWED_LAZY_EDGES) and never runs at import time."""
+    for source, target in ALLOWED_LAZY_EDGES:
+        found = [i for i in all_imports() if under(i.file, source) and names(i.module, target) and not i.type_only]
+        assert found, f"{source} no longer imports {target}: remove the allowance"
+        eager = [i for i in found if i.top_level]
+        assert not eager, report(eager)
+
+
+# --- engines: one sub-package per role --------------------------------------------------------------------
+
+ENGINE_ROLES = {"local", "server", "remote", "vllm"}
+
+
+def test_engines_are_sub_packages_by_role_next_to_the_protocol():
+    """`ls engines` draws the four roles: the model in process, the `tokenmill serve` server, the clients of
+    remote servers, vLLM. Directly under engines/ only the protocol."""
+    engines = PACKAGE / "engines"
+    roles = {p.name for p in engines.iterdir() if (p / "__init__.py").exists()}
+    assert roles == ENGINE_ROLES
+    assert sorted(p.name for p in engines.glob("*.py")) == ["__init__.py", "base.py"]
+
+
+def test_the_local_engines_do_not_import_the_server():
+    """The server sits on top of an engine; an in-process engine never needs an HTTP layer."""
+    bad = [
+        i for i in all_imports()
+        if under(i.file, "tokenmill.engines.local") and names(i.module, "tokenmill.engines.server")
+    ]
+    assert not bad, report(bad)
+
+
+def test_engines_do_not_import_rollout():
+    """Rollouts drive engines (and the proxy collector reads the server's recorder); an engine never drives a
+    rollout, so the tie runs one way."""
+    bad = [i for i in all_imports() if under(i.file, "tokenmill.engines") and names(i.module, "tokenmill.rollout")]
+    assert not bad, report(bad)
+
+
 # --- sizes ---------------------------------------------------------------------------------------------------
 
 
@@ -241,14 +369,18 @@ def test_no_source_function_over_the_cap():
 
 
 def test_unit_tests_mirror_the_source_tree():
-    """tests/unit/<package>/ for each package's tests; directly under tests/unit only tests of the top-level
-    modules (test_cli_env.py tests cli.py): a reader finds a module's tests where the module is."""
+    """tests/unit/<package>/ for each package's tests (tests/unit/engines/local/ for engines/local/); directly
+    under tests/unit only tests of the top-level modules (test_cli_env.py tests cli.py): a reader finds a
+    module's tests where the module is."""
     package = SRC / "tokenmill"
     unit = SRC.parent / "tests" / "unit"
     subpackages = {p.name for p in package.iterdir() if (p / "__init__.py").exists()}
     modules = {p.stem for p in package.glob("*.py") if not p.stem.startswith("_")}
     folders = {p.name for p in unit.iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert folders <= subpackages, f"tests/unit folders with no package of that name: {sorted(folders - subpackages)}"
+    nested = [str(p.relative_to(unit)) for p in unit.glob("*/**/") if p.parent != unit and p != unit
+              and p.name != "__pycache__" and not (package / p.relative_to(unit) / "__init__.py").exists()]
+    assert nested == [], f"tests/unit folders deeper down with no package of that path: {nested}"
     stray = [p.name for p in unit.glob("test_*.py")
              if not any(p.stem == f"test_{m}" or p.stem.startswith(f"test_{m}_") for m in modules)]
     assert stray == [], f"move these into tests/unit/<package>/: {stray}"

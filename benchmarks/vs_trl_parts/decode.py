@@ -16,7 +16,7 @@ def compare_decode(spec: dict[str, Any], rounds: int = 40) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tokenmill.data.registry import task_splits
-    from tokenmill.engines.hf import HFEngine
+    from tokenmill.engines.local.hf import HFEngine
     from tokenmill.types import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])

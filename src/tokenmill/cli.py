@@ -189,7 +189,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from tokenmill.config.preflight import check_run
     from tokenmill.controller.evaluate import evaluate
     from tokenmill.data.build import build_datasets
-    from tokenmill.engines.hf import HFEngine
+    from tokenmill.engines.local.hf import HFEngine
     from tokenmill.rewards.build import build_rewards
     from tokenmill.rollout.generator import build_generator
     from tokenmill.training.model import load_policy, resolve_device
@@ -270,10 +270,10 @@ def cmd_env_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """`tokenmill serve MODEL_DIR`: the OpenAI-compatible engine server (tokenmill.engines.server)."""
+    """`tokenmill serve MODEL_DIR`: the OpenAI-compatible engine server (tokenmill.engines.server.app)."""
     import logging
 
-    from tokenmill.engines.server import serve
+    from tokenmill.engines.server.app import serve
     from tokenmill.sandbox.lifetime import watch_parent
 
     watch_parent()  # started by a trainer (`engine.placement: process`): go when it goes
@@ -320,7 +320,7 @@ def cmd_composer(args: argparse.Namespace) -> int:
 
 
 def cmd_vllm(args: argparse.Namespace) -> int:
-    from tokenmill.engines.vllm import serve_command
+    from tokenmill.engines.vllm.launch import serve_command
 
     return serve_command(args)
 

@@ -34,8 +34,8 @@ class Served:
 @contextmanager
 def served(model_path: str) -> Iterator[Served]:
     """A real `create_app` server on 127.0.0.1 (free port) over a fresh engine; stopped on exit."""
-    from tokenmill.engines.continuous import ContinuousEngine
-    from tokenmill.engines.server import create_app
+    from tokenmill.engines.local.continuous import ContinuousEngine
+    from tokenmill.engines.server.app import create_app
     from tokenmill.serving import start_in_thread
 
     engine = ContinuousEngine.from_pretrained(model_path, max_batch=16)

@@ -27,7 +27,7 @@ PARAMS = SamplingParams(max_tokens=6, n=3, temperature=0.8)
 
 @contextmanager
 def hf_engine(path: str, tmp_path) -> Iterator[InferenceEngine]:
-    from tokenmill.engines.hf import HFEngine
+    from tokenmill.engines.local.hf import HFEngine
 
     engine = HFEngine.from_pretrained(path, seed=0)
     yield engine
@@ -36,7 +36,7 @@ def hf_engine(path: str, tmp_path) -> Iterator[InferenceEngine]:
 
 @contextmanager
 def continuous_engine(path: str, tmp_path) -> Iterator[InferenceEngine]:
-    from tokenmill.engines.continuous import ContinuousEngine
+    from tokenmill.engines.local.continuous import ContinuousEngine
 
     engine = ContinuousEngine.from_pretrained(path, max_batch=16, seed=0)
     yield engine
@@ -48,7 +48,7 @@ def remote_engine(path: str, tmp_path) -> Iterator[InferenceEngine]:
     """A RemoteEngine over a real loopback server; weights reach it as safetensors files."""
     from transformers import AutoTokenizer
 
-    from tokenmill.engines.openai import RemoteEngine
+    from tokenmill.engines.remote.client import RemoteEngine
     from tokenmill.sync import FileSync
 
     with ExitStack() as stack:

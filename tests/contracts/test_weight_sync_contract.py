@@ -34,7 +34,7 @@ class Rig:
 
 @contextmanager
 def inprocess(path: str, tmp_path) -> Iterator[Rig]:
-    from tokenmill.engines.hf import HFEngine
+    from tokenmill.engines.local.hf import HFEngine
     from tokenmill.sync import InProcessSync
 
     engine = HFEngine.from_pretrained(path, seed=0)

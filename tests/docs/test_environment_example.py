@@ -7,7 +7,7 @@ import re
 import sys
 from pathlib import Path
 
-from tokenmill.engines.hf import HFEngine
+from tokenmill.engines.local.hf import HFEngine
 from tokenmill.envs import resolve_env
 from tokenmill.recipes import MODEL
 from tokenmill.recipes.tiny import build_tiny_model

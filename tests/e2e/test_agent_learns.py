@@ -34,7 +34,7 @@ def test_grpo_on_a_multi_turn_game_raises_the_success_rate(game_warm, tmp_path):
 
 
 def test_trajectories_are_the_sampled_tokens_with_policy_tokens_masked(game_warm):
-    from tokenmill.engines.hf import HFEngine
+    from tokenmill.engines.local.hf import HFEngine
     from tokenmill.envs.guess import GuessNumberEnv, guess_number_tasks
     from tokenmill.rollout.agent import AgentLimits, AgentLoop
     from tokenmill.types import SamplingParams, StopReason
@@ -67,7 +67,7 @@ def test_trajectories_are_the_sampled_tokens_with_policy_tokens_masked(game_warm
 def test_a_remote_environment_gives_the_same_trajectories_as_in_process(game_warm):
     """The same seeded engine and tasks, the game in-process and served by a real uvicorn server on loopback:
     identical tokens, loss masks, logprobs, rewards and messages."""
-    from tokenmill.engines.hf import HFEngine
+    from tokenmill.engines.local.hf import HFEngine
     from tokenmill.envs.guess import GuessNumberEnv, guess_number_tasks
     from tokenmill.envs.remote import remote_factory
     from tokenmill.envs.server import create_app

@@ -48,7 +48,7 @@ def test_replay_of_a_dump_gives_identical_weights(tmp_path, monkeypatch):
     steps = read_dump(dump)
     assert sorted(steps) == [1, 2, 3, 4, 5] and all(len(g) == 4 for g in steps.values())
 
-    from tokenmill.engines import hf
+    from tokenmill.engines.local import hf
 
     def no_engine(*args, **kwargs):
         raise AssertionError("a replay built an engine")

@@ -25,7 +25,7 @@ def test_a_killed_replica_is_routed_around_then_replaced(ray_cluster, tiny_model
     from transformers import AutoModelForCausalLM
 
     from tokenmill.controller.ray.engines import EngineFleet
-    from tokenmill.engines.openai import RemoteEngine
+    from tokenmill.engines.remote.client import RemoteEngine
     from tokenmill.sync import FileSync
     from tokenmill.types import SamplingParams
 

@@ -13,8 +13,8 @@ import pytest
 
 from tokenmill import serving
 from tokenmill.composer.app import create_app as composer_app
-from tokenmill.engines.continuous import ContinuousEngine
-from tokenmill.engines.server import create_app as engine_app
+from tokenmill.engines.local.continuous import ContinuousEngine
+from tokenmill.engines.server.app import create_app as engine_app
 from tokenmill.envs.server import create_app as env_app
 from tokenmill.serving import ExposureError, start_in_thread
 
@@ -186,7 +186,7 @@ def test_wait_for_port_reads_the_ready_line_and_keeps_the_log(tmp_path):
 
 def test_spawned_engine_servers_bind_port_zero_and_report_it(tiny_model_path, tmp_path):
     """`engine.placement: process` starts `tokenmill serve --port 0` and reads each port back: no free-port race."""
-    from tokenmill.engines.server import spawn_servers
+    from tokenmill.engines.server.app import spawn_servers
 
     urls, procs = spawn_servers(tiny_model_path, 1, threads=1, timeout_s=120, log_dir=tmp_path)
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tokenmill.engines.openai import RemoteEngine
+from tokenmill.engines.remote.client import RemoteEngine
 from tokenmill.envs.guess import GuessNumberEnv
 from tokenmill.rollout.agent import AgentLimits, AgentLoop
 from tokenmill.testing.reference import teacher_logprobs

@@ -10,7 +10,7 @@ import torch
 from test_vllm_weight_sync import _restore, _weight_version, _worst, train_and_compare
 
 from tokenmill.engines import vllm
-from tokenmill.engines.openai import RemoteEngine
+from tokenmill.engines.remote.client import RemoteEngine
 
 
 def test_a_broadcast_push_lands_and_a_second_one_replaces_it(vllm_server, vllm_model, hf_model, tmp_path):

@@ -28,8 +28,8 @@ def test_vllm_sync_refuses_truncated_sampling(override, field):
 
 
 def test_vllm_sync_is_the_reload_sync(tmp_path):
+    from tokenmill.engines.remote.sync import for_servers
     from tokenmill.engines.vllm import VLLMReloadSync
-    from tokenmill.sync import for_servers
 
     cfg = load_config(RLConfig, {"model": {"path": "m"}, "data": {"task": "addition"}},
                       {"engine.placement": "remote", "engine.urls": ["http://127.0.0.1:9", "http://127.0.0.1:10"],

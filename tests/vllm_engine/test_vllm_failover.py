@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tokenmill.engines import vllm
-from tokenmill.engines.openai import RemoteEngine
+from tokenmill.engines.remote.client import RemoteEngine
 from tokenmill.testing.reference import teacher_logprobs
 from tokenmill.types import SamplingParams
 

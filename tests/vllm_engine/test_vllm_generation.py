@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from tokenmill.engines.openai import RemoteEngine
+from tokenmill.engines.remote.client import RemoteEngine
 from tokenmill.testing.reference import teacher_logprobs
 from tokenmill.types import SamplingParams, StopReason
 

@@ -1,7 +1,7 @@
 """The engines' `Scorer` (`RemoteEngine.score`, vLLM's `prompt_logprobs`) against a real vLLM server: the scores
 equal a teacher-forced pass within 1e-4, top-k lists included, also while the server generates for other
 requests. The session's server runs with LoRA on, where vLLM 0.32's CPU build, unpatched, dies on a scoring
-request batched with others (tokenmill's worker extension fixes that: `engines/vllm_worker.py`)."""
+request batched with others (tokenmill's worker extension fixes that: `engines/vllm/worker_ext.py`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tokenmill.engines.openai import RemoteEngine
-from tokenmill.engines.scoring import score_sequences
+from tokenmill.engines.local.scoring import score_sequences
+from tokenmill.engines.remote.client import RemoteEngine
 from tokenmill.types import SamplingParams
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from tokenmill.algorithms.losses import LOSSES, ppo_clip_loss, sft_loss
-from tokenmill.engines.hf import HFEngine
+from tokenmill.engines.local.hf import HFEngine
 from tokenmill.rollout.generator import encode_prompt
 from tokenmill.training.batch import Batch, collate
 from tokenmill.training.local import LocalBackend

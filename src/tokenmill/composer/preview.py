@@ -128,7 +128,7 @@ class Previewer:
 
     def _preview(self, cfg: RLConfig, codes: list[RewardCode], n: int, k: int, seed: int,
                  reward_model_timeout_s: float) -> dict[str, Any]:
-        from tokenmill.engines.hf import HFEngine
+        from tokenmill.engines.local.hf import HFEngine
         from tokenmill.rollout.generator import build_generator
 
         rows, task_reward = _rows(cfg, n)

@@ -21,7 +21,7 @@ from tokenmill.controller.trainer import build_trainer
 from tokenmill.data.build import build_datasets
 from tokenmill.data.prompts import PromptSource
 from tokenmill.engines.base import InferenceEngine
-from tokenmill.engines.hf import HFEngine
+from tokenmill.engines.local.hf import HFEngine
 from tokenmill.rewards.build import build_rewards
 from tokenmill.rollout.agent import AgentLoop, build_agent
 from tokenmill.rollout.base import Rollout

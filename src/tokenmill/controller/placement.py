@@ -3,10 +3,10 @@
 - thread:  a second `HFEngine` in this process holding a copy of the weights. The trainer's `push` stages a
            copy; the producer thread applies it between rollouts (or, with partial rollouts, between chunks of
            tokens), so the engine's weights never change under a running forward.
-- process: `tokenmill serve` subprocesses on free loopback ports (`engines.server.spawn_servers`), reached
-           through a seeded `RemoteEngine`; weights go through `tokenmill.sync.for_servers` (files or
+- process: `tokenmill serve` subprocesses on free loopback ports (`engines.server.app.spawn_servers`), reached
+           through a seeded `RemoteEngine`; weights go through `engines.remote.sync.for_servers` (files or
            broadcast). The servers are stopped at the end.
-- worker:  the in-process engine in a spawned worker process (`engines.worker`): the two sides run at once
+- worker:  the in-process engine in a spawned worker process (`engines.local.worker`): the two sides run at once
            on their own cores; a push copies the weights into shared memory, the producer has the worker
            load them between rollouts. CPU only.
 - remote:  the same client and sync, for servers at `engine.urls` (ours, vLLM, SGLang).
@@ -88,7 +88,7 @@ class ThreadPlacement(Placement):
         self._lock = threading.Lock()
         self._staged: tuple[dict[str, torch.Tensor], int] | None = None
         if partial_chunk:
-            from tokenmill.engines.partial import PartialRolloutEngine
+            from tokenmill.engines.local.partial import PartialRolloutEngine
 
             engine = PartialRolloutEngine(engine, partial_chunk, self)
         super().__init__(engine, None, None)
@@ -117,7 +117,7 @@ class ThreadPlacement(Placement):
 
 
 class WorkerPlacement(Placement):
-    """`engines.worker.WorkerEngine`: an in-process engine in a spawned worker process; a push stages the
+    """`engines.local.worker.WorkerEngine`: an in-process engine in a spawned worker process; a push stages the
     weights in shared memory, the producer has the worker load them between rollouts."""
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -201,7 +201,7 @@ def build_placement(run) -> Placement:
     rewards = _LockedRewards(run.generator.rewards, threading.Lock())
     run.generator.rewards = rewards  # the trainer's held-out evaluation takes the same lock
     if place == "thread":
-        from tokenmill.engines.hf import HFEngine
+        from tokenmill.engines.local.hf import HFEngine
 
         engine = HFEngine(copy.deepcopy(run.model), run.tokenizer, seed=cfg.training.seed,
                           autocast_dtype=run.engine.autocast_dtype)
@@ -211,7 +211,7 @@ def build_placement(run) -> Placement:
         chunk = cfg.controller.partial_chunk_tokens if cfg.controller.partial_rollouts else 0
         placement = ThreadPlacement(engine, partial_chunk=chunk)
     elif place == "worker":
-        from tokenmill.engines.worker import WorkerEngine
+        from tokenmill.engines.local.worker import WorkerEngine
 
         if run.engine.device.type != "cpu":
             raise ConfigError(f"engine.placement: worker runs its engine on the CPU (the model is on "
@@ -230,9 +230,9 @@ def build_placement(run) -> Placement:
 
 
 def _server_placement(run) -> ServerPlacement:
-    from tokenmill.engines.openai import RemoteEngine
-    from tokenmill.engines.server import spawn_servers
-    from tokenmill.sync import servers as server_sync
+    from tokenmill.engines.remote import sync as server_sync
+    from tokenmill.engines.remote.client import RemoteEngine
+    from tokenmill.engines.server.app import spawn_servers
 
     cfg = run.cfg
     token = cfg.engine.token or os.environ.get("TOKENMILL_SERVE_TOKEN")

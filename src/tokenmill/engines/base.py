@@ -72,3 +72,9 @@ class Scorer(Protocol):
     def score(self, sequences: list[list[int]], top_k: int = 0) -> list[PromptLogprobs]:
         """One `PromptLogprobs` per sequence, in order."""
         ...
+
+
+def call_seed(seed: int, version: int, index: int) -> int:
+    """The sampling seed of the `index`-th generate call on weights of `version` (also the per-request seed the
+    process placement's `RemoteEngine(seed=...)` sends its own servers)."""
+    return ((seed * 1_000_003 + version) * 1_000_003 + index) % (1 << 62)

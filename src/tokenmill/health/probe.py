@@ -48,7 +48,7 @@ def probe_gap(engine, model: torch.nn.Module, sequence: list[int]) -> float:
 
 def trainer_logprobs(model: torch.nn.Module, sequence: list[int]) -> torch.Tensor:
     """The trainer's side of the probe: its module's teacher-forced logprobs of `sequence` (float64)."""
-    from tokenmill.engines.scoring import score_sequences
+    from tokenmill.engines.local.scoring import score_sequences
 
     was_training = model.training
     model.eval()

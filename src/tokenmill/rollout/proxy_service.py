@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.engines.continuous import ContinuousEngine
-from tokenmill.engines.server import create_app
-from tokenmill.rollout.proxy import EpisodeRecorder
+from tokenmill.engines.local.continuous import ContinuousEngine
+from tokenmill.engines.server.app import create_app
+from tokenmill.engines.server.recorder import EpisodeRecorder
 from tokenmill.sandbox.lifetime import stop_process
 from tokenmill.serving import check_exposure, start_in_thread
 from tokenmill.types import TokenmillError

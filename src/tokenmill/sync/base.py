@@ -9,10 +9,10 @@ losses. Three ways ship with tokenmill, all behind the same two methods:
 - `BroadcastSync(urls)` (`sync/broadcast.py`): a torch.distributed group of the trainer (rank 0) and the
   servers (ranks 1..N), gloo on CPU or NCCL on GPU, driven by SGLang- or vLLM-shaped HTTP control routes.
 
-The receiving side of the HTTP ways is `tokenmill.engines.weight_routes.weight_routes(engine)`.
+The receiving side of the HTTP ways is `tokenmill.engines.server.weight_routes.weight_routes(engine)`.
 
     >>> from tokenmill.sync import InProcessSync
-    >>> from tokenmill.engines.hf import HFEngine                              # doctest: +SKIP
+    >>> from tokenmill.engines.local.hf import HFEngine                              # doctest: +SKIP
     >>> sync = InProcessSync(HFEngine.from_pretrained("path/to/model"))       # doctest: +SKIP
     >>> sync.push(backend.weights(), version=1)                               # doctest: +SKIP
     >>> sync.close()                                                          # doctest: +SKIP

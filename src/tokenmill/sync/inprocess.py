@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from tokenmill.engines.base import InferenceEngine
+from typing import TYPE_CHECKING
+
 from tokenmill.sync.base import NamedTensors, WeightSyncError
+
+if TYPE_CHECKING:  # engines import sync (vLLM, the weight routes), never the other way at run time
+    from tokenmill.engines.base import InferenceEngine
 
 
 class InProcessSync:

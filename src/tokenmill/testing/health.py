@@ -58,7 +58,7 @@ class DroppedPushes:
 def drop_pushes(monkeypatch: Any, versions: set[int]) -> list[DroppedPushes]:
     """Make every weight sync a process / remote placement builds drop the pushes of `versions` (pytest's
     `monkeypatch` undoes it); returns the syncs made, as they are made."""
-    from tokenmill.sync import servers
+    from tokenmill.engines.remote import sync as servers
 
     made: list[DroppedPushes] = []
     real = servers.for_servers

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokenmill.engines.hf import HFEngine
+from tokenmill.engines.local.hf import HFEngine
 from tokenmill.types import ConfigError, Group
 
 # A collective that waits longer than this raises instead of hanging: long enough for rank 0's held-out

@@ -27,7 +27,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from tokenmill.algorithms.distill import bucketed_reverse_kl
-from tokenmill.engines.fast_decode import FastDecoder, decoder_blocker
+from tokenmill.engines.local.fast_decode import FastDecoder, decoder_blocker
 
 DEFAULT_CHUNK_MIB = 64
 # config fields of models whose logits are not plain head(hidden) (Gemma-2 soft-cap, Cohere / Granite scale)
@@ -201,7 +201,7 @@ _OFF: weakref.WeakSet = weakref.WeakSet()  # decoders `set_fast_forward` turned 
 
 
 def fast_forward(decoder: torch.nn.Module, inputs: dict | None = None) -> FastDecoder | None:
-    """The decoder's forward as `engines.fast_decode.FastDecoder.hidden` (the decode step's own code, run on
+    """The decoder's forward as `engines.local.fast_decode.FastDecoder.hidden` (the decode step's own code, run on
     whole sequences, differentiable), or None where it does not stand in for the decoder: a model it does not
     know (`decoder_blocker`), hooks (FSDP2, a user's), gradient checkpointing, attention dropout while
     training, an attention implementation other than SDPA, inputs other than ids / positions / a bool 4-D

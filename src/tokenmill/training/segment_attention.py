@@ -127,7 +127,7 @@ def install() -> bool:
 def usable(model: torch.nn.Module, width: int, min_width: int = MIN_WIDTH) -> bool:
     """Whether a forward of `model` over packed rows `width` wide should attend by segments: SDPA attention,
     no sliding-window layers, rows at least `min_width` wide."""
-    from tokenmill.engines.fast_decode import has_sliding_layers
+    from tokenmill.engines.local.fast_decode import has_sliding_layers
 
     config = getattr(model, "config", None)
     if width < min_width or getattr(config, "_attn_implementation", None) != "sdpa":

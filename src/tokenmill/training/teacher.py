@@ -207,7 +207,7 @@ def loss_teacher(teacher: Teacher, dist: DistillConfig) -> Any:
 
 def _scorer(tc: TeacherConfig, field: str, student, tokenizer, device, amp):
     if tc.url is not None:
-        from tokenmill.engines.openai import RemoteEngine
+        from tokenmill.engines.remote.client import RemoteEngine
 
         token = tc.token if tc.token is not None else os.environ.get("TOKENMILL_SERVE_TOKEN") or None
         return RemoteEngine([tc.url], pad_id=tokenizer.pad_token_id or 0, token=token, model=tc.model)
@@ -228,7 +228,7 @@ def _scorer(tc: TeacherConfig, field: str, student, tokenizer, device, amp):
     if teacher_vocab is not None and teacher_vocab != tokenizer.get_vocab():
         raise ConfigError(f"{field}.path: the teacher's tokenizer maps tokens to other ids than the policy's; "
                           "distillation needs the same tokenizer")
-    from tokenmill.engines.hf import HFEngine
+    from tokenmill.engines.local.hf import HFEngine
 
     target = device if tc.device == "auto" else torch.device(tc.device)
     return HFEngine(model.to(target).eval().requires_grad_(False), tokenizer, autocast_dtype=amp)

@@ -158,8 +158,8 @@ def test_partial_rollouts_continue_with_new_weights_and_record_token_versions(ti
     from transformers import AutoModelForCausalLM
 
     from tokenmill.controller.placement import ThreadPlacement
-    from tokenmill.engines.hf import HFEngine
-    from tokenmill.engines.partial import PartialRolloutEngine
+    from tokenmill.engines.local.hf import HFEngine
+    from tokenmill.engines.local.partial import PartialRolloutEngine
     from tokenmill.training.local import token_logprobs
     from tokenmill.types import SamplingParams
 

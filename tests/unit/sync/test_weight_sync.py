@@ -265,7 +265,7 @@ def test_lora_pushes_merged_weights(server, tiny_model_path, tiny_model, tmp_pat
 
 
 def test_inprocess_sync_copies_into_the_engine(tiny_model, tokenizer):
-    from tokenmill.engines.hf import HFEngine
+    from tokenmill.engines.local.hf import HFEngine
 
     engine = HFEngine(copy.deepcopy(tiny_model), tokenizer)
     perturb(tiny_model, seed=5)
@@ -316,7 +316,7 @@ def test_a_server_dropped_by_the_sync_is_never_routed_to_again(server, tiny_mode
     sync and misses the next push too; once it answers again it is healthy but holds older weights, so the
     engine's pool must not bring it back on a health probe, and every later request goes to the server that
     took the push."""
-    from tokenmill.engines.openai import RemoteEngine
+    from tokenmill.engines.remote.client import RemoteEngine
     from tokenmill.types import SamplingParams
 
     laggard = Server(tiny_model_path)

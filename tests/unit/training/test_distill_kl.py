@@ -95,7 +95,7 @@ def test_top_k_teacher_gives_the_bucketed_kl_and_the_full_kl_when_k_covers_the_v
     """A `TopKTeacher` (an in-process engine asked for its top k, as a server would be): the trainer's term is
     the bucketed KL of the plain formula on the teacher's own top-k (values and gradients, chunked); with k the
     whole vocabulary it is the full KL of the module teacher."""
-    from tokenmill.engines.hf import HFEngine
+    from tokenmill.engines.local.hf import HFEngine
     from tokenmill.training.teacher import TopKTeacher
 
     samples = uneven_groups(1, len(tokenizer), ((3, 3, 6), (2, 2, 6)))

@@ -32,7 +32,7 @@ def test_lora_unknown_target_is_a_config_error(tiny_model_path):
 
 
 def test_weight_sync_sends_only_the_adapters(tiny_model_path):
-    from tokenmill.engines.hf import HFEngine
+    from tokenmill.engines.local.hf import HFEngine
     from tokenmill.training import LocalBackend
 
     model, tok = load_policy(ModelConfig(path=tiny_model_path, lora=LoRAConfig(rank=4)), torch.device("cpu"))

@@ -1,0 +1,201 @@
+"""An `InferenceEngine` over OpenAI-compatible servers: tokenmill's own (`tokenmill serve`), vLLM or SGLang.
+
+    >>> engine = RemoteEngine(["http://127.0.0.1:8000"], pad_id=0)                       # doctest: +SKIP
+    >>> [[c]] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4))              # doctest: +SKIP
+    >>> len(c.token_ids) == len(c.logprobs)                                              # doctest: +SKIP
+    True
+
+Prompts go out as token ids (`/v1/completions` takes a list of ints as the prompt), so the server never
+re-tokenises what the trainer will train on, and the answer's `token_ids` (vLLM's `return_token_ids`, also
+understood by tokenmill's server) are the exact sampled tokens. Each prompt is one request with `n` samples,
+so a GRPO group shares one prefill on the server; the prompts of a batch go out concurrently, and the
+servers' continuous batching turns them into one running batch. With `prompts_per_request=0` a call's
+prompts go out as one request per live server instead (a list of token-id lists, the answer's choices in
+prompt order): one HTTP round trip and one admission per server rather than one per prompt (on the 2-core
+machine, 16 prompts x 8 samples x 8 tokens to one `tokenmill serve`: 36 ms against 71 ms).
+
+What must match on the server side for the logprobs to be the trainer's quantity (the tempered
+distribution's logprob of each sampled token): tokenmill's server does this by default; vLLM needs
+`--logprobs-mode processed_logprobs`; SGLang returns the tempered logprobs when the request has
+`"return_logprob": true` (its native API). See docs/engine-server.md ("Remote engines").
+
+Weights: `update_weights` hands the tensors to a `tokenmill.sync` weight sync (files or broadcast), which
+pushes them to every server; the version each server reports back is the one its samples carry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tokenmill.engines.base import call_seed
+from tokenmill.engines.remote.pool import EndpointPool
+from tokenmill.types import Completion, PromptLogprobs, SamplingParams, StopReason
+
+if TYPE_CHECKING:  # annotation only: an engine import need not load the sync package and its transports
+    from tokenmill.sync.base import WeightSync
+
+
+class RemoteEngine:
+    """Samples from one or more OpenAI-compatible servers, with load balancing and failover (`EndpointPool`).
+
+    urls:          server base URLs ("http://host:port", no /v1)
+    pad_id:        the tokenizer's pad id (the trainer pads with it; the engine itself never pads)
+    model:         the served model name sent in requests (vLLM and SGLang check it; ours accepts any)
+    sync:          how `update_weights` reaches the servers (a `tokenmill.sync` WeightSync); None: refuse
+    max_parallel:  requests in flight at once across all servers
+    prompts_per_request: prompts sent in one request (1: one request per prompt, what any server takes; 0: a
+                   call's prompts split evenly, one request per live server)
+    seed:          None: the servers sample with their own RNGs. An int: each request carries the seed
+                   `call_seed(seed, version, index of its first prompt since the last weight push)`, and the
+                   server gives prompt i of a request seed + i (tokenmill serve does), so what the servers draw
+                   does not depend on what they served before: a client made afresh at the same version (a
+                   resumed run) draws what the first one drew
+    """
+
+    def __init__(self, urls: list[str], *, pad_id: int, token: str | None = None, model: str = "tokenmill",
+                 timeout_s: float = 300.0, retries: int = 3, backoff_s: float = 0.5, cooldown_s: float = 5.0,
+                 sync: WeightSync | None = None, max_parallel: int = 256, prompts_per_request: int = 1,
+                 seed: int | None = None) -> None:
+        self.pool = EndpointPool(urls, token=token, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
+                                 cooldown_s=cooldown_s)
+        self.pad_id = pad_id
+        self.model = model
+        self.sync = sync
+        self.prompts_per_request = prompts_per_request
+        self.seed = seed
+        self._drawn = self._start = 0  # prompts drawn since the last push; the first of the call in progress
+        self.version = 0
+        self.versions_seen: list[int] = []
+        self._workers = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="tokenmill-remote")
+
+    # ---------------------------------------------------------------------------------------- generation
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        if not prompts:
+            return []
+        self._start, self._drawn = self._drawn, self._drawn + len(prompts)
+        spans = self._spans(len(prompts))
+        answers = list(self._workers.map(
+            lambda se: self.pool.post("/v1/completions", self._body(prompts[se[0]:se[1]], params, se[0])), spans))
+        out: list[list[Completion]] = []
+        for (start, end), answer in zip(spans, answers, strict=True):
+            if "policy_version" in answer:
+                self.versions_seen.append(int(answer["policy_version"]))
+            choices = sorted(answer["choices"], key=lambda c: c.get("index", 0))
+            if len(choices) != (end - start) * params.n:
+                raise ValueError(f"the engine server answered {len(choices)} choices for {end - start} prompt(s) "
+                                 f"x n={params.n}")
+            out += [[_completion(c) for c in choices[i * params.n:(i + 1) * params.n]] for i in range(end - start)]
+        return out
+
+    def _spans(self, count: int) -> list[tuple[int, int]]:
+        """[start, end) of the prompts each request carries (`prompts_per_request`)."""
+        per = self.prompts_per_request or -(-count // max(1, len(self.pool.endpoints)))
+        return [(start, min(count, start + per)) for start in range(0, count, per)]
+
+    def _body(self, prompts: list[list[int]], params: SamplingParams, first: int) -> dict[str, Any]:
+        """The completions body of `prompts`, the call's prompts from index `first` on."""
+        one = len(prompts) == 1  # a single prompt as a list of ints, which every server takes
+        body: dict[str, Any] = {
+            "model": self.model, "prompt": list(prompts[0]) if one else [list(p) for p in prompts],
+            "max_tokens": params.max_tokens, "n": params.n,
+            "temperature": 0.0 if params.greedy else params.temperature, "top_p": params.top_p,
+            "logprobs": 1, "return_token_ids": True,
+        }
+        if params.top_k:
+            body["top_k"] = params.top_k
+        if params.stop:
+            body["stop"] = list(params.stop)
+        if self.seed is not None:
+            body["seed"] = call_seed(self.seed, self.version, self._start + first)
+        return body
+
+    # ------------------------------------------------------------------------------------------- scoring
+    def score(self, sequences: list[list[int]], top_k: int = 0) -> list[PromptLogprobs]:
+        """`Scorer` through one server: vLLM's `prompt_logprobs` (tokenmill serve and vLLM both answer it; one
+        sampled token is asked for and dropped, as vLLM samples at least one)."""
+        if top_k < 0:
+            raise ValueError(f"top_k: must be >= 0, got {top_k}")
+        if any(not s for s in sequences):
+            raise ValueError("sequences: a sequence is empty (at least one token)")
+        answers = list(self._workers.map(lambda s: self.pool.post("/v1/completions", self._score_body(s, top_k)),
+                                         sequences))
+        return [_prompt_logprobs(s, a, top_k) for s, a in zip(sequences, answers, strict=True)]
+
+    def score_each(self, sequences: list[list[int]], top_k: int = 0) -> dict[str, list[PromptLogprobs]]:
+        """`score` on every live server (url -> scores, for the servers that answered every sequence): what the
+        weight-sync probe compares, one server at a time."""
+        out: dict[str, list[PromptLogprobs]] = {}
+        for s in sequences:
+            for url, answer in self.pool.post_live("/v1/completions", self._score_body(s, top_k)).items():
+                out.setdefault(url, []).append(_prompt_logprobs(s, answer, top_k))
+        return {url: scores for url, scores in out.items() if len(scores) == len(sequences)}
+
+    def _score_body(self, ids: list[int], top_k: int) -> dict[str, Any]:
+        return {"model": self.model, "prompt": [int(t) for t in ids], "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": top_k}
+
+    # ------------------------------------------------------------------------------------------- weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        if self.sync is None:
+            raise RuntimeError("RemoteEngine has no weight sync: pass sync=FileSync(...) or BroadcastSync(...) "
+                               "(tokenmill.sync), or set engine.sync in the config")
+        self.sync.push(named_tensors, version)
+        self.version = version
+        self._drawn = 0
+        servers = getattr(self.sync, "servers", None)  # files and broadcast syncs drop a server that did not answer
+        if servers is not None:
+            self.pool.retire({e.url for e in self.pool.endpoints} - {u.rstrip("/") for u in servers.urls})
+
+    def state_dict(self) -> dict[str, Any]:
+        """Empty: the servers sample with their own RNGs (seeded per request when asked)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def health(self) -> dict[str, bool]:
+        return self.pool.probe()
+
+    def close(self) -> None:
+        self._workers.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
+        if self.sync is not None and hasattr(self.sync, "close"):
+            self.sync.close()
+
+
+def _completion(choice: dict[str, Any]) -> Completion:
+    """A choice of an OpenAI completions answer as a `Completion`; needs the token ids and their logprobs."""
+    ids = choice.get("token_ids")
+    logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+    if ids is None or logprobs is None:
+        raise ValueError("the engine server's answer has no token_ids/logprobs: tokenmill needs the exact sampled "
+                         "tokens (vLLM: send return_token_ids; tokenmill serve does by default)")
+    if len(ids) != len(logprobs):
+        raise ValueError(f"the server returned {len(ids)} token ids but {len(logprobs)} logprobs")
+    reason = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT}.get(choice.get("finish_reason"),
+                                                                          StopReason.STOP)
+    return Completion(tuple(int(t) for t in ids), tuple(float(x) for x in logprobs), reason,
+                      choice.get("text", ""))
+
+
+def _prompt_logprobs(ids: list[int], answer: dict[str, Any], top_k: int) -> PromptLogprobs:
+    """An answer's vLLM-shaped `prompt_logprobs` (None, then {"<id>": {"logprob", "rank", ...}} per token) as a
+    `PromptLogprobs`: the prompt token's logprob, the `top_k` alternatives of rank <= top_k, and the
+    answer's `policy_version` where the server gives one (tokenmill serve does; vLLM does not)."""
+    choice = answer["choices"][0]
+    version = answer.get("policy_version", choice.get("policy_version"))
+    entries = choice.get("prompt_logprobs")
+    if not isinstance(entries, list) or len(entries) != len(ids):
+        raise ValueError("the engine server's answer has no prompt_logprobs for each prompt token (tokenmill serve "
+                         "and vLLM answer `prompt_logprobs`)")
+    picked, tops = [], []
+    for t, entry in zip(ids[1:], entries[1:], strict=True):
+        picked.append(float(entry[str(t)]["logprob"]))
+        ranked = sorted(((int(k), v) for k, v in entry.items()), key=lambda kv: -kv[1]["logprob"])
+        tops.append({k: float(v["logprob"]) for k, v in ranked[:top_k]})
+    return PromptLogprobs(tuple(picked), tuple(tops) if top_k else None,
+                          int(version) if isinstance(version, int) else None)

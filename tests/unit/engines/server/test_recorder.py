@@ -1,0 +1,81 @@
+"""The proxy's episode recorder: calls that extend the history merge into one sample with the right loss mask."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+
+from tokenmill.engines.server.recorder import EpisodeError, EpisodeRecorder
+from tokenmill.rollout.proxy import episodes_to_groups
+from tokenmill.types import Completion, StopReason
+
+
+def _c(ids, lps, text="", reason=StopReason.STOP):
+    return Completion(tuple(ids), tuple(lps), reason, text)
+
+
+def test_a_multi_turn_episode_is_one_sample_with_observations_masked():
+    rec = EpisodeRecorder()
+    rec.record("e1", [1, 2, 3], _c([7, 8], [-0.5, -0.25], "ab"), version=4, group="task-9")
+    # the next call's prompt is the whole history plus the environment's reply [20, 21]
+    rec.record("e1", [1, 2, 3, 7, 8, 20, 21], _c([9], [-1.0], "c"), version=5)
+    ep = rec.finish("e1", reward=0.75)
+    [s] = ep.samples(group_id=3)
+    assert s.tokens == (1, 2, 3, 7, 8, 20, 21, 9)
+    assert s.loss_mask == (0, 0, 0, 1, 1, 0, 0, 1)
+    assert s.logprobs == (0.0, 0.0, 0.0, -0.5, -0.25, 0.0, 0.0, -1.0)
+    assert s.prompt_len == 3 and s.completion == "abc" and s.reward == 0.75
+    assert s.version == 4  # the oldest policy that wrote any of it
+    assert s.group_id == 3 and s.row["group"] == "task-9" and s.row["calls"] == 2
+
+
+def test_a_call_that_rewrites_the_history_starts_a_new_segment():
+    rec = EpisodeRecorder()
+    rec.record("e", [1, 2], _c([3], [-0.1]), version=0)
+    rec.record("e", [5, 6, 7], _c([8, 9], [-0.2, -0.3], reason=StopReason.LENGTH), version=1)
+    samples = rec.finish("e", 1.0).samples(0)
+    assert [s.tokens for s in samples] == [(1, 2, 3), (5, 6, 7, 8, 9)]
+    assert [s.loss_mask for s in samples] == [(0, 0, 1), (0, 0, 0, 1, 1)]
+    assert samples[1].stop_reason is StopReason.LENGTH and all(s.reward == 1.0 for s in samples)
+
+
+def test_finish_errors_name_the_episode():
+    rec = EpisodeRecorder()
+    with pytest.raises(EpisodeError, match="'nope' is not open"):
+        rec.finish("nope", 1.0)
+    rec.record("e", [1], _c([2], [-0.1]), version=0)
+    with pytest.raises(EpisodeError, match="finite number"):
+        rec.finish("e", float("nan"))
+    rec.finish("e", 0.0)
+    with pytest.raises(EpisodeError, match="'e' is not open"):
+        rec.finish("e", 1.0)
+
+
+def test_take_finished_waits_for_the_first_episode_and_groups_by_key():
+    rec = EpisodeRecorder()
+    for eid, key, r in [("a", "t1", 1.0), ("b", "t2", 0.0), ("c", "t1", 0.0)]:
+        rec.record(eid, [1], _c([2], [-0.1]), version=0, group=key)
+    assert rec.take_finished(10, timeout_s=0.05) == []
+    threading.Timer(0.1, lambda: [rec.finish(e, r) for e, r in [("a", 1.0), ("b", 0.0), ("c", 0.0)]]).start()
+    t0 = time.monotonic()
+    got = rec.take_finished(2, timeout_s=5.0)
+    assert 0.05 < time.monotonic() - t0 < 2.0
+    got += rec.take_finished(10, timeout_s=1.0)
+    assert [e.episode_id for e in got] == ["a", "b", "c"]
+    groups = episodes_to_groups(got, first_group=10)
+    assert [g.group_id for g in groups] == [10, 11]
+    assert [g.rewards_G for g in groups] == [[1.0, 0.0], [0.0]]
+    assert rec.counts() == {"open": 0, "finished": 0, "dropped": 0}
+
+
+def test_an_episode_without_a_reward_is_not_trainable_and_idle_ones_expire():
+    rec = EpisodeRecorder(ttl_s=0.05)
+    rec.record("old", [1], _c([2], [-0.1]), version=0)
+    time.sleep(0.1)
+    rec.record("new", [1], _c([2], [-0.1]), version=0)
+    assert rec.counts() == {"open": 1, "finished": 0, "dropped": 1}
+    [s] = rec._open["new"].samples(0)
+    assert math.isnan(s.reward) and not s.trainable
