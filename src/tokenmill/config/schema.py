@@ -292,6 +292,10 @@ class OptimConfig(Section):
                                                                             default=value)
             cls.model_rebuild(force=True)
 
+    def optimiser(self) -> dict[str, Any]:
+        """The optimiser fields alone, as keywords (`run_sft(..., **cfg.optimiser())`)."""
+        return {name: getattr(self, name) for name in OptimConfig.model_fields}
+
 
 class TrainingConfig(OptimConfig):
     micro_batch_tokens: int = Field(
