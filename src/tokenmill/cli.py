@@ -92,11 +92,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    from tokenmill.api import sft
     from tokenmill.config import SFTConfig, load_config, parse_overrides
+
+    cfg = load_config(SFTConfig, args.config, parse_overrides(args.overrides))  # before the ML stack loads
+    from tokenmill.api import sft
     from tokenmill.training.dist import is_main
 
-    result = sft(load_config(SFTConfig, args.config, parse_overrides(args.overrides)))
+    result = sft(cfg)
     if is_main():  # under torchrun: one summary, not one per rank
         losses = result["losses"]
         print(f"sft: loss {losses[0]:.3f} -> {losses[-1]:.3f}; model written to {result['output_dir']}")
@@ -104,11 +106,13 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_preference(args: argparse.Namespace) -> int:
-    from tokenmill.api import preference
     from tokenmill.config import PreferenceConfig, load_config, parse_overrides
+
+    cfg = load_config(PreferenceConfig, args.config, parse_overrides(args.overrides))  # before the ML stack loads
+    from tokenmill.api import preference
     from tokenmill.training.dist import is_main
 
-    result = preference(load_config(PreferenceConfig, args.config, parse_overrides(args.overrides)))
+    result = preference(cfg)
     if is_main():  # under torchrun: one summary, not one per rank
         losses = result.pop("losses")
         print(json.dumps({"objective": result.pop("objective"), "loss_first": losses[0], "loss_last": losses[-1],
