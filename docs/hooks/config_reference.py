@@ -21,7 +21,7 @@ DOCS = Path(__file__).resolve().parents[1]
 PAGE = DOCS / "reference" / "config.md"
 HEADER = """# Configuration reference
 
-<!-- Generated from tokenmill.config.schema by docs/hooks/config_reference.py: edit the schema, not this page. -->
+<!-- Generated from tokenmill.config by docs/hooks/config_reference.py: edit the schema, not this page. -->
 
 Every YAML key tokenmill reads, generated from the schema the loader validates against. Unknown keys are
 refused, and every field can be overridden on the command line with a dotted flag

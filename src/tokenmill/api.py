@@ -10,6 +10,13 @@
         rewards=[correct],
     )
     print(result["last_metrics"]["reward/mean"])
+
+`sft`, `preference` and `reward_model` run the offline modes the same way, from an `SFTConfig` /
+`PreferenceConfig`, a dict or a YAML path:
+
+    tokenmill.sft({"model": {"path": "my-model"}, "data": {"path": "chats.jsonl"}, "messages_column": "messages"})
+    tokenmill.preference({"model": {"path": "my-model"}, "data": {"path": "pairs.jsonl"}, "objective": "dpo"})
+    tokenmill.reward_model({"model": {"path": "my-model"}, "data": {"path": "pairs.jsonl"}, "output_dir": "rm"})
 """
 
 from __future__ import annotations
@@ -19,10 +26,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tokenmill.config.load import load_config
+from tokenmill.config.load import load_config, read_yaml_tree
+from tokenmill.config.offline import OfflineConfig, PreferenceConfig, SFTConfig
 from tokenmill.config.preflight import check_run
 from tokenmill.config.schema import RLConfig
 from tokenmill.controller.build import build_run
+from tokenmill.controller.offline import run_preference_config, run_sft_config
 from tokenmill.controller.rl import run_rl
 from tokenmill.types import ConfigError
 
@@ -77,3 +86,38 @@ def train(
         return run_rl(run)
     finally:
         run.close()
+
+
+def _offline_config(schema: type[OfflineConfig], config: Any, overrides: dict[str, Any], mode: str | None = None):
+    """`config` (a `schema` instance, a dict or a YAML path) with `a__b=` overrides, validated; with `mode`,
+    that mode's fixed values applied (reward_model's objective)."""
+    if isinstance(config, schema):
+        config = config.model_dump()
+    if not isinstance(config, (dict, str, Path)):
+        raise ConfigError(f"config: expected a config ({schema.__name__}), a dict of sections or a YAML path, "
+                          f"not {type(config).__name__}")
+    if mode is not None:
+        config = {**(config if isinstance(config, dict) else read_yaml_tree(config)), "mode": mode}
+    return load_config(schema, config, {k.replace("__", "."): v for k, v in overrides.items()})
+
+
+def sft(config: SFTConfig | dict[str, Any] | str | Path, **overrides: Any) -> dict[str, Any]:
+    """Supervised fine-tuning: train the model `config` names and write it to `output_dir`. `config` is an
+    SFTConfig, a dict or a YAML path; `overrides` as `train`'s (`learning_rate=1e-4`, `data__split="dev"`).
+    Returns {"losses": the token NLL of each step, "output_dir": ...}."""
+    return run_sft_config(_offline_config(SFTConfig, config, overrides))
+
+
+def preference(config: PreferenceConfig | dict[str, Any] | str | Path, **overrides: Any) -> dict[str, Any]:
+    """Offline preference training (`objective` dpo, ipo or simpo; or reward_model) on prompt / chosen /
+    rejected pairs; the trained model goes to `output_dir`. Returns {"objective", "losses" (each step's),
+    "output_dir"} and, for a built-in task, its held-out numbers ("heldout_margin",
+    "heldout_chosen_preferred")."""
+    return run_preference_config(_offline_config(PreferenceConfig, config, overrides))
+
+
+def reward_model(config: PreferenceConfig | dict[str, Any] | str | Path, **overrides: Any) -> dict[str, Any]:
+    """A Bradley-Terry reward model trained on pairs: `preference` with `objective: reward_model` (another
+    objective in `config` is a `ConfigError`). Its `output_dir` loads as an RL config's `rewards: [{path:
+    ...}]`. Returns as `preference` does, with "heldout_pairwise_accuracy" for a built-in task."""
+    return run_preference_config(_offline_config(PreferenceConfig, config, overrides, mode="reward_model"))

@@ -6,7 +6,6 @@ Config errors print one line per bad field and exit with status 2, never a trace
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
@@ -94,94 +93,30 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_sft(args: argparse.Namespace) -> int:
     from tokenmill.config import SFTConfig, load_config, parse_overrides
-    from tokenmill.config.preflight import check_model_and_data
-    from tokenmill.data import load_rows
-    from tokenmill.data.registry import task_splits
-    from tokenmill.training.dist import is_main
-    from tokenmill.training.model import load_policy, resolve_device
-    from tokenmill.training.sft import run_sft
 
-    cfg = load_config(SFTConfig, args.config, parse_overrides(args.overrides))
-    check_model_and_data(cfg.model, cfg.data.path, cfg.data.split)
-    if cfg.data.task:
-        rows, _, _ = task_splits(cfg.data.task, cfg.data.num_train, cfg.data.held_out_rows, seed=cfg.seed,
-                                 **cfg.data.task_kwargs)
-    else:
-        rows = load_rows(cfg.data.path, cfg.data.split)
-    needed = {"messages_column": cfg.messages_column} if cfg.messages_column else {
-        "data.prompt_column": cfg.data.prompt_column, "completion_column": cfg.completion_column}
-    for field, column in needed.items():
-        if column not in rows.column_names:
-            columns = ", ".join(rows.column_names)
-            raise ConfigError(f"{field}: column {column!r} not in the dataset (columns: {columns})")
-    model, tok = load_policy(cfg.model, resolve_device(cfg.model.device))
-    with _offline_logger(cfg, "SFT") as logger:
-        losses = run_sft(model, tok, rows, steps=cfg.steps, batch_size=cfg.batch_size,
-                         learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps, seed=cfg.seed,
-                         prompt_column=cfg.data.prompt_column, completion_column=cfg.completion_column,
-                         messages_column=cfg.messages_column, packing=cfg.packing,
-                         micro_batch_tokens=cfg.micro_batch_tokens, output_dir=cfg.output_dir,
-                         log_every=max(1, cfg.steps // 10), logger=logger)
+    cfg = load_config(SFTConfig, args.config, parse_overrides(args.overrides))  # before the ML stack loads
+    from tokenmill.api import sft
+    from tokenmill.training.dist import is_main
+
+    result = sft(cfg)
     if is_main():  # under torchrun: one summary, not one per rank
-        print(f"sft: loss {losses[0]:.3f} -> {losses[-1]:.3f}; model written to {cfg.output_dir}")
+        losses = result["losses"]
+        print(f"sft: loss {losses[0]:.3f} -> {losses[-1]:.3f}; model written to {result['output_dir']}")
     return 0
-
-
-@contextlib.contextmanager
-def _offline_logger(cfg, label: str):
-    """The run logger of an SFT / preference / reward-model run (the main rank's; None on the others): the
-    same metrics.jsonl and events.jsonl rows as an RL run, in its output_dir, with a line every tenth of it."""
-    from tokenmill.tracking import MetricsLogger
-    from tokenmill.training.dist import is_main
-
-    logger = MetricsLogger(cfg.output_dir, cfg.steps, console="plain", log_every=max(1, cfg.steps // 10),
-                           run_config=cfg.model_dump(mode="json"), label=label) if is_main() else None
-    try:
-        yield logger
-    finally:
-        if logger is not None:
-            logger.close()
 
 
 def cmd_preference(args: argparse.Namespace) -> int:
     from tokenmill.config import PreferenceConfig, load_config, parse_overrides
-    from tokenmill.config.preflight import check_model_and_data
-    from tokenmill.data import load_rows
-    from tokenmill.data.registry import HELD_OUT_SEED_OFFSET
-    from tokenmill.data.tasks import addition_preferences
-    from tokenmill.training import preference as pref
-    from tokenmill.training.dist import is_main
-    from tokenmill.training.model import load_policy, resolve_device
 
-    cfg = load_config(PreferenceConfig, args.config, parse_overrides(args.overrides))
-    check_model_and_data(cfg.model, cfg.data.path, cfg.data.split)
-    held = None
-    if cfg.data.task:
-        held_seed = cfg.seed + HELD_OUT_SEED_OFFSET
-        held = addition_preferences(cfg.data.num_eval, seed=held_seed) if cfg.data.num_eval else None
-        rows = addition_preferences(cfg.data.num_train, seed=cfg.seed, exclude=set(held["prompt"]) if held else None)
-    else:
-        rows = load_rows(cfg.data.path, cfg.data.split)
-    missing = {"prompt", "chosen", "rejected"} - set(rows.column_names)
-    if missing:
-        raise ConfigError(f"data.path: the pairs need columns {sorted(missing)}")
-    common = {"steps": cfg.steps, "batch_size": cfg.batch_size, "learning_rate": cfg.learning_rate,
-              "warmup_steps": cfg.warmup_steps, "seed": cfg.seed, "output_dir": cfg.output_dir}
-    if cfg.objective == "reward_model":
-        model, tok = pref.load_reward_model_for_training(cfg.model.path, seed=cfg.seed, lora=cfg.model.lora,
-                                                         device=resolve_device(cfg.model.device))
-        with _offline_logger(cfg, "RM") as logger:
-            losses = pref.run_reward_model(model, tok, rows, **common, logger=logger)
-        report = {"pairwise_accuracy": pref.pairwise_accuracy(model, tok, held)} if held else {}
-    else:
-        model, tok = load_policy(cfg.model, resolve_device(cfg.model.device))
-        reference = pref.frozen_reference(model)  # None with LoRA: the adapters switched off are the reference
-        with _offline_logger(cfg, cfg.objective.upper()) as logger:
-            losses = pref.run_dpo(model, tok, rows, loss=cfg.objective, beta=cfg.beta, **common, logger=logger)
-        report = pref.implicit_margin(model, reference, tok, held) if held else {}
+    cfg = load_config(PreferenceConfig, args.config, parse_overrides(args.overrides))  # before the ML stack loads
+    from tokenmill.api import preference
+    from tokenmill.training.dist import is_main
+
+    result = preference(cfg)
     if is_main():  # under torchrun: one summary, not one per rank
-        print(json.dumps({"objective": cfg.objective, "loss_first": losses[0], "loss_last": losses[-1],
-                          "output_dir": cfg.output_dir, **{f"heldout_{k}": v for k, v in report.items()}}))
+        losses = result.pop("losses")
+        print(json.dumps({"objective": result.pop("objective"), "loss_first": losses[0], "loss_last": losses[-1],
+                          **result}))
     return 0
 
 

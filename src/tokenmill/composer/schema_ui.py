@@ -39,10 +39,13 @@ _ADVANCED = {
            "controller.eval_every", "tracking.output_dir", "tracking.log_samples", "checkpoint.every",
            "checkpoint.resume", "env.name", "env.max_turns", "engine.placement", "controller.max_staleness"],
     "preference": ["model.device", "model.dtype", "model.lora.alpha", "model.lora.target_modules",
-                   "data.split", "data.num_train", "data.num_eval", "warmup_steps", "seed"],
-    "reward_model": ["model.device", "model.dtype", "data.split", "data.num_train", "data.num_eval", "seed"],
+                   "data.split", "data.num_train", "data.num_eval", "warmup_steps", "lr_schedule", "max_grad_norm",
+                   "weight_decay", "seed"],
+    "reward_model": ["model.device", "model.dtype", "data.split", "data.num_train", "data.num_eval", "lr_schedule",
+                     "max_grad_norm", "weight_decay", "seed"],
     "sft": ["model.device", "model.dtype", "model.lora.alpha", "model.lora.target_modules", "data.split",
-            "data.num_train", "packing", "micro_batch_tokens", "warmup_steps", "seed"],
+            "data.num_train", "packing", "micro_batch_tokens", "warmup_steps", "lr_schedule", "max_grad_norm",
+            "weight_decay", "seed"],
 }
 # Fields a mode fixes itself (`Mode.fixed`) are not shown, nor beta, which only DPO / IPO / SimPO read.
 _HIDDEN = {"reward_model": {"objective", "beta"}}

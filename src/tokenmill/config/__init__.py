@@ -1,6 +1,7 @@
 """Configuration: pydantic schema, YAML loading, dotted CLI overrides, readable errors."""
 
 from tokenmill.config.load import format_validation_error, load_config, parse_overrides
+from tokenmill.config.offline import OfflineConfig, PreferenceConfig, SFTConfig
 from tokenmill.config.schema import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -10,11 +11,10 @@ from tokenmill.config.schema import (
     EnvConfig,
     GenerationConfig,
     ModelConfig,
-    PreferenceConfig,
+    OptimConfig,
     RewardFunctionConfig,
     RewardModelConfig,
     RLConfig,
-    SFTConfig,
     TrackingConfig,
     TrainingConfig,
 )
@@ -28,6 +28,8 @@ __all__ = [
     "EnvConfig",
     "GenerationConfig",
     "ModelConfig",
+    "OfflineConfig",
+    "OptimConfig",
     "PreferenceConfig",
     "RLConfig",
     "RewardFunctionConfig",

@@ -12,7 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tokenmill.config.schema import PreferenceConfig, RLConfig, SFTConfig
+from tokenmill.config.offline import PreferenceConfig, SFTConfig
+from tokenmill.config.schema import RLConfig
 from tokenmill.types import ConfigError
 
 

@@ -6,9 +6,10 @@ Every field carries a description (it becomes `--help` text). Unknown keys are r
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from tokenmill.config.cluster import ClusterConfig
 from tokenmill.config.distill import DistillConfig, check_distill
@@ -262,7 +263,15 @@ class CriticConfig(Section):
     )
 
 
-class TrainingConfig(Section):
+class OptimConfig(Section):
+    """The optimiser, declared once for every mode: AdamW with a warm-up and a decay schedule, and the seed.
+
+    RL reads it as the `training:` section (`TrainingConfig`); SFT and preference configs carry its fields at
+    the top level (`SFTConfig`, `PreferenceConfig`). A subclass changes only defaults, through `DEFAULTS`
+    (a field's bounds and help stay the ones declared here)."""
+
+    DEFAULTS: ClassVar[dict[str, Any]] = {}
+
     learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     betas: tuple[UnitFloat, UnitFloat] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
@@ -271,6 +280,24 @@ class TrainingConfig(Section):
         "constant", description="Decay after warm-up, over all optimiser steps of the run."
     )
     max_grad_norm: float = Field(1.0, gt=0.0, description="Clip the global gradient norm to this.")
+    seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        defaults = cls.__dict__.get("DEFAULTS")
+        if defaults:
+            for name, value in defaults.items():
+                cls.__pydantic_fields__[name] = FieldInfo.merge_field_infos(cls.__pydantic_fields__[name],
+                                                                            default=value)
+            cls.model_rebuild(force=True)
+
+    def optimiser(self) -> dict[str, Any]:
+        """The optimiser fields alone, as keywords (`run_sft(..., **cfg.optimiser())`)."""
+        return {name: getattr(self, name) for name in OptimConfig.model_fields}
+
+
+class TrainingConfig(OptimConfig):
     micro_batch_tokens: int = Field(
         8192, ge=16, description="Token budget (padded) of one micro-batch; gradients accumulate across them."
     )
@@ -288,7 +315,6 @@ class TrainingConfig(Section):
         True, description="Run each group's shared prompt through the model once per update: its completions "
         "are packed after one copy of it with a block attention mask (same gradients, fewer tokens)."
     )
-    seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
     deterministic: bool = Field(
         False, description="Bit-exact runs: deterministic torch algorithms and a fixed thread count, so a run "
         "killed and resumed ends with exactly the weights of an uninterrupted one (slower; see "
@@ -515,62 +541,3 @@ def _check_async(cfg: RLConfig) -> None:
     if cfg.algorithm.off_policy != "none" and cfg.algorithm.loss == "gspo":
         raise ValueError("algorithm.off_policy: the correction weighs tokens; gspo clips a sequence ratio "
                          "(use ppo_clip or cispo)")
-
-
-class SFTConfig(Section):
-    """Supervised fine-tuning (used for warm starts): prompt -> completion pairs."""
-
-    model: ModelConfig
-    data: DataConfig
-    output_dir: str = Field("runs/sft", description="Where the fine-tuned model folder is written.")
-    completion_column: str = Field("completion", description="Column with the target completion text.")
-    messages_column: str | None = Field(
-        None, description="Column of chat conversations (lists of {role, content}) rendered with the tokenizer's "
-        "chat template; the loss then covers the assistant messages only (prompt/completion columns unused)."
-    )
-    packing: bool = Field(
-        False, description="Pack sequences side by side into rows of up to micro_batch_tokens tokens "
-        "(block-diagonal attention, positions restarting per sequence): no compute spent on padding."
-    )
-    micro_batch_tokens: int = Field(8192, ge=16, description="Token budget of one micro-batch (and packed row).")
-    steps: int = Field(300, ge=1, description="Optimiser steps.")
-    batch_size: int = Field(64, ge=1, description="Sequences per optimiser step.")
-    learning_rate: float = Field(1e-3, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
-    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
-    seed: int = Field(0, description="Seed.")
-
-
-class PreferenceDataConfig(Section):
-    task: Literal["addition"] | None = Field(
-        None, description="Built-in synthetic preference task: 'addition' (the true sum chosen over a slip)."
-    )
-    path: str | None = Field(
-        None, description="Pairs with prompt / chosen / rejected columns: a json/jsonl/parquet/csv file or folder."
-    )
-    split: str = Field("train", description="Split to read when `path` is a dataset name or folder.")
-    num_train: int = Field(5000, ge=1, description="Pairs generated for the built-in task.")
-    num_eval: int = Field(400, ge=0, description="Held-out pairs (built-in task) for the final report.")
-
-    @model_validator(mode="after")
-    def _one_source(self) -> PreferenceDataConfig:
-        if (self.task is None) == (self.path is None):
-            raise ValueError("set exactly one of data.task or data.path")
-        return self
-
-
-class PreferenceConfig(Section):
-    """Offline preference training (DPO / IPO / SimPO) or a Bradley-Terry reward model, on pairs."""
-
-    model: ModelConfig
-    data: PreferenceDataConfig
-    objective: Literal["dpo", "ipo", "simpo", "reward_model"] = Field(
-        "dpo", description="dpo / ipo (frozen reference), simpo (no reference), or reward_model (Bradley-Terry "
-        "on a one-label sequence classifier that an RL config's rewards can load)."
-    )
-    beta: float = Field(0.1, gt=0.0, description="DPO / IPO / SimPO temperature.")
-    output_dir: str = Field("runs/preference", description="Where the trained model folder is written.")
-    steps: int = Field(200, ge=1, description="Optimiser steps.")
-    batch_size: int = Field(32, ge=1, description="Pairs per optimiser step.")
-    learning_rate: float = Field(2e-5, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
-    warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps (then cosine decay).")
-    seed: int = Field(0, description="Seed.")

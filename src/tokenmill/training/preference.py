@@ -12,7 +12,6 @@ adapters and the score head train, and the exported folder has them merged.
 from __future__ import annotations
 
 import copy
-import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -20,16 +19,15 @@ from typing import Any, Literal
 import torch
 
 from tokenmill.algorithms.preference import bradley_terry_loss, dpo_loss, ipo_loss, simpo_loss
-from tokenmill.checkpoint.export import export_model
+from tokenmill.config.offline import PreferenceConfig
 from tokenmill.config.schema import LoRAConfig
-from tokenmill.tracking.logger import MetricsLogger, offline_row
-from tokenmill.tracking.stages import stage, step_timer
+from tokenmill.tracking.logger import MetricsLogger
 from tokenmill.training.batch import collate
-from tokenmill.training.dist import is_main
 from tokenmill.training.logprobs import DEFAULT_CHUNK_MIB, sequence_token_stats
 from tokenmill.training.lora import add_lora, is_lora
+from tokenmill.training.offline import finish, offline_trainer, optim_settings, run_offline, sampled_batches
 from tokenmill.training.sft import sft_sample
-from tokenmill.training.sharded import copy_back, my_share, offline_backend, sum_over_ranks
+from tokenmill.training.sharded import my_share, sum_over_ranks
 from tokenmill.types import ConfigError
 
 PreferenceLoss = Literal["dpo", "ipo", "simpo"]
@@ -89,66 +87,53 @@ def preference_loss(
     return fn(chosen, rejected, reference[0], reference[1], beta=beta)
 
 
+# The Python helpers' defaults (a larger learning rate than `PreferenceConfig`'s 2e-5, which `tokenmill preference`
+# reads); the other optimiser fields default to `PreferenceConfig`'s (warm-up 10, cosine).
+PAIR_DEFAULTS = {"learning_rate": 1e-4}
+
+
 def run_dpo(
-    model,
-    tokenizer,
-    rows,
-    *,
-    steps: int,
-    loss: PreferenceLoss = "dpo",
-    beta: float = 0.1,
-    batch_size: int = 32,
-    learning_rate: float = 1e-4,
-    warmup_steps: int = 10,
-    seed: int = 0,
-    output_dir: str | Path | None = None,
-    logger: MetricsLogger | None = None,
+    model, tokenizer, rows, *, steps: int, loss: PreferenceLoss = "dpo", beta: float = 0.1, batch_size: int = 32,
+    output_dir: str | Path | None = None, logger: MetricsLogger | None = None, **optim: Any,
 ) -> list[float]:
     """Train `model` in place on preference pairs; return the loss of each step. A LoRA model is its own
-    reference (adapters disabled); any other is compared with a frozen copy of itself."""
+    reference (adapters disabled); any other is compared with a frozen copy of itself. `optim`: the
+    optimiser's fields (`learning_rate`, `warmup_steps`, `seed`, ... of `OptimConfig`)."""
     reference = frozen_reference(model) if loss != "simpo" else None
 
-    def step_loss(picked: list[dict[str, Any]], module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def pair_loss(picked: list[dict[str, Any]], module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ref = None
         if loss != "simpo":
             ref = reference_pair_logprobs(module, reference, tokenizer, picked)
         return preference_loss(loss, pair_logprobs(module, tokenizer, picked), ref, beta)
 
-    return _pairwise_training(model, tokenizer, rows, step_loss, steps=steps, batch_size=batch_size,
-                              learning_rate=learning_rate, warmup_steps=warmup_steps, seed=seed,
-                              output_dir=output_dir, logger=logger)
+    return _pairwise_training(model, tokenizer, rows, pair_loss, steps, batch_size, output_dir, logger, optim)
 
 
 def _pairwise_training(
-    model, tokenizer, rows, step_loss, *, steps: int, batch_size: int, learning_rate: float, warmup_steps: int,
-    seed: int, output_dir: str | Path | None, logger: MetricsLogger | None = None,
+    model, tokenizer, rows, pair_loss, steps: int, batch_size: int, output_dir: str | Path | None,
+    logger: MetricsLogger | None, optim: dict[str, Any],
 ) -> list[float]:
-    """The shared loop: sample pairs, loss, then `LocalBackend.optim_step` (grad-norm clip 1.0, AdamW, cosine
-    schedule after warm-up); save an HF folder at the end. Under torchrun each FSDP2 rank computes its share of
-    the pairs, its loss scaled to its part of the batch mean (the gradients are summed over the ranks). With a
-    `logger`, each step writes the same metrics row as an RL step: loss, margin, accuracy, lr, grad norm,
-    timings, tokens/s."""
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    rows = [rows[i] for i in range(len(rows))]
-    backend, module = offline_backend(model, learning_rate=learning_rate, total_steps=steps,
-                                      warmup_steps=warmup_steps, lr_schedule="cosine", track_entropy=False)
+    """`run_offline` on pairs with `pair_loss(pairs, module) -> (loss tensor, metrics)`, then `LocalBackend.
+    optim_step` (grad-norm clip, AdamW, schedule after warm-up); save an HF folder at the end. Under torchrun
+    each FSDP2 rank computes its share of the pairs, its loss scaled to its part of the batch mean (the
+    gradients are summed over the ranks). A logged row holds the loss, margin, accuracy, lr, grad norm,
+    timings and tokens/s."""
+    settings = optim_settings(PreferenceConfig, {**PAIR_DEFAULTS, **optim})
+    backend, module = offline_trainer(model, settings, steps)
     module.train()
-    losses = []
-    for step in range(1, steps + 1):
-        picked = rng.sample(rows, min(batch_size, len(rows)))
+
+    def loss_fn(picked: list[dict[str, Any]]) -> tuple[float, dict[str, Any]]:
         mine = my_share(picked)
-        with step_timer(step) as timer, stage("train", tokens=_pair_tokens(tokenizer, mine) if logger else 0):
-            value, metrics = step_loss(mine, module)
-            value = value * (len(mine) / len(picked))
-            value.backward()
-            metrics |= backend.optim_step()
-        losses.append(sum_over_ranks(float(value.detach())))
-        if logger is not None:
-            logger.log(step, offline_row({"loss": losses[-1], **metrics}, timer))
-    copy_back(backend, model)
-    if output_dir is not None and is_main():
-        export_model(model, tokenizer, Path(output_dir))
+        value, metrics = pair_loss(mine, module)
+        value = value * (len(mine) / len(picked))
+        value.backward()
+        total = sum_over_ranks(float(value.detach()))
+        return total, {"loss": total, **metrics}
+
+    losses = run_offline(backend, sampled_batches(rows, batch_size, settings.seed), loss_fn, steps, logger,
+                         tokens=lambda picked: _pair_tokens(tokenizer, my_share(picked)), label="pairs")
+    finish(backend, model, tokenizer, output_dir)
     return losses
 
 
@@ -201,30 +186,19 @@ def _pair_tokens(tokenizer, rows: Sequence[dict[str, Any]]) -> int:
 
 
 def run_reward_model(
-    model,
-    tokenizer,
-    rows,
-    *,
-    steps: int,
-    batch_size: int = 32,
-    learning_rate: float = 1e-4,
-    warmup_steps: int = 10,
-    seed: int = 0,
-    output_dir: str | Path | None = None,
-    logger: MetricsLogger | None = None,
+    model, tokenizer, rows, *, steps: int, batch_size: int = 32, output_dir: str | Path | None = None,
+    logger: MetricsLogger | None = None, **optim: Any,
 ) -> list[float]:
     """Bradley-Terry training on preference pairs; return the loss of each step. Saves an HF folder that
-    `rewards.ModelReward` (an RL config's `rewards: [{path: ...}]`) loads."""
+    `rewards.ModelReward` (an RL config's `rewards: [{path: ...}]`) loads. `optim`: as `run_dpo`'s."""
 
-    def step_loss(picked: list[dict[str, Any]], module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def pair_loss(picked: list[dict[str, Any]], module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         prompts = [r["prompt"] for r in picked]
         chosen = _rm_scores(module, tokenizer, prompts, [r["chosen"] for r in picked])
         rejected = _rm_scores(module, tokenizer, prompts, [r["rejected"] for r in picked])
         return bradley_terry_loss(chosen, rejected)
 
-    return _pairwise_training(model, tokenizer, rows, step_loss, steps=steps, batch_size=batch_size,
-                              learning_rate=learning_rate, warmup_steps=warmup_steps, seed=seed,
-                              output_dir=output_dir, logger=logger)
+    return _pairwise_training(model, tokenizer, rows, pair_loss, steps, batch_size, output_dir, logger, optim)
 
 
 @torch.no_grad()

@@ -10,7 +10,6 @@ so short conversations waste no compute on padding.
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +17,12 @@ import torch
 
 from tokenmill.algorithms.aggregation import token_weights
 from tokenmill.algorithms.losses import sft_loss
-from tokenmill.checkpoint.export import export_model
+from tokenmill.config.offline import SFTConfig
 from tokenmill.data.chat import chat_tokens
 from tokenmill.rollout.generator import encode_prompt
-from tokenmill.tracking.logger import MetricsLogger, offline_row
-from tokenmill.tracking.stages import stage, step_timer
+from tokenmill.tracking.logger import MetricsLogger
 from tokenmill.training.batch import Batch, collate
-from tokenmill.training.dist import is_main
-from tokenmill.training.sharded import copy_back, offline_backend
+from tokenmill.training.offline import finish, offline_trainer, optim_settings, run_offline, sampled_batches
 from tokenmill.types import Sample, StopReason
 
 
@@ -57,6 +54,20 @@ def _loss(logprobs_B_T: torch.Tensor, batch: Batch):
     return sft_loss(logprobs_B_T, weights_B_T=batch.weights_B_T)
 
 
+def sft_samples(tokenizer, rows, prompt_column: str = "prompt", completion_column: str = "completion",
+                messages_column: str | None = None) -> list[Sample]:
+    """The rows as samples: (prompt, completion) pairs, or with `messages_column` conversations (OpenAI-style
+    message lists) trained on their assistant tokens only. Rows with no token to train on are left out."""
+    if messages_column is not None:
+        samples = [chat_sample(tokenizer, r[messages_column]) for r in rows]
+    else:
+        samples = [sft_sample(tokenizer, r[prompt_column], r[completion_column]) for r in rows]
+    samples = [s for s in samples if any(s.loss_mask)]
+    if not samples:
+        raise ValueError("no row has a token to train on (no assistant message / empty completions)")
+    return samples
+
+
 def run_sft(
     model,
     tokenizer,
@@ -64,9 +75,6 @@ def run_sft(
     *,
     steps: int,
     batch_size: int = 64,
-    learning_rate: float = 1e-3,
-    warmup_steps: int = 20,
-    seed: int = 0,
     prompt_column: str = "prompt",
     completion_column: str = "completion",
     messages_column: str | None = None,
@@ -75,39 +83,25 @@ def run_sft(
     output_dir: str | Path | None = None,
     log_every: int = 0,
     logger: MetricsLogger | None = None,
+    **optim: Any,
 ) -> list[float]:
-    """Train `model` in place for `steps` optimiser steps; return the loss of each step. With
-    `messages_column`, rows are conversations (OpenAI-style message lists) trained on assistant tokens only.
-    With a `logger`, each step writes the same metrics row as an RL step (loss, lr, grad norm, timings,
-    tokens/s); without one, a line every `log_every` steps."""
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    if messages_column is not None:
-        samples = [chat_sample(tokenizer, r[messages_column]) for r in rows]
-    else:
-        samples = [sft_sample(tokenizer, r[prompt_column], r[completion_column]) for r in rows]
-    samples = [s for s in samples if any(s.loss_mask)]
-    if not samples:
-        raise ValueError("no row has a token to train on (no assistant message / empty completions)")
+    """Train `model` in place for `steps` optimiser steps; return the loss (token NLL) of each step. `optim`:
+    the optimiser's fields (`learning_rate`, `warmup_steps`, `seed`, ... of `OptimConfig`), `SFTConfig`'s
+    defaults for the others. With `messages_column`, rows are conversations (OpenAI-style message lists)
+    trained on assistant tokens only. With a `logger`, each step writes the same metrics row as an RL step
+    (loss, lr, grad norm, timings, tokens/s); without one, a line every `log_every` steps."""
+    settings = optim_settings(SFTConfig, optim)
+    samples = sft_samples(tokenizer, rows, prompt_column, completion_column, messages_column)
     # under torchrun: FSDP2 ranks, each training its share of every batch (`model` is refreshed at the end)
-    backend, _ = offline_backend(
-        model, learning_rate=learning_rate, total_steps=steps, warmup_steps=warmup_steps,
-        lr_schedule="cosine", track_entropy=False, micro_batch_tokens=micro_batch_tokens,
-        share_prompts=not packing, pack_sequences=packing,
-    )
-    losses = []
-    for step in range(1, steps + 1):
-        picked = rng.sample(samples, min(batch_size, len(samples)))
+    backend, _ = offline_trainer(model, settings, steps, micro_batch_tokens=micro_batch_tokens,
+                                 share_prompts=not packing, pack_sequences=packing)
+
+    def loss_fn(picked: list[Sample]) -> tuple[float, dict[str, Any]]:
         weights = token_weights([sum(s.loss_mask) for s in picked], "token_mean")
-        with step_timer(step) as timer, stage("train", tokens=sum(len(s.tokens) for s in picked)):
-            metrics = backend.forward_backward(collate(picked, weights, tokenizer.pad_token_id), _loss)
-            metrics |= backend.optim_step()
-        losses.append(metrics["nll"])
-        if logger is not None:
-            logger.log(step, offline_row(metrics, timer))
-        elif log_every and step % log_every == 0 and is_main():
-            print(f"sft step {step}/{steps} nll {metrics['nll']:.4f}", flush=True)
-    copy_back(backend, model)
-    if output_dir is not None and is_main():
-        export_model(model, tokenizer, Path(output_dir))
+        metrics = backend.forward_backward(collate(picked, weights, tokenizer.pad_token_id), _loss)
+        return metrics["nll"], metrics
+
+    losses = run_offline(backend, sampled_batches(samples, batch_size, settings.seed), loss_fn, steps, logger,
+                         tokens=lambda picked: sum(len(s.tokens) for s in picked), log_every=log_every, label="sft")
+    finish(backend, model, tokenizer, output_dir)
     return losses
