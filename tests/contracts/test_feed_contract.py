@@ -11,6 +11,8 @@ external agent program; `tests/unit/controller/test_proxy_feed.py` runs it.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
 from tokenmill.config.load import load_config
@@ -47,7 +49,7 @@ def feed_steps(model_path: str, out, sections: dict) -> tuple[list[list[tuple]],
     cfg = run.cfg
     seen, versions = [], []
     try:
-        with rollout_feed(run, rollout, 0) as feed:
+        with rollout_feed(run, partial(rollout, cfg), 0) as feed:
             methods = [n for n, v in vars(Feed).items() if callable(v) and not n.startswith("_")]
             assert {"get", "push", "state_dict", "close"} <= set(methods)
             assert all(callable(getattr(feed, m, None)) for m in methods) and hasattr(feed, "side")

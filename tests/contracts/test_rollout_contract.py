@@ -40,13 +40,13 @@ def run(request, tiny_model_path, tmp_path):
 
 
 def test_rollout_returns_stamped_groups_of_sampled_tokens(run):
-    actor = run.actor
+    actor = run.rollout.actor
     assert isinstance(actor, Rollout)
-    rows = run.source.next_rows(2)
+    rows = run.rollout.source.next_rows(2)
     groups, info = actor.rollout(rows, version=7, first_group=5)
     assert [g.group_id for g in groups] == [5, 6]
     assert isinstance(info, dict) and all(isinstance(v, (int, float)) for v in info.values())
-    model = run.model.eval()
+    model = run.trainer.model.eval()
     for group in groups:
         assert len(group.samples) == run.cfg.generation.group_size
         for s in group.samples:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import random
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,51 +18,76 @@ import torch
 import yaml
 
 from tokenmill.config.schema import RLConfig
-from tokenmill.controller.trainer import build_trainer
+from tokenmill.controller.trainer import Trainer, build_trainer
 from tokenmill.data.build import build_datasets
 from tokenmill.data.prompts import PromptSource
 from tokenmill.engines.base import InferenceEngine
 from tokenmill.engines.local.hf import HFEngine
 from tokenmill.rewards.build import build_rewards
+from tokenmill.rewards.set import RewardSet
 from tokenmill.rollout.agent import AgentLoop, build_agent
 from tokenmill.rollout.base import Rollout
 from tokenmill.rollout.generator import Generator, build_generator
 from tokenmill.rollout.record import ReplayEngine
 from tokenmill.tracking.logger import MetricsLogger
-from tokenmill.training.base import TrainBackend
-from tokenmill.training.critic import Critic
-from tokenmill.training.local import ReferenceModel
 from tokenmill.training.model import autocast_dtype, load_policy, resolve_device
 from tokenmill.training.teacher import build_teacher
 
 
 @dataclass
-class Run:
-    cfg: RLConfig
-    model: torch.nn.Module
-    tokenizer: Any
-    engine: InferenceEngine  # colocated: an HFEngine on the trainer's module; a feed's view may hold another
-    generator: Generator
-    backend: TrainBackend
-    reference: ReferenceModel | None
-    critic: Critic | None
-    agent: AgentLoop | None
-    actor: Rollout  # what the loop's rollout calls: the agent loop for env runs, else the generator
+class RolloutSide:
+    """What one thread rolls out with: the engine, the actor the loop's `rollout` calls (the generator, the agent
+    loop, a proxy collector; sharded under fsdp2), the evaluator of held-out rows (the generator or the agent
+    loop, greedy), the prompt source and the rewards. The trainer's thread has the run's; an async producer has
+    its own (`controller.placement.producer_side`), and the two share nothing but the rewards."""
+
+    engine: InferenceEngine
+    actor: Rollout
+    evaluator: Generator | AgentLoop
     source: PromptSource
+    rewards: RewardSet
+
+
+# names the Run had before it was split into its two sides: still readable, with a warning naming the new path
+_MOVED = {
+    "model": "trainer", "backend": "trainer", "reference": "trainer", "critic": "trainer", "teacher": "trainer",
+    "update_rng": "trainer", "engine": "rollout", "actor": "rollout", "source": "rollout", "generator": "rollout",
+    "agent": "rollout",
+}
+
+
+@dataclass
+class Run:
+    """A built run: its config, the trainer side, the trainer thread's rollout side, and what the loop logs
+    to and writes in."""
+
+    cfg: RLConfig
+    trainer: Trainer
+    rollout: RolloutSide
+    tokenizer: Any
     eval_rows: Any
     logger: MetricsLogger
-    update_rng: random.Random
     output_dir: Path
     engine_fleet: Any = None  # engine.placement process on Ray: the replicas (controller.ray.engines.EngineFleet)
-    teacher: Any = None  # on-policy distillation's teacher (training.teacher.Teacher), or None
     monitors: tuple[Any, ...] = ()  # health checks beside cfg.health's (hooks: tokenmill.health.monitors)
+
+    def __getattr__(self, name: str) -> Any:
+        side = _MOVED.get(name)
+        if side is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        new = {"generator": "evaluator", "agent": "evaluator"}.get(name, name)
+        warnings.warn(f"Run.{name} is Run.{side}.{new}", DeprecationWarning, stacklevel=2)
+        value = getattr(getattr(self, side), new)
+        if name == "agent" and not isinstance(value, AgentLoop):
+            return None
+        return value
 
     def close(self) -> None:
         gc.unfreeze()
-        self.generator.rewards.close()
+        self.rollout.rewards.close()
         self.logger.close()
-        if self.teacher is not None:
-            self.teacher.close()
+        if self.trainer.teacher is not None:
+            self.trainer.teacher.close()
 
 
 def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, dataset=None, *,
@@ -95,7 +121,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
             compile_step=cfg.engine.compile_step,
             max_batch_tokens=cfg.engine.max_batch_tokens)
     teacher = build_teacher(cfg.distillation, model, tokenizer, device, autocast_dtype=amp)
-    backend, reference, critic = build_trainer(cfg, model, device, amp, teacher, ray_group=trainer_group)
+    trainer = build_trainer(cfg, model, device, amp, teacher, ray_group=trainer_group)
     generator = build_generator(cfg, engine, tokenizer, reward_set)
     agent = build_agent(cfg, engine, tokenizer) if cfg.env is not None else None
     out = Path(cfg.tracking.output_dir)
@@ -113,14 +139,9 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
             wandb=tk.wandb, wandb_project=tk.wandb_project, run_config=cfg.model_dump(mode="json"),
             trackio=tk.trackio, mlflow=tk.mlflow,
         )
-    run = Run(
-        cfg=cfg, model=model, tokenizer=tokenizer, engine=engine,
-        generator=generator, backend=backend, reference=reference, critic=critic, agent=agent,
-        actor=actor,
-        source=PromptSource(train_rows, seed=cfg.training.seed, shuffle=cfg.data.shuffle),
-        eval_rows=eval_rows, logger=logger, update_rng=random.Random(cfg.training.seed + 1), output_dir=out,
-        teacher=teacher,
-    )
+    source = PromptSource(train_rows, seed=cfg.training.seed, shuffle=cfg.data.shuffle)
+    side = RolloutSide(engine, actor, agent or generator, source, reward_set)
+    run = Run(cfg, trainer, side, tokenizer, eval_rows, logger, out)
     # the setup's objects (modules, model, datasets: hundreds of thousands) leave the garbage collector's sight
     # until `close`: a full collection in the loop would otherwise scan them all (200 ms on the quickstart)
     gc.freeze()

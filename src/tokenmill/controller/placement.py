@@ -29,38 +29,19 @@ from typing import Any
 
 import torch
 
+from tokenmill.controller.build import RolloutSide
 from tokenmill.rollout.agent import build_agent
-from tokenmill.rollout.generator import Generator, build_generator
+from tokenmill.rollout.generator import build_generator
 from tokenmill.sandbox.lifetime import stop_process
 from tokenmill.types import ConfigError, Group
-
-
-class _LockedRewards:
-    """The run's reward set, one caller at a time: the producer scores rollouts while the trainer may score a
-    held-out evaluation, and a forked reward worker serves one request at a time."""
-
-    def __init__(self, rewards, lock: threading.Lock) -> None:
-        self.rewards, self.lock = rewards, lock
-
-    def score(self, *args: Any, **kwargs: Any):
-        with self.lock:
-            return self.rewards.score(*args, **kwargs)
-
-    def close(self) -> None:
-        self.rewards.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.rewards, name)
 
 
 @dataclass
 class Placement:
     """The producer's engine and what drives it; `push` runs in the trainer's thread, `apply_pending` and
-    `stamp_versions` in the producer's."""
+    `stamp_versions` in the producer's. What rolls out on the engine is `producer_side(run, engine)`."""
 
     engine: Any
-    generator: Generator
-    agent: Any
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         raise NotImplementedError
@@ -91,7 +72,7 @@ class ThreadPlacement(Placement):
             from tokenmill.engines.local.partial import PartialRolloutEngine
 
             engine = PartialRolloutEngine(engine, partial_chunk, self)
-        super().__init__(engine, None, None)
+        super().__init__(engine)
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         with torch.no_grad():
@@ -136,10 +117,10 @@ class WorkerPlacement(Placement):
 class ServerPlacement(Placement):
     """Engines behind HTTP (`RemoteEngine`); the trainer pushes weights through `tokenmill.sync`."""
 
-    def __init__(self, engine, generator, agent, urls: list[str], processes: list[subprocess.Popen] | None = None,
+    def __init__(self, engine, urls: list[str], processes: list[subprocess.Popen] | None = None,
                  scratch: tempfile.TemporaryDirectory | None = None, lora_model: torch.nn.Module | None = None,
                  ours: bool = False) -> None:
-        super().__init__(engine, generator, agent)
+        super().__init__(engine)
         self.urls, self.processes, self.scratch = urls, processes or [], scratch
         self.lora_model = lora_model
         self.ours = ours  # tokenmill servers (spawned here, or Ray's fleet): they stage pushes, report versions
@@ -196,37 +177,41 @@ def thread_split(cfg) -> tuple[int, int]:
 
 def build_placement(run) -> Placement:
     """The producer's engine for `run.cfg.engine.placement` (thread, worker, process or remote)."""
-    cfg = run.cfg
+    cfg, model, engine = run.cfg, run.trainer.model, run.rollout.engine
     place = cfg.engine.placement
-    rewards = _LockedRewards(run.generator.rewards, threading.Lock())
-    run.generator.rewards = rewards  # the trainer's held-out evaluation takes the same lock
     if place == "thread":
         from tokenmill.engines.local.hf import HFEngine
 
-        engine = HFEngine(copy.deepcopy(run.model), run.tokenizer, seed=cfg.training.seed,
-                          autocast_dtype=run.engine.autocast_dtype)
+        copied = HFEngine(copy.deepcopy(model), run.tokenizer, seed=cfg.training.seed,
+                          autocast_dtype=engine.autocast_dtype)
         # one sampling stream: what a checkpoint saves (the run's engine's) is what the producer draws from
-        engine.generator = run.engine.generator
-        engine.version = run.engine.version
+        copied.generator = engine.generator
+        copied.version = engine.version
         chunk = cfg.controller.partial_chunk_tokens if cfg.controller.partial_rollouts else 0
-        placement = ThreadPlacement(engine, partial_chunk=chunk)
-    elif place == "worker":
+        return ThreadPlacement(copied, partial_chunk=chunk)
+    if place == "worker":
         from tokenmill.engines.local.worker import WorkerEngine
 
-        if run.engine.device.type != "cpu":
+        if engine.device.type != "cpu":
             raise ConfigError(f"engine.placement: worker runs its engine on the CPU (the model is on "
-                              f"{run.engine.device}); use thread, process or remote")
-        engine = WorkerEngine(run.model, run.tokenizer, seed=cfg.training.seed, threads=thread_split(cfg)[0],
-                              fast_decode=cfg.engine.fast_decode, max_batch_tokens=cfg.engine.max_batch_tokens,
-                              timeout_s=cfg.engine.timeout_s, version=run.engine.version)
-        placement = WorkerPlacement(engine, None, None)
-    elif place in ("process", "remote"):
-        placement = _server_placement(run)
-    else:
-        raise ConfigError(f"engine.placement: {place!r} has no producer (colocated runs in place)")
-    placement.generator = build_generator(cfg, placement.engine, run.tokenizer, rewards)
-    placement.agent = build_agent(cfg, placement.engine, run.tokenizer) if cfg.env is not None else None
-    return placement
+                              f"{engine.device}); use thread, process or remote")
+        return WorkerPlacement(WorkerEngine(
+            model, run.tokenizer, seed=cfg.training.seed, threads=thread_split(cfg)[0],
+            fast_decode=cfg.engine.fast_decode, max_batch_tokens=cfg.engine.max_batch_tokens,
+            timeout_s=cfg.engine.timeout_s, version=engine.version))
+    if place in ("process", "remote"):
+        return _server_placement(run)
+    raise ConfigError(f"engine.placement: {place!r} has no producer (colocated runs in place)")
+
+
+def producer_side(run, engine) -> RolloutSide:
+    """The producer's own rollout side over its placed `engine`: a generator (or agent loop) of its own, a copy of
+    the trainer's prompt position (the feed sets the trainer's from it as batches are taken), and the run's
+    rewards, which score one caller at a time (`RewardSet`), so the trainer's held-out evaluation can share them."""
+    cfg, rewards = run.cfg, run.rollout.rewards
+    generator = build_generator(cfg, engine, run.tokenizer, rewards)
+    player = build_agent(cfg, engine, run.tokenizer) if cfg.env is not None else generator
+    return RolloutSide(engine, player, player, copy.copy(run.rollout.source), rewards)
 
 
 def _server_placement(run) -> ServerPlacement:
@@ -246,7 +231,7 @@ def _server_placement(run) -> ServerPlacement:
         elif cfg.engine.placement == "process":
             urls, procs = spawn_servers(cfg.model.path, cfg.engine.num_servers, threads=thread_split(cfg)[0],
                                         timeout_s=cfg.engine.timeout_s, seed=cfg.training.seed,
-                                        device=str(run.engine.device), log_dir=run.output_dir)
+                                        device=str(run.rollout.engine.device), log_dir=run.output_dir)
         else:
             urls = list(cfg.engine.urls)
         # a LoRA run into vLLM pushes the adapters, sampled under their own name (tokenmill.engines.vllm); not
@@ -255,8 +240,8 @@ def _server_placement(run) -> ServerPlacement:
         folder = Path(run.output_dir) / "vllm-lora" if adapters else Path(scratch.name) / "weights"
         sync = server_sync.for_servers(cfg.engine.weight_sync, urls, folder, token=token,
                                        timeout_s=cfg.engine.timeout_s, packed=ours,
-                                       peft_config=run.model.peft_config["default"] if adapters else None)
-        kwargs = {"pad_id": run.engine.pad_id, "token": token, "timeout_s": cfg.engine.timeout_s, "sync": sync}
+                                       peft_config=run.trainer.model.peft_config["default"] if adapters else None)
+        kwargs = {"pad_id": run.rollout.engine.pad_id, "token": token, "timeout_s": cfg.engine.timeout_s, "sync": sync}
         if adapters:
             from tokenmill.engines.vllm import LORA_ADAPTER_NAME
 
@@ -272,5 +257,5 @@ def _server_placement(run) -> ServerPlacement:
             p.kill()
         scratch.cleanup()
         raise
-    lora = run.model if cfg.model.lora.rank > 0 and not adapters else None
-    return ServerPlacement(engine, None, None, urls, procs, scratch, lora_model=lora, ours=ours)
+    lora = run.trainer.model if cfg.model.lora.rank > 0 and not adapters else None
+    return ServerPlacement(engine, urls, procs, scratch, lora_model=lora, ours=ours)

@@ -4,18 +4,20 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from tokenmill.algorithms.advantages import assign_advantages
 from tokenmill.algorithms.shaping import has_spread, shape_overlong
 from tokenmill.checkpoint.atomic import load_latest, rng_state, save_checkpoint, set_rng_state
 from tokenmill.checkpoint.export import export_atomic
-from tokenmill.config.distill import full_kl
-from tokenmill.controller.build import Run
+from tokenmill.config.schema import RLConfig
+from tokenmill.controller.build import RolloutSide, Run
 from tokenmill.controller.evaluate import evaluate, evaluate_agent, rollout_metrics, sample_records
 from tokenmill.controller.feeds import Feed, rollout_feed
 from tokenmill.health.monitors import health_monitors
 from tokenmill.health.report import efficiency_metrics
+from tokenmill.rollout.agent import AgentLoop
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.critic import gae_advantages
 from tokenmill.training.dist import barrier, is_main
@@ -46,7 +48,7 @@ def run_rl(run: Run) -> dict[str, Any]:
     # generation runs in place (colocated), ahead in a producer (at most controller.max_staleness versions),
     # or in an external agent program (proxy): the feed hides which
     # health (cfg.health, run.monitors): the probe, the mismatch, the efficiency report and the alarms
-    with (rollout_feed(run, rollout, start, buffered) as feed,
+    with (rollout_feed(run, partial(rollout, cfg), start, buffered) as feed,
           health_monitors(run, feed, save=lambda s: save(run, s, feed)) as monitors):
         for step in range(start + 1, last + 1):
             with step_timer(step, side=feed.side) as timer:
@@ -79,7 +81,7 @@ def run_rl(run: Run) -> dict[str, Any]:
     if cfg.checkpoint.save_final and trained:
         save(run, end, feed)
     if (owed or (cfg.checkpoint.save_final and trained)) and is_main():
-        export_atomic(run.model, run.tokenizer, run.output_dir / "final")
+        export_atomic(run.trainer.model, run.tokenizer, run.output_dir / "final")
     if run.eval_rows is not None and (trained or owed):
         result["eval_after"] = held_out(run)
         log.log(end, result["eval_after"])
@@ -96,36 +98,36 @@ def announce(run: Run) -> None:
         f"per step; {cfg.algorithm.ppo_epochs} epoch(s) x {cfg.algorithm.mini_batches} mini-batch(es) = "
         f"{cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches} optimiser step(s) per step"
     )
-    trainable, total = parameter_counts(run.model)
+    trainable, total = parameter_counts(run.trainer.model)
     run.logger.message(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / max(1, total):.2f}%)")
 
 
 def held_out(run: Run) -> dict[str, float]:
     """Greedy evaluation on the held-out rows; accuracy is the built-in task's verifier where there is one."""
-    cfg = run.cfg
-    if run.agent is not None:
-        return evaluate_agent(run.agent, run.eval_rows, cfg.controller.eval_max_rows)
-    return evaluate(run.generator, run.eval_rows, cfg.controller.eval_max_rows, accuracy_reward=cfg.data.task)
+    cfg, player = run.cfg, run.rollout.evaluator
+    if isinstance(player, AgentLoop):  # episodes against the environment, greedy and sampled
+        return evaluate_agent(player, run.eval_rows, cfg.controller.eval_max_rows)
+    return evaluate(player, run.eval_rows, cfg.controller.eval_max_rows, accuracy_reward=cfg.data.task)
 
 
 def advantages(run: Run, groups: list[Group]) -> tuple[list[Group], list[Sample], dict[str, float]]:
     """The groups with their advantages set (what samples.jsonl logs), the trainable samples among them, and
     any metrics of computing them."""
-    algo = run.cfg.algorithm
-    if run.teacher is not None:  # on-policy distillation: minus the reverse KL to the teacher, per token
+    algo, trainer, pad_id = run.cfg.algorithm, run.trainer, run.rollout.engine.pad_id
+    if trainer.teacher is not None:  # on-policy distillation: minus the reverse KL to the teacher, per token
+        # with the full KL in the trainer's loss (its spec says), the advantages carry the task's share only
         with stage("teacher"):
-            return distill_groups(groups, run.teacher, run.cfg.distillation, scale_rewards=algo.scale_rewards,
-                                  student=run.model, temperature=run.cfg.generation.temperature,
-                                  pad_id=run.engine.pad_id, full=full_kl(run.cfg))
-    if run.critic is None:
+            return distill_groups(groups, trainer.teacher, run.cfg.distillation, scale_rewards=algo.scale_rewards,
+                                  student=trainer.model, temperature=run.cfg.generation.temperature,
+                                  pad_id=pad_id, full=trainer.spec.distill is not None)
+    if trainer.critic is None:
         groups = assign_advantages(groups, algo.advantage, scale_rewards=algo.scale_rewards)
         return groups, [s for g in groups for s in g.samples if s.trainable], {}
     samples = [s for g in groups for s in g.samples if s.trainable]
     if not samples:
         return groups, [], {}
     with stage("critic"):
-        samples, metrics = gae_advantages(samples, run.critic, algo, pad_id=run.engine.pad_id,
-                                          reference=run.reference)
+        samples, metrics = gae_advantages(samples, trainer.critic, algo, pad_id=pad_id, reference=trainer.reference)
     scored = iter(samples)  # in the order they were taken: put them back in their groups
     groups = [Group(g.group_id, tuple(next(scored) if s.trainable else s for s in g.samples)) for g in groups]
     return groups, samples, metrics
@@ -134,20 +136,21 @@ def advantages(run: Run, groups: list[Group]) -> tuple[list[Group], list[Sample]
 def update(run: Run, step: int, samples: list[Sample], watch: UpdateWatch | None = None) -> dict[str, float]:
     """The policy update (none while the critic warms up), then the critic's; their metrics (the `watch`'s
     among them: a health monitor's view of the policy update)."""
-    cfg, metrics = run.cfg, {}
+    cfg, trainer, metrics = run.cfg, run.trainer, {}
+    pad_id = run.rollout.engine.pad_id
     if cfg.record.rollout_only:  # generate and score (and dump) only
         return metrics
-    if samples and (run.critic is None or step > cfg.critic.warmup_steps):
+    if samples and (trainer.critic is None or step > cfg.critic.warmup_steps):
         with stage("train") as t:
             metrics |= policy_update(
-                samples, run.backend, cfg.algorithm, pad_id=run.engine.pad_id, max_tokens=cfg.generation.max_tokens,
-                rng=run.update_rng, reference=None if cfg.algorithm.kl_in_reward else run.reference,
+                samples, trainer.backend, cfg.algorithm, pad_id=pad_id, max_tokens=cfg.generation.max_tokens,
+                rng=trainer.update_rng, reference=None if cfg.algorithm.kl_in_reward else trainer.reference,
                 watch=watch,
             )
             t.add_tokens("train", sum(len(s.tokens) for s in samples))
-    if samples and run.critic is not None:
+    if samples and trainer.critic is not None:
         with stage("critic") as t:
-            metrics |= value_update(samples, run.critic, cfg.algorithm, pad_id=run.engine.pad_id, rng=run.update_rng)
+            metrics |= value_update(samples, trainer.critic, cfg.algorithm, pad_id=pad_id, rng=trainer.update_rng)
             t.add_tokens("critic", sum(len(s.tokens) for s in samples))
     return metrics
 
@@ -156,7 +159,7 @@ def log_step(run: Run, step: int, groups: list[Group], step_metrics: dict[str, A
     """Write the step's metrics (rollout, sampling, training, timing, an evaluation when due) and samples."""
     cfg, log = run.cfg, run.logger
     metrics, errors = rollout_metrics(groups, accuracy_reward=cfg.data.task)  # a task's verifier, if any
-    metrics |= step_metrics | timer.report() | run.generator.rewards.drain_metrics()  # TRL's log_metric
+    metrics |= step_metrics | timer.report() | run.rollout.rewards.drain_metrics()  # TRL's log_metric
     metrics["throughput/e2e_tok_s"] = timer.tokens.get("generate", 0) / metrics["timing_s/step"]
     metrics |= efficiency_metrics(metrics)
     for e in errors:
@@ -168,23 +171,24 @@ def log_step(run: Run, step: int, groups: list[Group], step_metrics: dict[str, A
     return metrics
 
 
-def rollout(run: Run, step: int) -> tuple[list[Group], dict[str, float]]:
-    """Sample prompts, then generate and score one step's groups with `run.actor` (the generator, the agent
-    loop or the proxy collector; each times its own generate and reward stages).
+def rollout(cfg: RLConfig, side: RolloutSide, step: int) -> tuple[list[Group], dict[str, float]]:
+    """Sample prompts from `side.source`, then generate and score one step's groups with `side.actor` (the
+    generator, the agent loop or the proxy collector; each times its own generate and reward stages). `side` is
+    the trainer's (colocated) or a producer's own (`controller.placement.producer_side`).
 
     With `algorithm.dynamic_sampling` (DAPO), groups whose rewards are all equal are dropped and more
     prompts are drawn to refill the step, for at most `max_sampling_rounds` rounds; the step then trains on
     what it has. DAPO's overlong shaping is added to the rewards here too.
     """
-    cfg, algo = run.cfg, run.cfg.algorithm
+    algo = cfg.algorithm
     want = cfg.controller.prompts_per_step
     rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
     groups: list[Group] = []
     dropped = 0
     info: dict[str, float] = {}
     for _ in range(rounds):
-        rows = run.source.next_rows(want - len(groups))
-        new, made = run.actor.rollout(rows, version=run.engine.version, first_group=len(groups))
+        rows = side.source.next_rows(want - len(groups))
+        new, made = side.actor.rollout(rows, version=side.engine.version, first_group=len(groups))
         info |= made
         new = shape_overlong(new, cfg.generation.max_tokens, algo.overlong_buffer, algo.overlong_penalty)
         if algo.dynamic_sampling:
@@ -200,18 +204,19 @@ def rollout(run: Run, step: int) -> tuple[list[Group], dict[str, float]]:
 
 
 def save(run: Run, step: int, feed: Feed) -> None:
+    trainer, side = run.trainer, run.rollout
     state = {
-        "trainer": run.backend.state_dict(),
-        "engine": run.engine.state_dict(),  # its sampling RNG
-        "update_rng": run.update_rng.getstate(),
+        "trainer": trainer.backend.state_dict(),
+        "engine": side.engine.state_dict(),  # its sampling RNG
+        "update_rng": trainer.update_rng.getstate(),
         "rng": rng_state(),
-        "data": run.source.state_dict(),
+        "data": side.source.state_dict(),
         "rollouts": feed.state_dict(),  # async: batches generated ahead, not trained yet
     }
-    if run.critic is not None:
-        state["critic"] = run.critic.state_dict()
+    if trainer.critic is not None:
+        state["critic"] = trainer.critic.state_dict()
     if is_main():  # one writer of the folder (with fsdp2 every rank wrote its shards in state_dict above)
-        save_checkpoint(run.output_dir / "checkpoints", step, run.model, state,
+        save_checkpoint(run.output_dir / "checkpoints", step, trainer.model, state,
                         keep_last=run.cfg.checkpoint.keep_last)
     barrier()
 
@@ -220,8 +225,9 @@ def resume(run: Run) -> tuple[int, dict]:
     """Restore weights, optimiser, schedule, RNGs and data position; return the step to continue after and
     the rollouts that were buffered (async) for the feed to serve first."""
     # a damaged checkpoint is reported even with tracking.console none (then as a logging warning)
+    trainer, side = run.trainer, run.rollout
     warn = run.logger.message if run.cfg.tracking.console != "none" else None
-    found = load_latest(run.output_dir / "checkpoints", run.model, warn=warn)
+    found = load_latest(run.output_dir / "checkpoints", trainer.model, warn=warn)
     if found is None:
         run.logger.message("resume: no complete checkpoint found, starting from scratch")
         return 0, {}
@@ -229,20 +235,20 @@ def resume(run: Run) -> tuple[int, dict]:
     if "engine" not in state and "engine_rng" in state:  # written before the engine kept a state dict
         state["engine"] = {"rng": state["engine_rng"]}
     missing = [k for k in ("trainer", "engine", "update_rng", "rng", "data") if k not in state]
-    if run.critic is not None and "critic" not in state:
+    if trainer.critic is not None and "critic" not in state:
         missing.append("critic (a PPO run resumed from the checkpoint of a run without one)")
     if missing:
         raise ConfigError(f"checkpoint.resume: {path} lacks {', '.join(missing)}; it was written by another kind "
                           "of run or an older tokenmill: resume from a checkpoint of this run, or start afresh "
                           "(checkpoint.resume false, or another tracking.output_dir)")
-    run.backend.load_state_dict(state["trainer"])
-    run.engine.load_state_dict(state["engine"])
+    trainer.backend.load_state_dict(state["trainer"])
+    side.engine.load_state_dict(state["engine"])
     version, internal, gauss = state["update_rng"]
-    run.update_rng.setstate((version, tuple(internal), gauss))
+    trainer.update_rng.setstate((version, tuple(internal), gauss))
     set_rng_state(state["rng"])
-    run.source.load_state_dict(state["data"])
-    if run.critic is not None:
-        run.critic.load_state_dict(state["critic"])
-    run.engine.update_weights(run.backend.weights(), version=step)
+    side.source.load_state_dict(state["data"])
+    if trainer.critic is not None:
+        trainer.critic.load_state_dict(state["critic"])
+    side.engine.update_weights(trainer.backend.weights(), version=step)
     run.logger.message(f"resumed from {path} (step {step})")
     return step, state.get("rollouts", {})

@@ -11,7 +11,8 @@ Every backend takes the same frozen `training.spec.TrainerSpec`, derived from th
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +27,17 @@ from tokenmill.training.teacher import Teacher, loss_teacher
 
 @dataclass
 class Trainer:
-    """What the trainer side owns: the policy's backend, the frozen reference (None without KL), the critic
-    (None without GAE) and the spec all of them were built from."""
+    """What the trainer side owns: the policy module, its backend, the frozen reference (None without KL), the
+    critic (None without GAE), the distillation teacher (None without one), the RNG that shuffles mini-batches,
+    and the spec the backend was built from."""
 
+    model: torch.nn.Module
     backend: TrainBackend
     reference: ReferenceModel | None
     critic: Critic | None
     spec: TrainerSpec
-
-    def __iter__(self):  # `backend, reference, critic = build_trainer(...)`, as before the spec
-        return iter((self.backend, self.reference, self.critic))
+    teacher: Teacher | None = None
+    update_rng: random.Random = field(default_factory=random.Random)
 
 
 def trainer_kind(cfg: Any) -> str:
@@ -47,7 +49,8 @@ def build_trainer(cfg: Any, model: torch.nn.Module, device: torch.device, amp: t
                   teacher: Teacher | None = None, *, ray_group: Any = None) -> Trainer:
     """The trainer of `cfg` over the policy `model` (on `device`, autocast `amp`). With distillation's full loss
     (`config.distill.full_kl`) the backend's loss adds the reverse KL to `teacher` (on Ray each rank loads its
-    own copy from the spec). `ray_group`: the `controller.ray.workers.WorkerGroup` of a `ray` trainer."""
+    own copy from the spec); the advantages' share of distillation uses `teacher` too. `ray_group`: the
+    `controller.ray.workers.WorkerGroup` of a `ray` trainer."""
     spec = TrainerSpec.from_config(cfg, amp)
     kind = trainer_kind(cfg)
     shards = Path(cfg.tracking.output_dir) / "checkpoints" / "shards"
@@ -66,7 +69,7 @@ def build_trainer(cfg: Any, model: torch.nn.Module, device: torch.device, amp: t
     spec.apply_fast_forward(model)
     reference = _reference(cfg, spec, model, backend, sharded=kind == "fsdp2")
     critic = _critic(cfg, spec, device, sharded=kind == "fsdp2", shards=shards, keep=keep)
-    return Trainer(backend, reference, critic, spec)
+    return Trainer(model, backend, reference, critic, spec, teacher, random.Random(cfg.training.seed + 1))
 
 
 def _reference(cfg, spec: TrainerSpec, model, backend, *, sharded: bool) -> ReferenceModel | None:

@@ -99,7 +99,7 @@ def health_monitors(run, feed, save: Callable[[int], None]) -> Monitors:
     say = run.logger.message
     return Monitors([
         WeightProbe(run, feed, say=say),  # did each push reach the engine?
-        MismatchMonitor(run.cfg.health.mismatch_every, run.backend),  # the engine's logprobs against the trainer's
+        MismatchMonitor(run.cfg.health.mismatch_every, run.trainer.backend),  # the engine's logprobs against the trainer's
         EfficiencyReport(run.output_dir, say=say),  # step time against its ideal, and what would help most
         *run.monitors,
         # a warning is a console line and an events.jsonl row; a stop saves, then raises
@@ -111,8 +111,8 @@ def alarm_hints(run) -> dict[str, Any]:
     """Run settings the alarm messages quote."""
     gen = run.cfg.generation
     out: dict[str, Any] = {"max_tokens": gen.max_tokens, "temperature": gen.temperature,
-                           "distillation": run.teacher is not None}
-    for engine in (getattr(run.generator, "engine", None), run.engine):  # one that says how it samples
+                           "distillation": run.trainer.teacher is not None}
+    for engine in (getattr(run.rollout.evaluator, "engine", None), run.rollout.engine):  # one that says how it samples
         if isinstance(getattr(engine, "temperature", None), (int, float)):
             out["engine_temperature"] = float(engine.temperature)
             break

@@ -84,7 +84,7 @@ def probed_engine(feed, run):
         if getattr(placement, "urls", None) is None:
             return None, "a thread or worker placement applies staged weights later, between rollouts"
         return placement.engine, ""
-    return run.engine, ""
+    return run.rollout.engine, ""
 
 
 class WeightProbe:
@@ -99,14 +99,14 @@ class WeightProbe:
 
     def __init__(self, run, feed, say=print) -> None:
         health = run.cfg.health
-        self.every, self.model = health.probe_every, run.model
+        self.every, self.model = health.probe_every, run.trainer.model
         self.engine, reason = probed_engine(feed, run) if self.every else (None, "")
         if self.engine is not None and not hasattr(self.engine, "score"):
             self.engine, reason = None, f"{type(self.engine).__name__} cannot score sequences"
         if self.every and self.engine is None:
             say(f"health: the weight-sync probe is off ({reason})")
-        dtype = next(run.model.parameters()).dtype
-        vocab = run.model.get_input_embeddings().weight.shape[0]
+        dtype = next(self.model.parameters()).dtype
+        vocab = self.model.get_input_embeddings().weight.shape[0]
         self.tolerance = tolerance_for(dtype, health.probe_tolerance)
         self.sequence = probe_sequence(vocab, health.probe_tokens)
         self.pushes = 0

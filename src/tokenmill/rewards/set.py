@@ -73,6 +73,9 @@ class RewardSet:
         self.last_seconds: dict[str, float] = {}
         self._logged: dict[str, list[float]] = {}
         self._logged_lock = threading.Lock()  # an async run scores in the producer and drains in the trainer
+        # one scorer at a time: an async run's producer scores rollouts while the trainer may score a held-out
+        # evaluation, and a forked reward worker serves one request at a time
+        self._score_lock = threading.Lock()
 
     def score(
         self,
@@ -87,6 +90,10 @@ class RewardSet:
         """Score every completion with every reward. step: the policy version that generated them (reward
         functions see it as `trainer_state.global_step`); group_ids: the group of each completion (a failed
         score is imputed within its group). Failures are written to the run's events.jsonl."""
+        with self._score_lock:
+            return self._score(prompts, completions, columns, completion_ids, step, group_ids)
+
+    def _score(self, prompts, completions, columns, completion_ids, step, group_ids):
         state = RewardState(global_step=step, max_steps=self.max_steps)
         per_sample: list[dict[str, RewardResult]] = [{} for _ in completions]
         for reward in self.rewards:

@@ -34,8 +34,8 @@ class TemperatureShifted:
 
 def shift_temperature(run: Any, temperature: float) -> TemperatureShifted:
     """Make a built colocated `run` (`controller.build_run`) sample at `temperature`; returns the engine."""
-    shifted = TemperatureShifted(run.engine, temperature)
-    run.generator.engine = shifted
+    shifted = TemperatureShifted(run.rollout.engine, temperature)
+    run.rollout.evaluator.engine = shifted  # the generator: the colocated actor and the evaluator
     return shifted
 
 

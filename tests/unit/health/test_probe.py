@@ -46,7 +46,7 @@ def test_the_colocated_engine_shares_the_module_and_every_nth_push_is_probed(tin
     run = build_run(cfg)
     try:
         probe = WeightProbe(run, InlineFeed(run, None), say=print)
-        assert probe.engine is run.engine and probe.tolerance == 1e-4
+        assert probe.engine is run.rollout.engine and probe.tolerance == 1e-4
         assert probe.after_push(1) == {}
         assert probe.after_push(2) == {"probe/max_abs": 0.0, "probe/ok": 1.0}
     finally:

@@ -119,7 +119,7 @@ def test_training_config_turns_it_off(tmp_path, tiny_model_path):
                                    "training": {"fast_forward": False},
                                    "tracking": {"output_dir": str(tmp_path)}})
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    backend, _, _ = build_trainer(cfg, model, torch.device("cpu"), None)
+    backend = build_trainer(cfg, model, torch.device("cpu"), None).backend
     assert fast_forward(backend.model.get_decoder()) is None
     assert fast_forward(AutoModelForCausalLM.from_pretrained(tiny_model_path).get_decoder()) is not None
 

@@ -177,7 +177,7 @@ def test_ppo_run_with_lora_policy_and_lora_critic(tiny_model_path, tmp_path):
 
     run = build_run(cfg, rewards=[length])
     try:
-        critic = run.critic.model
+        critic = run.trainer.critic.model
         assert parameter_counts(critic)[0] == ADAPTER_PARAMS_R4 + 33
         frozen = {n: p.detach().clone() for n, p in critic.named_parameters() if not p.requires_grad}
         head = critic.base_model.model.score.modules_to_save["default"].weight
@@ -217,20 +217,20 @@ def test_grpo_kl_reference_of_a_lora_policy_is_the_base_with_adapters_off(tiny_m
 
     run = build_run(cfg, rewards=[length])
     try:
-        assert run.reference.model is run.model and run.reference.adapters_off
+        assert run.trainer.reference.model is run.trainer.model and run.trainer.reference.adapters_off
         run_rl(run)
         rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
         assert all(r["kl"] >= 0 for r in rows if "kl" in r) and any(r.get("kl", 0) > 0 for r in rows)
         sample = Sample(tokens=(5, 6, 7, 8, 9, 10), loss_mask=(0, 0, 0, 1, 1, 1), logprobs=(0.0,) * 6,
                         prompt_len=3, prompt="", completion="", stop_reason=StopReason.STOP)
         batch = collate([sample], [1.0], pad_id=0)
-        run.model.train()
-        ref = run.reference.forward(batch)
-        assert run.model.training
+        run.trainer.model.train()
+        ref = run.trainer.reference.forward(batch)
+        assert run.trainer.model.training
         base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
         with torch.no_grad():
             want = batch_logprobs(base, batch, temperature=1.0, token_budget=4096)
-            policy = batch_logprobs(run.model.eval(), batch, temperature=1.0, token_budget=4096)
+            policy = batch_logprobs(run.trainer.model.eval(), batch, temperature=1.0, token_budget=4096)
         assert torch.allclose(ref, want, atol=1e-6)
         assert (policy - want).abs().max() > 1e-4  # the adapters did train
     finally:

@@ -24,7 +24,7 @@ trainer also checks every group's oldest sample and drops (and counts) groups ol
 when an engine did not take an update (a restarted server), since the producer never runs further ahead.
 
 Resume in async mode restores weights, optimiser, RNGs, the data position of the last *trained* batch (the
-feed sets `run.source` to it as batches are taken) and the batches that were complete in the buffer (generated
+feed sets `run.rollout.source` to it as batches are taken) and the batches that were complete in the buffer (generated
 ahead, not trained yet): the resumed run trains them first, with their original versions, and the producer
 draws prompts after them. Only a batch still being generated at the checkpoint is lost; its prompts are
 drawn again. A proxy run keeps nothing of the agent's episodes across a checkpoint: the agent plays on.

@@ -9,7 +9,8 @@ from typing import Any, Protocol
 
 from tokenmill.types import Group
 
-# the loop's rollout(run, step) -> (groups, sampling metrics): one step's prompts, generated and scored
+# the loop's rollout(side, step) -> (groups, sampling metrics): one step's prompts, generated and scored with a
+# rollout side (`controller.build.RolloutSide`: the trainer's, or a producer's own)
 RolloutFn = Callable[[Any, int], tuple[list[Group], dict[str, float]]]
 
 

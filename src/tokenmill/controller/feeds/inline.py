@@ -19,11 +19,11 @@ class InlineFeed:
         self.run, self.rollout = run, rollout
 
     def get(self, step: int) -> tuple[list[Group], dict[str, float]]:
-        return self.rollout(self.run, step)
+        return self.rollout(self.run.rollout, step)
 
     def push(self, step: int) -> None:
         """A version bump: the engine already samples from the updated module."""
-        self.run.engine.update_weights(self.run.backend.weights(), version=step)
+        self.run.rollout.engine.update_weights(self.run.trainer.backend.weights(), version=step)
 
     def state_dict(self) -> dict[str, Any]:
         return {"batches": []}  # nothing is generated ahead
@@ -49,7 +49,7 @@ class ReplayFeed:
         return self.steps.get(step, []), {}  # a step the dump skips had no groups
 
     def push(self, step: int) -> None:
-        self.run.engine.update_weights((), version=step)
+        self.run.rollout.engine.update_weights((), version=step)
 
     def state_dict(self) -> dict[str, Any]:
         return {"batches": []}

@@ -7,18 +7,17 @@ put elsewhere; `RolloutBatch` is one step's output in the bounded buffer (and in
 from __future__ import annotations
 
 import contextlib
-import copy
 import queue
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from tokenmill.controller.feeds.base import RolloutFn
-from tokenmill.controller.placement import Placement, build_placement, thread_split
+from tokenmill.controller.placement import Placement, build_placement, producer_side, thread_split
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.types import Group, Sample, StopReason, TokenmillError
 
@@ -80,10 +79,8 @@ class AsyncFeed:
         self.k = cfg.controller.max_staleness
         self.timeout_s = cfg.controller.rollout_timeout_s
         self.placement = placement or build_placement(run)
-        # the producer's view of the run: its own engine, generator (or agent) and prompt position
-        self.view = replace(run, engine=self.placement.engine, generator=self.placement.generator,
-                            agent=self.placement.agent, actor=self.placement.agent or self.placement.generator,
-                            source=copy.copy(run.source))
+        # the producer's own rollout side: its engine, generator (or agent loop) and prompt position
+        self.view = producer_side(run, self.placement.engine)
         try:
             self._push(start)
         except BaseException:
@@ -91,7 +88,7 @@ class AsyncFeed:
             raise
         # generation and training share this machine's cores: split them (restored at close)
         self.threads, self.trainer_threads_before = thread_split(cfg), torch.get_num_threads()
-        if self.threads[1] and run.engine.device.type == "cpu":
+        if self.threads[1] and run.rollout.engine.device.type == "cpu":
             torch.set_num_threads(self.threads[1])
             run.logger.message(f"async ({cfg.engine.placement}): {self.threads[0]} torch thread(s) per engine, "
                                f"{self.threads[1]} for training")
@@ -197,7 +194,7 @@ class AsyncFeed:
             raise ProducerError(f"async: expected the rollout of step {step}, got step {item.step}")
         if timer is not None:
             timer.add_tokens("generate", item.tokens)
-        self.run.source.load_state_dict(item.data_state)  # what a checkpoint now records: the trained rows
+        self.run.rollout.source.load_state_dict(item.data_state)  # what a checkpoint now records: the trained rows
         groups, stale, lag = within_staleness(item.groups, step, self.k)
         self.dropped_groups += len(stale)
         self.dropped_samples += sum(len(g.samples) for g in stale)
@@ -263,7 +260,7 @@ class AsyncFeed:
 
     def _push(self, version: int) -> None:
         try:
-            self.placement.push(self.run.backend.weights(), version)
+            self.placement.push(self.run.trainer.backend.weights(), version)
         except Exception as exc:  # one error naming the engine side and the cause
             raise ProducerError(f"async: pushing weights (version {version}) to {self.placement.describe()} "
                                 f"failed: {type(exc).__name__}: {exc}") from exc

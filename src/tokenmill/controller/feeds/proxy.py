@@ -27,7 +27,7 @@ class ProxyFeed:
 
         cfg = run.cfg
         self.run, self.rollout = run, rollout
-        self.service = ProxyService(run.model, run.tokenizer, cfg.proxy, seed=cfg.training.seed,
+        self.service = ProxyService(run.trainer.model, run.tokenizer, cfg.proxy, seed=cfg.training.seed,
                                     max_tokens=cfg.generation.max_tokens, version=start)
         url = self.service.url
         run.logger.message(f"proxy endpoint: {url}/proxy/<episode id>/v1 (OpenAI API); post rewards "
@@ -35,7 +35,7 @@ class ProxyFeed:
         agent = self.service.start_agent()
         self.collector = ProxyCollector(self.service.recorder, cfg.generation.group_size, cfg.proxy.wait_timeout_s,
                                         agent)
-        self.view = replace(run, actor=self.collector)
+        self.view = replace(run.rollout, actor=self.collector)  # the trainer's side, rolling out the agent's
 
     def get(self, step: int) -> tuple[list[Group], dict[str, float]] | None:
         groups, info = self.rollout(self.view, step)
@@ -48,8 +48,8 @@ class ProxyFeed:
 
     def push(self, step: int) -> None:
         """The serving copy and the trainer's own engine take version `step`."""
-        self.service.update_weights(self.run.backend.weights(), version=step)
-        self.run.engine.update_weights(self.run.backend.weights(), version=step)
+        self.service.update_weights(self.run.trainer.backend.weights(), version=step)
+        self.run.rollout.engine.update_weights(self.run.trainer.backend.weights(), version=step)
 
     def state_dict(self) -> dict[str, Any]:
         return {"batches": []}  # episodes of incomplete groups are not kept: the agent plays on after a resume
