@@ -330,6 +330,30 @@ def test_engines_do_not_import_rollout():
     assert not bad, report(bad)
 
 
+# which train backend classes each file may construct: the policy's from a `TrainerSpec` (`policy_backend`), a
+# sharded backend's own local one, the critic's optimiser; the Ray trainer where a run's trainer is picked
+TRAINER_BUILDERS = {
+    "LocalBackend": {"tokenmill/training/spec.py", "tokenmill/training/sharded.py", "tokenmill/training/critic.py"},
+    "ShardedBackend": {"tokenmill/training/spec.py"},
+    "RayBackend": {"tokenmill/controller/trainer.py"},
+}
+
+
+def test_the_trainer_is_built_in_one_place():
+    """Every policy trainer (a run's local, FSDP2 or Ray backend, the offline trainers, the training client) is
+    built from a `TrainerSpec` by `training.spec.policy_backend`, and a run's by `controller.trainer.build_trainer`:
+    an option added to the spec then reaches every backend (tests/contracts/test_trainer_spec_contract.py)."""
+    bad = []
+    for path in source_files():
+        where = str(path.relative_to(SRC))
+        for node in ast.walk(parse(path)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name | ast.Attribute):
+                name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+                if name in TRAINER_BUILDERS and where not in TRAINER_BUILDERS[name]:
+                    bad.append(f"{where}:{node.lineno} constructs {name} (build it through policy_backend)")
+    assert not bad, "\n".join(bad)
+
+
 # --- sizes ---------------------------------------------------------------------------------------------------
 
 

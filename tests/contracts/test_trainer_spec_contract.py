@@ -44,6 +44,8 @@ CHECKS = {
     "share_prompts": lambda b, m, s: b.share_prompts == s.share_prompts,
     "logits_chunk_mib": lambda b, m, s: b.chunk_bytes == int(s.logits_chunk_mib * 2**20),
     "fast_forward": lambda b, m, s: (_decoder(m) in _OFF) == (not s.fast_forward),
+    "pack_sequences": lambda b, m, s: b.pack_sequences == s.pack_sequences,
+    "track_entropy": lambda b, m, s: b.track_entropy == s.track_entropy,
     "distill": lambda b, m, s: b.distill_teacher is not None and b.distill_coef == s.distill.kl_coef,
 }
 
@@ -62,6 +64,7 @@ def spec(teacher_path):
         learning_rate=3e-4, total_steps=41, weight_decay=0.05, betas=(0.8, 0.95), warmup_steps=3,
         lr_schedule="linear", max_grad_norm=0.5, micro_batch_tokens=96, temperature=0.7,
         autocast_dtype=torch.bfloat16, share_prompts=False, logits_chunk_mib=2, fast_forward=False,
+        pack_sequences=True, track_entropy=False,
         distill=DistillConfig(teacher={"path": teacher_path}, kl_coef=0.3),
     )
 

@@ -27,6 +27,7 @@ from tokenmill.engines.local.hf import HFEngine
 from tokenmill.rollout.generator import encode_prompt
 from tokenmill.training.batch import Batch, collate
 from tokenmill.training.local import LocalBackend
+from tokenmill.training.spec import TrainerSpec, policy_backend
 from tokenmill.types import Sample, SamplingParams, StopReason, TokenmillError
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -139,8 +140,8 @@ class TrainerService:
             self.count += 1
             cid = f"t{self.count}"
             self._add_adapter(cid, rank, alpha, seed, target_modules)
-            backend = LocalBackend(self.model, learning_rate=1e-4, total_steps=1, share_prompts=False,
-                                   max_grad_norm=float("inf"))
+            spec = TrainerSpec(learning_rate=1e-4, total_steps=1, share_prompts=False, max_grad_norm=float("inf"))
+            backend = policy_backend(spec, self.model)
             engine = HFEngine(self.model, self.tokenizer, seed=seed)
             self.trainees[cid] = Trainee(cid, backend, engine,
                                          {"rank": rank, "alpha": alpha, "target_modules": target_modules})

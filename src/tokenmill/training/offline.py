@@ -30,6 +30,7 @@ from tokenmill.tracking.logger import MetricsLogger, offline_row
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.dist import is_main
 from tokenmill.training.sharded import copy_back, offline_backend
+from tokenmill.training.spec import TrainerSpec
 
 T = TypeVar("T")
 LossFn = Callable[[list[Any]], tuple[float, dict[str, Any]]]
@@ -48,11 +49,12 @@ def offline_trainer(model: torch.nn.Module, optim: OptimConfig, steps: int, **ba
     torch with `optim.seed`: the one place an offline run builds its backend. `backend` adds `LocalBackend`
     keywords (micro-batching, packing)."""
     torch.manual_seed(optim.seed)
-    return offline_backend(
-        model, learning_rate=optim.learning_rate, total_steps=steps, weight_decay=optim.weight_decay,
-        betas=optim.betas, warmup_steps=optim.warmup_steps, lr_schedule=optim.lr_schedule,
+    spec = TrainerSpec(
+        learning_rate=optim.learning_rate, total_steps=steps, weight_decay=optim.weight_decay,
+        betas=tuple(optim.betas), warmup_steps=optim.warmup_steps, lr_schedule=optim.lr_schedule,
         max_grad_norm=optim.max_grad_norm, track_entropy=False, **backend,
     )
+    return offline_backend(model, spec)
 
 
 def sampled_batches(pool: Sequence[T], batch_size: int, seed: int) -> Iterator[list[T]]:

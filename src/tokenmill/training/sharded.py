@@ -337,15 +337,18 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def offline_backend(model: torch.nn.Module, **local_kwargs: Any) -> tuple[Any, torch.nn.Module]:
-    """(backend, module to run forward passes on) for an offline loop (`tokenmill sft`, `preference`): one
-    process trains `model` itself with a `LocalBackend`; under torchrun (several ranks) a `ShardedBackend`
-    trains a sharded copy, and `copy_back` refreshes `model` from it at the end (every rank holds it whole).
-    A peft LoRA model shards the same way (only its adapters, and a classifier's head, train)."""
+def offline_backend(model: torch.nn.Module, spec: Any) -> tuple[Any, torch.nn.Module]:
+    """(backend, module to run forward passes on) of `spec` (`training.spec.TrainerSpec`) for an offline loop
+    (`tokenmill sft`, `preference`): one process trains `model` itself with a `LocalBackend`; under torchrun
+    (several ranks) a `ShardedBackend` trains a sharded copy, and `copy_back` refreshes `model` from it at the end
+    (every rank holds it whole). A peft LoRA model shards the same way (only its adapters, and a classifier's
+    head, train)."""
+    from tokenmill.training.spec import policy_backend
+
     if not launched():
-        return LocalBackend(model, **local_kwargs), model
+        return policy_backend(spec, model), model
     init_distributed()
-    backend = ShardedBackend(copy.deepcopy(model), **local_kwargs)
+    backend = policy_backend(spec, copy.deepcopy(model), sharded=True)
     return backend, backend.model
 
 

@@ -1,8 +1,8 @@
 """`TrainerSpec`: every setting a policy trainer takes, derived from the config once and given to every backend.
 
 A run's trainer is a `LocalBackend` in this process, a `ShardedBackend` on each torchrun rank, or a
-`ShardedBackend` on each Ray trainer rank. All three are built by `policy_backend(spec, model, ...)` from the same
-frozen spec, so an option added to the config reaches them all or none (`tests/contracts/
+`ShardedBackend` on each Ray trainer rank; the offline trainers (SFT, preference, reward model) are the first two.
+All are built by `policy_backend(spec, model, ...)` from a frozen spec, so an option added to the config reaches them all or none (`tests/contracts/
 test_trainer_spec_contract.py` checks every field on every backend).
 
     spec = TrainerSpec.from_config(cfg, autocast_dtype=None)
@@ -43,6 +43,8 @@ class TrainerSpec:
     share_prompts: bool = True
     logits_chunk_mib: float = DEFAULT_CHUNK_MIB  # 0: the model's full logits
     fast_forward: bool = True
+    pack_sequences: bool = False  # whole sequences side by side in a row (SFT) instead of shared-prompt packing
+    track_entropy: bool = True  # report each micro-batch's token entropy (RL's metric; offline runs skip it)
     # on-policy distillation's full reverse KL in the loss
     distill: Any = None  # config.distill.DistillConfig or None
 
