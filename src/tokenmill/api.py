@@ -48,13 +48,19 @@ def _checked_rewards(rewards: Any) -> list[Callable[..., Any]] | None:
     return list(rewards)
 
 
-def _config_tree(config: Any, dataset: Any) -> RLConfig | dict[str, Any] | str | Path:
-    """The config as load_config takes it; the caller's dict is copied, never changed."""
-    if isinstance(config, RLConfig):
+def _as_tree(config: Any, schema: type) -> dict[str, Any] | str | Path:
+    """A `schema` instance as its dict of sections; a dict or a YAML path as given; anything else refused."""
+    if isinstance(config, schema):
         config = config.model_dump()
     if not isinstance(config, (dict, str, Path)):
-        raise ConfigError(f"config: expected an RLConfig, a dict of sections or a YAML path, not "
-                          f"{type(config).__name__}")
+        raise ConfigError(f"config: expected a config ({schema.__name__}), a dict of sections or a YAML path, "
+                          f"not {type(config).__name__}")
+    return config
+
+
+def _config_tree(config: Any, dataset: Any) -> dict[str, Any] | str | Path:
+    """The config as load_config takes it; the caller's dict is copied, never changed."""
+    config = _as_tree(config, RLConfig)
     if dataset is not None:
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise ConfigError(f"dataset: expected a datasets.Dataset (rows with columns), not "
@@ -91,11 +97,7 @@ def train(
 def _offline_config(schema: type[OfflineConfig], config: Any, overrides: dict[str, Any], mode: str | None = None):
     """`config` (a `schema` instance, a dict or a YAML path) with `a__b=` overrides, validated; with `mode`,
     that mode's fixed values applied (reward_model's objective)."""
-    if isinstance(config, schema):
-        config = config.model_dump()
-    if not isinstance(config, (dict, str, Path)):
-        raise ConfigError(f"config: expected a config ({schema.__name__}), a dict of sections or a YAML path, "
-                          f"not {type(config).__name__}")
+    config = _as_tree(config, schema)
     if mode is not None:
         config = {**(config if isinstance(config, dict) else read_yaml_tree(config)), "mode": mode}
     return load_config(schema, config, {k.replace("__", "."): v for k, v in overrides.items()})

@@ -17,9 +17,9 @@ def config() -> dict:
 
 
 @pytest.mark.parametrize("args, kwargs, message", [
-    ((42,), {}, "config: expected an RLConfig, a dict of sections or a YAML path, not int"),
-    (([1, 2],), {}, "config: expected an RLConfig, a dict of sections or a YAML path, not list"),
-    ((None,), {}, "config: expected an RLConfig, a dict of sections or a YAML path, not NoneType"),
+    ((42,), {}, "config: expected a config (RLConfig), a dict of sections or a YAML path, not int"),
+    (([1, 2],), {}, "config: expected a config (RLConfig), a dict of sections or a YAML path, not list"),
+    ((None,), {}, "config: expected a config (RLConfig), a dict of sections or a YAML path, not NoneType"),
     ((config(),), {"rewards": [42]}, ("rewards[0]: expected a reward function fn(prompts, completions, "
                                       "**kwargs), not int")),
     ((config(),), {"rewards": 42}, "rewards: expected a list of reward functions, not int"),
