@@ -102,7 +102,8 @@ def evaluate(
 def evaluate_agent(agent, rows, max_rows: int) -> dict[str, float]:
     """Held-out episodes, one per row: greedy, and sampled as in training. accuracy is the share of episodes
     the environment reports solved (`info["solved"]`; without it, whose return reaches 1.0); failed episodes
-    count as unsolved. The environment's info numbers are logged as eval/[sampled_]env/<key>."""
+    count as unsolved. Policy turns per episode are eval/[sampled_]env/turns, the environment's info numbers
+    eval/[sampled_]env/<key>."""
     rows = [rows[i] for i in range(min(len(rows), max_rows))]
     out: dict[str, float] = {"eval/rows": len(rows)}
     for tag, params in (("", replace(agent.params, n=1, greedy=True)), ("sampled_", None)):
@@ -112,6 +113,5 @@ def evaluate_agent(agent, rows, max_rows: int) -> dict[str, float]:
         out[f"eval/{tag}reward_mean"] = statistics.fmean(valid) if valid else math.nan
         samples = [s for g in groups for s in g.samples]
         out[f"eval/{tag}accuracy"] = sum(succeeded(s, ACCURACY_THRESHOLD) for s in samples) / max(1, len(returns))
-        out[f"eval/{tag}turns_mean"] = statistics.fmean(s.row["turns"] for s in samples)
         out |= episode_metrics(samples, prefix=f"eval/{tag}env/")
     return out
