@@ -121,23 +121,26 @@ def cmd_preference(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    """Greedy held-out evaluation of `model.path` as a run of the config evaluates: an `env:` config's
+    episodes through the agent loop, else samples scored by its rewards. A NaN result exits non-zero."""
     from tokenmill.config.preflight import check_run
-    from tokenmill.controller.evaluate import evaluate
+    from tokenmill.controller.evaluate import evaluate_config
     from tokenmill.data.build import build_datasets
     from tokenmill.engines.local.hf import HFEngine
     from tokenmill.rewards.build import build_rewards
-    from tokenmill.rollout.generator import build_generator
-    from tokenmill.training.model import load_policy, resolve_device
+    from tokenmill.training.model import autocast_dtype, load_policy, resolve_device
 
     cfg = _rl_config(args.config, args.overrides)
     check_run(cfg)
     train_rows, eval_rows, task_reward = build_datasets(cfg)
     rewards = build_rewards(cfg, task_reward=task_reward)
-    model, tok = load_policy(cfg.model, resolve_device(cfg.model.device))
-    gen = build_generator(cfg, HFEngine(model, tok), tok, rewards)  # evaluate() samples greedily, one per row
+    device = resolve_device(cfg.model.device)
+    model, tok = load_policy(cfg.model, device)
+    engine = HFEngine(model, tok, seed=cfg.training.seed, autocast_dtype=autocast_dtype(cfg.model, device),
+                      fast_decode=cfg.engine.fast_decode, cuda_graphs=cfg.engine.cuda_graphs,
+                      compile_step=cfg.engine.compile_step, max_batch_tokens=cfg.engine.max_batch_tokens)
     try:
-        result = evaluate(gen, eval_rows if eval_rows is not None else train_rows, cfg.controller.eval_max_rows,
-                          accuracy_reward=cfg.data.task)
+        result = evaluate_config(cfg, engine, tok, rewards, eval_rows if eval_rows is not None else train_rows)
     finally:
         rewards.close()
     print(json.dumps(result))

@@ -25,7 +25,7 @@ class OfflineConfig(Section):
 
 
 class SFTConfig(OptimConfig, OfflineConfig):
-    """Supervised fine-tuning (used for warm starts): prompt -> completion pairs."""
+    """Supervised fine-tuning (used for warm starts): prompt -> completion pairs, conversations or plain text."""
 
     DEFAULTS: ClassVar[dict[str, Any]] = {"output_dir": "runs/sft", "steps": 300, "batch_size": 64,
                                           "learning_rate": 1e-3, "warmup_steps": 20, "lr_schedule": "cosine"}
@@ -34,7 +34,8 @@ class SFTConfig(OptimConfig, OfflineConfig):
     completion_column: str = Field("completion", description="Column with the target completion text.")
     messages_column: str | None = Field(
         None, description="Column of chat conversations (lists of {role, content}) rendered with the tokenizer's "
-        "chat template; the loss then covers the assistant messages only (prompt/completion columns unused)."
+        "chat template; the loss then covers the assistant messages only (prompt/completion columns unused). "
+        "Unset, a `messages` (or `text`) column serves when the prompt / completion columns are absent."
     )
     packing: bool = Field(
         False, description="Pack sequences side by side into rows of up to micro_batch_tokens tokens "
@@ -48,7 +49,8 @@ class PreferenceDataConfig(Section):
         None, description="Built-in synthetic preference task: 'addition' (the true sum chosen over a slip)."
     )
     path: str | None = Field(
-        None, description="Pairs with prompt / chosen / rejected columns: a json/jsonl/parquet/csv file or folder."
+        None, description="Pairs with prompt / chosen / rejected columns (or chosen / rejected, the prompt their common "
+        "start; strings or message lists): a json/jsonl/parquet/csv file or folder."
     )
     split: str = Field("train", description="Split to read when `path` is a dataset name or folder.")
     num_train: int = Field(5000, ge=1, description="Pairs generated for the built-in task.")

@@ -186,10 +186,12 @@ def _fn_name(fn: Any) -> str:
 
 
 def _column_problems(cfg: RLConfig, columns: list[str], functions: Iterable[tuple[str, Any, bool]]) -> list[str]:
+    from tokenmill.data.formats import rl_prompt_problem  # late, as the task registry (no package cycle)
+
     shown = ", ".join(columns[:20]) + (", ..." if len(columns) > 20 else "")
     problems = []
-    if cfg.env is None and cfg.data.prompt_column not in columns:
-        problems.append(f"data.prompt_column: column {cfg.data.prompt_column!r} not in the dataset (columns: {shown})")
+    if cfg.env is None and (problem := rl_prompt_problem(columns, cfg.data.prompt_column)):
+        problems.append(problem)
     for field, fn, per_sample in functions:
         missing = [c for c in needed_columns(fn, per_sample) if c not in columns]
         if missing:

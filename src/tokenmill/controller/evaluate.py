@@ -9,8 +9,9 @@ from dataclasses import replace
 from typing import Any
 
 from tokenmill.envs.metrics import episode_metrics, succeeded
-from tokenmill.rollout.generator import Generator
-from tokenmill.types import Group, Sample, StopReason
+from tokenmill.rollout.agent import build_agent
+from tokenmill.rollout.generator import Generator, build_generator
+from tokenmill.types import Group, Sample, StopReason, TokenmillError
 
 ACCURACY_THRESHOLD = 1.0 - 1e-6  # a task reward of 1.0 means "solved"
 
@@ -102,7 +103,8 @@ def evaluate(
 def evaluate_agent(agent, rows, max_rows: int) -> dict[str, float]:
     """Held-out episodes, one per row: greedy, and sampled as in training. accuracy is the share of episodes
     the environment reports solved (`info["solved"]`; without it, whose return reaches 1.0); failed episodes
-    count as unsolved. The environment's info numbers are logged as eval/[sampled_]env/<key>."""
+    count as unsolved. Policy turns per episode are eval/[sampled_]env/turns, the environment's info numbers
+    eval/[sampled_]env/<key>."""
     rows = [rows[i] for i in range(min(len(rows), max_rows))]
     out: dict[str, float] = {"eval/rows": len(rows)}
     for tag, params in (("", replace(agent.params, n=1, greedy=True)), ("sampled_", None)):
@@ -112,6 +114,22 @@ def evaluate_agent(agent, rows, max_rows: int) -> dict[str, float]:
         out[f"eval/{tag}reward_mean"] = statistics.fmean(valid) if valid else math.nan
         samples = [s for g in groups for s in g.samples]
         out[f"eval/{tag}accuracy"] = sum(succeeded(s, ACCURACY_THRESHOLD) for s in samples) / max(1, len(returns))
-        out[f"eval/{tag}turns_mean"] = statistics.fmean(s.row["turns"] for s in samples)
         out |= episode_metrics(samples, prefix=f"eval/{tag}env/")
     return out
+
+
+def evaluate_config(cfg, engine, tokenizer, rewards, rows) -> dict[str, float]:
+    """The held-out evaluation a run of `cfg` does on `rows` (`tokenmill eval`): episodes of `cfg.env` through
+    the agent loop where it has one (`evaluate_agent`), else greedy samples scored by `rewards` (`evaluate`).
+    Raises `TokenmillError` with the reason when a number comes out NaN (nothing was scored)."""
+    if cfg.env is not None:
+        result = evaluate_agent(build_agent(cfg, engine, tokenizer), rows, cfg.controller.eval_max_rows)
+        why = "every episode failed (the environment raised, timed out or the engine failed)"
+    else:
+        generator = build_generator(cfg, engine, tokenizer, rewards)
+        result = evaluate(generator, rows, cfg.controller.eval_max_rows, accuracy_reward=cfg.data.task)
+        why = "no sample got a reward (each reward failed or returned NaN on every row)"
+    nan = [k for k, v in result.items() if isinstance(v, float) and math.isnan(v)]
+    if nan:
+        raise TokenmillError(f"eval: {', '.join(nan)} is NaN on {result['eval/rows']} rows: {why}")
+    return result

@@ -12,12 +12,11 @@ from typing import Any
 
 from tokenmill.config.offline import OfflineConfig, PreferenceConfig, SFTConfig
 from tokenmill.config.preflight import check_model_and_data
+from tokenmill.data.formats import pair_problem, sft_columns
 from tokenmill.tracking import MetricsLogger
 from tokenmill.training.dist import is_main
 from tokenmill.training.model import load_policy, resolve_device
 from tokenmill.types import ConfigError
-
-PAIR_COLUMNS = ("prompt", "chosen", "rejected")
 
 
 @contextlib.contextmanager
@@ -34,7 +33,8 @@ def offline_logger(cfg: OfflineConfig, label: str) -> Iterator[MetricsLogger | N
 
 
 def sft_rows(cfg: SFTConfig):
-    """The rows an SFT run trains on (a built-in task's or a dataset's), with the columns it reads."""
+    """The rows an SFT run trains on (a built-in task's or a dataset's) and the columns it reads in them (the
+    dataset's TRL format: `data.formats.sft_columns`)."""
     from tokenmill.data import load_rows
     from tokenmill.data.registry import task_splits
 
@@ -44,25 +44,20 @@ def sft_rows(cfg: SFTConfig):
                                  **cfg.data.task_kwargs)
     else:
         rows = load_rows(cfg.data.path, cfg.data.split)
-    needed = {"messages_column": cfg.messages_column} if cfg.messages_column else {
-        "data.prompt_column": cfg.data.prompt_column, "completion_column": cfg.completion_column}
-    for field, column in needed.items():
-        if column not in rows.column_names:
-            columns = ", ".join(rows.column_names)
-            raise ConfigError(f"{field}: column {column!r} not in the dataset (columns: {columns})")
-    return rows
+    return rows, sft_columns(rows.column_names, cfg.data.prompt_column, cfg.completion_column, cfg.messages_column)
 
 
 def run_sft_config(cfg: SFTConfig) -> dict[str, Any]:
     """Train and write the SFT model `cfg` describes; {"losses": per step, "output_dir": ...}."""
     from tokenmill.training.sft import run_sft
 
-    rows = sft_rows(cfg)
+    rows, columns = sft_rows(cfg)
     model, tok = load_policy(cfg.model, resolve_device(cfg.model.device))
     with offline_logger(cfg, "SFT") as logger:
         losses = run_sft(model, tok, rows, steps=cfg.steps, batch_size=cfg.batch_size,
-                         prompt_column=cfg.data.prompt_column, completion_column=cfg.completion_column,
-                         messages_column=cfg.messages_column, packing=cfg.packing,
+                         prompt_column=columns.get("prompt", "prompt"),
+                         completion_column=columns.get("completion", "completion"),
+                         messages_column=columns.get("messages"), text_column=columns.get("text"), packing=cfg.packing,
                          micro_batch_tokens=cfg.micro_batch_tokens, output_dir=cfg.output_dir,
                          log_every=max(1, cfg.steps // 10), logger=logger, **cfg.optimiser())
     return {"losses": losses, "output_dir": cfg.output_dir}
@@ -83,9 +78,9 @@ def preference_pairs(cfg: PreferenceConfig):
         rows = addition_preferences(cfg.data.num_train, seed=cfg.seed, exclude=set(held["prompt"]) if held else None)
     else:
         rows = load_rows(cfg.data.path, cfg.data.split)
-    missing = set(PAIR_COLUMNS) - set(rows.column_names)
-    if missing:
-        raise ConfigError(f"data.path: the pairs need columns {sorted(missing)}")
+    problem = pair_problem(rows.column_names)
+    if problem:
+        raise ConfigError(problem)
     return rows, held
 
 

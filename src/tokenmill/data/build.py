@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenmill.data.formats import rl_prompt_problem
 from tokenmill.data.prompts import load_rows, split_held_out
 from tokenmill.types import ConfigError
 
@@ -27,8 +28,7 @@ def build_datasets(cfg: Any, dataset=None):
 
 
 def _with_prompts(rows, column: str, field: str):
-    if column not in rows.column_names:
-        at = "" if field == "data.path" else f" at {field}"
-        raise ConfigError(f"data.prompt_column: column {column!r} not in the dataset{at} "
-                          f"(columns: {', '.join(rows.column_names)})")
+    problem = rl_prompt_problem(rows.column_names, column)
+    if problem:
+        raise ConfigError(problem if field == "data.path" else f"{field}: {problem}")
     return rows

@@ -28,9 +28,11 @@ def _render(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool
 
 
 def trained_spans(
-    tokenizer: Any, messages: Sequence[Message], train_roles: Sequence[str] = ("assistant",), tools=None
+    tokenizer: Any, messages: Sequence[Message], train_roles: Sequence[str] = ("assistant",), tools=None,
+    first: int = 0,
 ) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of the messages whose role is in `train_roles`.
+    """The rendered conversation and the character spans of the messages whose role is in `train_roles`, from
+    message `first` on (a prompt-completion conversation trains its completion only).
 
     An assistant span starts after the generation prompt (`<|assistant|>` and the like, which the model never
     writes; another role's span includes its header) and ends where the template's rendering of that message
@@ -40,7 +42,7 @@ def trained_spans(
     full = _render(tokenizer, messages, False, tools)
     spans = []
     for i, message in enumerate(messages):
-        if message.get("role") not in train_roles:
+        if i < first or message.get("role") not in train_roles:
             continue
         # an assistant turn starts after the generation prompt; another role's header has no such prompt to
         # tell it apart, so it is trained too
@@ -57,10 +59,12 @@ def trained_spans(
 
 
 def chat_tokens(
-    tokenizer: Any, messages: Sequence[Message], train_roles: Sequence[str] = ("assistant",), tools=None
+    tokenizer: Any, messages: Sequence[Message], train_roles: Sequence[str] = ("assistant",), tools=None,
+    first: int = 0,
 ) -> tuple[list[int], list[int]]:
-    """(token ids of the rendered conversation, loss mask: 1 on tokens that start inside a trained span)."""
-    text, spans = trained_spans(tokenizer, messages, train_roles, tools)
+    """(token ids of the rendered conversation, loss mask: 1 on tokens that start inside a trained span of a
+    message from `first` on)."""
+    text, spans = trained_spans(tokenizer, messages, train_roles, tools, first)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
     mask = [int(any(lo <= start < hi for lo, hi in spans)) for start, _ in offsets]

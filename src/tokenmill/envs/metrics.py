@@ -6,7 +6,10 @@ does, accuracy is the share of solved episodes; where it does not, an episode su
 less than 1.0, and accuracy computed from returns falls while more episodes are solved.
 
 Every other number or bool an environment reports in `info` (the last value per episode) is averaged over the
-episodes that reported it and logged as `env/<key>`, next to `env/turns` and `env/solved`.
+episodes that reported it and logged as `env/<key>`, next to `env/turns` and `env/solved`. `env/turns` is the
+loop's own count, one meaning everywhere: policy (assistant) turns per episode, each answered by one `step`. An
+info key named like a metric of the loop (`turns`: an environment counting its own steps) is logged as
+`env/info/<key>` so that it never overwrites the loop's number.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from tokenmill.types import Sample
 
 SOLVED_THRESHOLD = 1.0 - 1e-6  # without info["solved"]: a return of 1.0 means solved
 LOOP_FLAGS = ("turn_limit", "token_limit")  # set by the agent loop only when hit: shares of all episodes
+LOOP_METRICS = ("turns",)  # the loop's own per-episode numbers: an info key of that name goes to env/info/<key>
 MAX_INFO_KEYS = 20  # an environment reporting many keys logs the first ones, not hundreds of metrics
 
 
@@ -39,8 +43,8 @@ def succeeded(sample: Sample, threshold: float = SOLVED_THRESHOLD) -> bool:
 
 
 def episode_metrics(samples: list[Sample], prefix: str = "env/") -> dict[str, float]:
-    """Mean turns, the solved share and each numeric info key's mean over the episodes among `samples`
-    (empty when none is an episode)."""
+    """Mean policy turns, the solved share and each numeric info key's mean over the episodes among `samples`
+    (empty when none is an episode); an info key named like one of the loop's metrics goes under `info/`."""
     infos = [(s, info) for s in samples if (info := episode_info(s)) is not None]
     if not infos:
         return {}
@@ -52,5 +56,6 @@ def episode_metrics(samples: list[Sample], prefix: str = "env/") -> dict[str, fl
     for key in keys[:MAX_INFO_KEYS]:
         values = [float(v) for _, info in infos if isinstance(v := info.get(key), int | float)]
         if values and all(math.isfinite(v) for v in values):
-            out[f"{prefix}{key}"] = statistics.fmean(values)
+            name = f"info/{key}" if key in LOOP_METRICS else key
+            out[f"{prefix}{name}"] = statistics.fmean(values)
     return out

@@ -1,6 +1,7 @@
 """Offline preference training (DPO / IPO / SimPO) and Bradley-Terry reward-model training.
 
-Both read rows with `prompt`, `chosen` and `rejected` columns. DPO-family losses compare the policy's summed
+Both read rows with `prompt`, `chosen` and `rejected` columns (`data.formats.pair_rows` brings every TRL preference
+format to these: string completions, the prompt a string or messages). DPO-family losses compare the policy's summed
 log-probability of the chosen and the rejected completion (end-of-sequence token included, prompt excluded),
 against a frozen copy of the starting policy where the loss needs one; with LoRA that reference is the same
 module with its adapters switched off (the base weights never train), so it costs no memory. The reward model is an
@@ -21,6 +22,7 @@ import torch
 from tokenmill.algorithms.preference import bradley_terry_loss, dpo_loss, ipo_loss, simpo_loss
 from tokenmill.config.offline import PreferenceConfig
 from tokenmill.config.schema import LoRAConfig
+from tokenmill.data.formats import pair_rows, render_prompt
 from tokenmill.tracking.logger import MetricsLogger
 from tokenmill.training.batch import collate
 from tokenmill.training.logprobs import DEFAULT_CHUNK_MIB, sequence_token_stats
@@ -120,6 +122,7 @@ def _pairwise_training(
     gradients are summed over the ranks). A logged row holds the loss, margin, accuracy, lr, grad norm,
     timings and tokens/s."""
     settings = optim_settings(PreferenceConfig, {**PAIR_DEFAULTS, **optim})
+    rows = pair_rows(tokenizer, rows)  # any TRL preference format, as prompt / chosen / rejected strings
     backend, module = offline_trainer(model, settings, steps)
     module.train()
 
@@ -154,8 +157,8 @@ def implicit_margin(model, reference, tokenizer, rows, chunk: int = 128) -> dict
     return {"margin": sum(margins) / len(margins), "chosen_preferred": sum(ranked) / len(ranked)}
 
 
-def _rm_scores(model, tokenizer, prompts: list[str], completions: list[str]) -> torch.Tensor:
-    texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+def _rm_scores(model, tokenizer, prompts: list[Any], completions: list[str]) -> torch.Tensor:
+    texts = [render_prompt(tokenizer, p) + c for p, c in zip(prompts, completions, strict=True)]
     enc = tokenizer(texts, return_tensors="pt", padding=True).to(next(model.parameters()).device)
     return model(**enc).logits[:, 0].float()
 
@@ -181,7 +184,7 @@ def load_reward_model_for_training(
 
 
 def _pair_tokens(tokenizer, rows: Sequence[dict[str, Any]]) -> int:
-    texts = [r["prompt"] + r[key] for key in ("chosen", "rejected") for r in rows]
+    texts = [render_prompt(tokenizer, r["prompt"]) + r[key] for key in ("chosen", "rejected") for r in rows]
     return sum(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
 
 

@@ -1,5 +1,5 @@
-"""Supervised fine-tuning: on (prompt, completion) rows (the warm start before RL) or on chat conversations
-with the loss on assistant tokens only.
+"""Supervised fine-tuning: on (prompt, completion) rows (the warm start before RL), on chat conversations
+with the loss on assistant tokens only, or on plain text: TRL's SFT formats (`data.formats`).
 
 It reuses the RL machinery: samples whose loss mask covers what the model should say (the completion and its
 end-of-sequence token, or every assistant message as `data.chat` locates it), token-mean weights, the same
@@ -19,11 +19,12 @@ from tokenmill.algorithms.aggregation import token_weights
 from tokenmill.algorithms.losses import sft_loss
 from tokenmill.config.offline import SFTConfig
 from tokenmill.data.chat import chat_tokens
+from tokenmill.data.formats import SFT_FORMATS, is_conversation
 from tokenmill.rollout.generator import encode_prompt
 from tokenmill.tracking.logger import MetricsLogger
 from tokenmill.training.batch import Batch, collate
 from tokenmill.training.offline import finish, offline_trainer, optim_settings, run_offline, sampled_batches
-from tokenmill.types import Sample, StopReason
+from tokenmill.types import ConfigError, Sample, StopReason
 
 
 def sft_sample(tokenizer, prompt: Any, completion: str) -> Sample:
@@ -40,32 +41,60 @@ def sft_sample(tokenizer, prompt: Any, completion: str) -> Sample:
     )
 
 
-def chat_sample(tokenizer, messages: list[dict[str, Any]], tools=None) -> Sample:
-    """A conversation as a `Sample` whose loss mask covers the assistant messages only."""
-    ids, mask = chat_tokens(tokenizer, messages, tools=tools)
-    first = mask.index(1) if 1 in mask else len(ids)
+def text_sample(tokenizer, text: str) -> Sample:
+    """Plain text (TRL's language-modeling `text`): every token trained but the first (nothing predicts it;
+    the tokenizer's BOS where it adds one), then end-of-sequence."""
+    ids = list(tokenizer(text)["input_ids"]) + [tokenizer.eos_token_id]
+    return Sample(tokens=tuple(ids), loss_mask=(0,) + (1,) * (len(ids) - 1), logprobs=(0.0,) * len(ids),
+                  prompt_len=1, prompt=tokenizer.decode(ids[:1]), completion=text, stop_reason=StopReason.STOP)
+
+
+def chat_sample(tokenizer, messages: list[dict[str, Any]], tools=None, first: int = 0) -> Sample:
+    """A conversation as a `Sample` whose loss mask covers the assistant messages only (from message `first`
+    on: a conversational prompt-completion row trains its completion)."""
+    ids, mask = chat_tokens(tokenizer, messages, tools=tools, first=first)
+    start = mask.index(1) if 1 in mask else len(ids)
     return Sample(
-        tokens=tuple(ids), loss_mask=tuple(mask), logprobs=(0.0,) * len(ids), prompt_len=first,
-        prompt=messages[:1], completion=tokenizer.decode(ids[first:]), stop_reason=StopReason.STOP,
+        tokens=tuple(ids), loss_mask=tuple(mask), logprobs=(0.0,) * len(ids), prompt_len=start,
+        prompt=messages[: max(1, first)], completion=tokenizer.decode(ids[start:]), stop_reason=StopReason.STOP,
     )
 
 
-def _loss(logprobs_B_T: torch.Tensor, batch: Batch):
-    return sft_loss(logprobs_B_T, weights_B_T=batch.weights_B_T)
+def _pair_sample(tokenizer, i: int, prompt: Any, completion: Any, columns: tuple[str, str]) -> Sample:
+    """A prompt-completion row, standard or conversational (TRL's formats), as a sample; a value of neither
+    format is a `ConfigError` naming the row and the column."""
+    for column, value in zip(columns, (prompt, completion), strict=True):
+        if not (isinstance(value, str) or is_conversation(value)):
+            raise ConfigError(f"{column}: row {i} holds {type(value).__name__}; SFT takes {', '.join(SFT_FORMATS)}")
+    if is_conversation(completion):
+        if not is_conversation(prompt):
+            raise ConfigError(f"{columns[1]}: row {i}: a conversational completion needs a conversational prompt "
+                              f"(a list of messages), got {type(prompt).__name__}")
+        return chat_sample(tokenizer, list(prompt) + list(completion), first=len(prompt))
+    return sft_sample(tokenizer, prompt, completion)  # a string completion after a string or chat prompt
 
 
 def sft_samples(tokenizer, rows, prompt_column: str = "prompt", completion_column: str = "completion",
-                messages_column: str | None = None) -> list[Sample]:
-    """The rows as samples: (prompt, completion) pairs, or with `messages_column` conversations (OpenAI-style
-    message lists) trained on their assistant tokens only. Rows with no token to train on are left out."""
+                messages_column: str | None = None, text_column: str | None = None) -> list[Sample]:
+    """The rows as samples: conversations (OpenAI-style message lists in `messages_column`) trained on their
+    assistant tokens only, plain text (`text_column`) trained whole, or (prompt, completion) pairs, each
+    side a string or messages. Rows with no token to train on are left out."""
     if messages_column is not None:
         samples = [chat_sample(tokenizer, r[messages_column]) for r in rows]
+    elif text_column is not None:
+        samples = [text_sample(tokenizer, r[text_column]) for r in rows]
     else:
-        samples = [sft_sample(tokenizer, r[prompt_column], r[completion_column]) for r in rows]
+        columns = ("data.prompt_column", "completion_column")
+        samples = [_pair_sample(tokenizer, i, r[prompt_column], r[completion_column], columns)
+                   for i, r in enumerate(rows)]
     samples = [s for s in samples if any(s.loss_mask)]
     if not samples:
         raise ValueError("no row has a token to train on (no assistant message / empty completions)")
     return samples
+
+
+def _loss(logprobs_B_T: torch.Tensor, batch: Batch):
+    return sft_loss(logprobs_B_T, weights_B_T=batch.weights_B_T)
 
 
 def run_sft(
@@ -78,6 +107,7 @@ def run_sft(
     prompt_column: str = "prompt",
     completion_column: str = "completion",
     messages_column: str | None = None,
+    text_column: str | None = None,
     packing: bool = False,
     micro_batch_tokens: int = 8192,
     output_dir: str | Path | None = None,
@@ -88,10 +118,11 @@ def run_sft(
     """Train `model` in place for `steps` optimiser steps; return the loss (token NLL) of each step. `optim`:
     the optimiser's fields (`learning_rate`, `warmup_steps`, `seed`, ... of `OptimConfig`), `SFTConfig`'s
     defaults for the others. With `messages_column`, rows are conversations (OpenAI-style message lists)
-    trained on assistant tokens only. With a `logger`, each step writes the same metrics row as an RL step
-    (loss, lr, grad norm, timings, tokens/s); without one, a line every `log_every` steps."""
+    trained on assistant tokens only; with `text_column`, plain text trained whole. With a `logger`, each step
+    writes the same metrics row as an RL step (loss, lr, grad norm, timings, tokens/s); without one, a line
+    every `log_every` steps."""
     settings = optim_settings(SFTConfig, optim)
-    samples = sft_samples(tokenizer, rows, prompt_column, completion_column, messages_column)
+    samples = sft_samples(tokenizer, rows, prompt_column, completion_column, messages_column, text_column)
     # under torchrun: FSDP2 ranks, each training its share of every batch (`model` is refreshed at the end)
     backend, _ = offline_trainer(model, settings, steps, micro_batch_tokens=micro_batch_tokens,
                                  share_prompts=not packing, pack_sequences=packing)

@@ -89,3 +89,13 @@ def test_a_tasks_verifier_defines_training_accuracy_not_the_total(tmp_path, tiny
     assert len(samples) == 16 and all(s["reward"] >= 1.0 for s in samples)  # every total reaches 1.0 ...
     solved = sum(s["rewards"]["addition"] == 1.0 for s in samples) / 16
     assert metrics["accuracy"] == solved and solved < 1.0  # ... but only the verifier's 1.0 is a success
+
+
+def test_an_info_key_named_turns_never_overwrites_the_loops_turn_count():
+    # the documented hot/cold environment reports its own "turns" only when solved: 2 here, while the loop
+    # counted 2 and 6 policy turns (one episode cut at the limit)
+    samples = [_episode(1.0, {"solved": True, "turns": 2}, turns=2), _episode(0.0, {"turn_limit": True}, turns=6)]
+    metrics = episode_metrics(samples, prefix="eval/env/")
+    assert metrics["eval/env/turns"] == 4.0  # the loop's policy turns, over every episode
+    assert metrics["eval/env/info/turns"] == 2.0  # the environment's own number, under its own name
+    assert metrics["eval/env/solved"] == 0.5 and metrics["eval/env/turn_limit"] == 0.5
