@@ -358,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     vl.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (default: the model's)")
     vl.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache on CPU in GiB")
     vl.add_argument("--no-prefix-cache", action="store_true", help="turn vLLM's prefix caching off")
-    vl.add_argument("--lora-rank", type=int, default=0, help="> 0: take LoRA adapters up to this rank at run time")
+    vl.add_argument("--lora-rank", type=int, default=0, help="> 0: take LoRA adapters up to this rank at run time "
+                    "(rounded up to a rank vLLM takes: 1, 8, 16, 32, ...)")
     vl.add_argument("--timeout-s", type=float, default=300.0, help="longest wait for the server to be ready")
     vl.set_defaults(fn=cmd_vllm)
     comp = sub.add_parser("composer", help="web UI: compose a config, preview rewards, launch and watch runs")
