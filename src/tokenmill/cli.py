@@ -19,6 +19,21 @@ CONFIG_COMMANDS = {"train", "sft", "eval", "validate", "preference", "plan"}
 TRAIN_FLAGS = ("--replay DIR: train from the rollouts recorded in DIR, with no engine (record.replay); "
                "--rollout-only: generate and score, record, never train (record.rollout_only).")
 MAX_LINE = 600  # characters of one error line shown (a message quoting a huge value is cut)
+CONFIG_KEYS = "{config keys}"  # in a config command's epilog: its schema's top-level keys, read when help is shown
+SCHEMAS = {"sft": "SFTConfig", "preference": "PreferenceConfig"}  # the other config commands read RLConfig
+
+
+class _ConfigHelp(argparse.HelpFormatter):
+    """`tokenmill train --help` and the other config commands: CONFIG_KEYS in the epilog becomes the config's
+    top-level keys, imported only when help is shown (the schema costs every other command a quarter second)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if CONFIG_KEYS in text:
+            from tokenmill import config
+
+            schema = getattr(config, SCHEMAS.get(self._prog.split()[-1], "RLConfig"))
+            text = text.replace(CONFIG_KEYS, ", ".join(schema.model_fields))
+        return super()._fill_text(text, width, indent)
 
 
 def _rl_config(path: str | None, overrides: list[str]):
@@ -302,7 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("plan", cmd_plan, "print where a config's trainer ranks and engines run (starts nothing)"),
         ("preference", cmd_preference, "DPO / IPO / SimPO or a reward model on preference pairs"),
     ]:
-        p = sub.add_parser(name, help=text, epilog=TRAIN_FLAGS if name == "train" else None,
+        epilog = (f"config keys: {CONFIG_KEYS}. Every field, its default and allowed values: docs/reference/config.md "
+                  "(or `tokenmill composer`). " + (TRAIN_FLAGS if name == "train" else ""))
+        p = sub.add_parser(name, help=text, epilog=epilog, formatter_class=_ConfigHelp,
                            description=f"{text}. Override any field with --section.field VALUE.")
         p.add_argument("config", nargs="?", default=None, help="YAML config file")
         p.set_defaults(fn=fn, overrides=[])
@@ -344,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     vl.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (default: the model's)")
     vl.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache on CPU in GiB")
     vl.add_argument("--no-prefix-cache", action="store_true", help="turn vLLM's prefix caching off")
-    vl.add_argument("--lora-rank", type=int, default=0, help="> 0: take LoRA adapters up to this rank at run time")
+    vl.add_argument("--lora-rank", type=int, default=0, help="> 0: take LoRA adapters up to this rank at run time "
+                    "(rounded up to a rank vLLM takes: 1, 8, 16, 32, ...)")
     vl.add_argument("--timeout-s", type=float, default=300.0, help="longest wait for the server to be ready")
     vl.set_defaults(fn=cmd_vllm)
     comp = sub.add_parser("composer", help="web UI: compose a config, preview rewards, launch and watch runs")

@@ -68,7 +68,7 @@ def validate(mode: str, config: dict[str, Any]) -> tuple[BaseModel | None, list[
     try:
         return schema.model_validate({**config, **fixed_values(mode)}), []
     except ValidationError as exc:
-        return None, error_list(format_validation_error(exc))
+        return None, error_list(format_validation_error(exc, schema))
 
 
 def normalized(cfg: BaseModel) -> dict[str, Any]:
@@ -119,15 +119,22 @@ def import_yaml(text: str, mode: str | None = None,
         tree["rewards"] = [r for r in tree["rewards"]
                            if not (isinstance(r, dict) and (r.get("name"), r.get("function")) in ours)]
     cfg, errors = validate(mode, tree)
-    unknown = [e["path"] for e in errors if e["message"].startswith(UNKNOWN_KEY)]
-    if unknown:  # the form cannot show (or remove) a key the schema lacks: drop it, and say so
-        tree = _without(tree, unknown)
+    unknown = {e["path"]: e["message"] for e in errors if e["message"].startswith(UNKNOWN_KEY)}
+    if unknown:  # the form cannot show (or remove) a key the schema lacks: drop it, and say so (and what it may mean)
+        tree = _without(tree, list(unknown))
         cfg, errors = validate(mode, tree)
-        errors = [{"path": p, "message": "unknown key, left out of the imported config"} for p in unknown] + errors
+        errors = [{"path": p, "message": "unknown key, left out of the imported config" + _hint(m)}
+                  for p, m in unknown.items()] + errors
     return {"mode": mode, "config": normalized(cfg) if cfg is not None else tree, "errors": errors}
 
 
-UNKNOWN_KEY = "Extra inputs are not permitted"
+UNKNOWN_KEY = ("unknown field", "unknown section")  # config.suggest.unknown_key_message
+
+
+def _hint(message: str) -> str:
+    """The did-you-mean of an unknown-key message ('; did you mean weight?'), or nothing."""
+    _, sep, hint = message.partition("; did you mean ")
+    return f"; did you mean {hint}" if sep else ""
 
 
 def _without(tree: dict[str, Any], paths: list[str]) -> dict[str, Any]:

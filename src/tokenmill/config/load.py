@@ -11,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 
 from tokenmill.config.modes import MODES, strip_extras
 from tokenmill.config.safe_yaml import MAX_FILE_BYTES, decode_config_bytes, load_yaml_text, shorten
+from tokenmill.config.suggest import flag_hints, unknown_key_message
 from tokenmill.types import ConfigError
 
 C = TypeVar("C", bound=BaseModel)
@@ -33,8 +34,8 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         if "=" in key:
             key, raw = key.split("=", 1)
         else:
-            if i + 1 >= len(args):
-                raise ConfigError(f"override --{_short_key(key)} has no value")
+            if i + 1 >= len(args) or OVERRIDE.match(args[i + 1]):
+                raise ConfigError(_no_value(key))
             i += 1
             raw = args[i]
         try:
@@ -43,6 +44,19 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             out[key] = raw
         i += 1
     return out
+
+
+OVERRIDE = re.compile(r"^--[A-Za-z_]")  # the next override, not a value (a value may be `-1`)
+
+
+def _no_value(key: str) -> str:
+    """`override --KEY has no value`, pointing a bare flag at the field of that name (`--resume` is
+    `--checkpoint.resume true`)."""
+    shown = _short_key(key)
+    hints = [] if "." in key else list(dict.fromkeys(h for m in MODES.values() for h in flag_hints(m.schema, key)))
+    if not hints:
+        return f"override --{shown} has no value: --{shown} VALUE or --{shown}=VALUE"
+    return f"override --{shown} has no value; did you mean {' or '.join(hints)}?"
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -72,8 +86,10 @@ def _short_key(key: str) -> str:
 FIELD_PREFIX = re.compile(r"^([a-z_]+(?:\.[a-z_0-9]+)*): ")
 
 
-def format_validation_error(err: ValidationError) -> str:
-    """One line per problem: `algorithm.clip_low: Input should be less than or equal to 1 (got 3)`."""
+def format_validation_error(err: ValidationError, schema: type[BaseModel] | None = None) -> str:
+    """One line per problem: `algorithm.clip_low: Input should be less than or equal to 1 (got 3)`; an unknown
+    key with the closest names of `schema` (the model validated): `generation.group_sise: unknown field; did
+    you mean group_size?`."""
     lines = []
     errors = err.errors()
     for e in errors[:MAX_PROBLEMS]:
@@ -86,6 +102,8 @@ def format_validation_error(err: ValidationError) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         got = e.get("input")
         shown = "" if isinstance(got, dict) or got is None else f" (got {shorten(got)})"
+        if e["type"] == "extra_forbidden":  # a typo: the names it may have meant, not the value it was given
+            msg, shown = unknown_key_message(schema, tuple(e["loc"]), got), ""
         named = FIELD_PREFIX.match(msg)
         if not loc and named:  # a cross-field check names the field it blames: `section.field: ...`
             loc, msg = named.group(1), msg[named.end() :]
@@ -140,4 +158,4 @@ def load_config(
     try:
         return schema.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc)) from None
+        raise ConfigError(format_validation_error(exc, schema)) from None

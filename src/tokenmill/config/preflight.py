@@ -3,7 +3,8 @@
 `tokenmill validate` runs these checks, and so do `tokenmill train` / `eval` and `tokenmill.train` before
 anything heavy starts, so that a missing file, a dataset without the column a reward needs or a device the
 machine lacks is one line naming the field, not a traceback minutes later. Nothing here imports torch,
-transformers or datasets, except torch when the config names an accelerator (to ask whether it exists).
+transformers or datasets, except torch when the config names an accelerator (to ask whether it exists) or
+pushes a tied model's weights into vLLM on this machine (to ask whether that vLLM runs on the CPU).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from tokenmill.config.imports import resolve
 from tokenmill.config.schema import ModelConfig, RewardFunctionConfig, RewardModelConfig, RLConfig
@@ -85,6 +87,45 @@ def device_problem(spec: str, field: str = "model.device") -> str | None:
         return f"{field}: 'mps' but Apple's Metal backend is not available here; use cpu or auto"
     if kind == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
         return f"{field}: 'xpu' but no Intel GPU is available here; use cpu or auto"
+    return None
+
+
+def tied_embeddings(path: str) -> bool | None:
+    """Whether a local model folder's config.json ties its input and output embeddings (None: not a local
+    folder, or config.json does not say)."""
+    try:
+        config = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    tied = config.get("tie_word_embeddings", (config.get("text_config") or {}).get("tie_word_embeddings"))
+    return tied if isinstance(tied, bool) else None
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+TIED_ON_VLLM_CPU = ("model.path has tied input and output embeddings, and vLLM on the CPU does not reload a tied "
+                    "output head in place: from the first weight push on, its servers would sample with the start-up "
+                    "head (the weight probe then stops the run). Train an untied copy of the model "
+                    "(docs/vllm.md shows how), or LoRA with engine.sync vllm (adapters only)")
+
+
+def vllm_head_problem(cfg: RLConfig, notes: list[str]) -> str | None:
+    """`engine.sync: vllm` / `vllm_broadcast` reloads full weights into vLLM in place, which on the CPU leaves a
+    tied output head stale: refused when the servers are on this machine and it has no GPU, a note when they
+    are elsewhere (their platform cannot be known here)."""
+    eng = cfg.engine
+    if eng.weight_sync not in ("vllm", "vllm_broadcast") or (eng.weight_sync == "vllm" and cfg.model.lora.rank):
+        return None
+    if not tied_embeddings(cfg.model.path):
+        return None
+    if all(urlsplit(url).hostname in LOOPBACK for url in eng.urls):
+        import torch  # whether vLLM on this machine could run on a GPU
+
+        if not torch.cuda.is_available():
+            return f"engine.sync: {eng.weight_sync}: {TIED_ON_VLLM_CPU}"
+        return None
+    notes.append(f"engine.urls: if these vLLM servers run on the CPU, {TIED_ON_VLLM_CPU}")
     return None
 
 
@@ -293,6 +334,8 @@ def check_run(cfg: RLConfig, rewards: list[Any] | None = None, dataset: Any = No
     if problem := device_problem(cfg.model.device):
         problems.append(problem)
     if problem := _env_problem(cfg):
+        problems.append(problem)
+    if problem := vllm_head_problem(cfg, notes):
         problems.append(problem)
     functions = _reward_functions(cfg, list(rewards or []), problems)
     columns: list[str] | None = None

@@ -56,7 +56,7 @@ def _options(config: dict[str, Any]) -> EstimateOptions:
     except ValidationError as exc:
         from tokenmill.config import format_validation_error
 
-        raise ConfigError("\n".join("estimate." + line for line in format_validation_error(exc).splitlines())) from None
+        raise ConfigError("\n".join("estimate." + line for line in format_validation_error(exc, EstimateOptions).splitlines())) from None
 
 
 def _shape(source: str, field: str) -> ModelShape:

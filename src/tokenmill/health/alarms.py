@@ -2,8 +2,8 @@
 
 Each alarm of `health.alarms` watches one metric against a threshold over a window of steps and has a
 policy: `warn` prints the message and appends an `alarm` row to events.jsonl (the Composer shows it as a
-banner), `stop` does the same, writes a checkpoint and raises `AlarmStop` (the CLI prints the message and
-exits with status 1), `off` skips it. A warning fires once when its condition has held for `window` steps
+banner), `stop` appends the row, writes a checkpoint and raises `AlarmStop` with the message (printed once,
+by whoever catches it: the CLI prints it and exits with status 1), `off` skips it. A warning fires once when its condition has held for `window` steps
 and again only after the condition has cleared. NaN or inf in the loss, the gradient norm or the advantages
 always stops, without a checkpoint of the broken weights (the last one written is kept).
 
@@ -92,8 +92,8 @@ class Alarms:
         self.fired: list[Fired] = []  # every alarm of the run, in order
 
     def check(self, step: int, metrics: dict[str, Any], groups: Sequence[Group] = ()) -> list[Fired]:
-        """The alarms this step fires (each already printed and written to events.jsonl); raises `AlarmStop`
-        after a `stop` alarm, having saved a checkpoint (none for NaN/inf)."""
+        """The alarms this step fires (each already written to events.jsonl, a warning printed too); raises
+        `AlarmStop` after a `stop` alarm, having saved a checkpoint (none for NaN/inf)."""
         broken = self._non_finite(step, metrics, groups)
         if broken is not None:
             self._announce(broken)
@@ -117,7 +117,8 @@ class Alarms:
     def _announce(self, fired: Fired) -> None:
         self.fired.append(fired)
         events.emit("alarm", **asdict(fired))
-        self.say(f"alarm ({fired.policy}) {fired.name}: {fired.message}")
+        if fired.policy != "stop":  # a stop is raised with this message: saying it too would print it twice
+            self.say(f"alarm ({fired.policy}) {fired.name}: {fired.message}")
 
     def _fired(self, name: str, metric: str, value: float, threshold: float, message: str, step: int) -> Fired:
         policy = getattr(self.cfg, name).policy if name != "non_finite" else "stop"

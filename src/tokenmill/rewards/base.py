@@ -20,7 +20,7 @@ raise the batch is split in halves, recursively; after a wrong-length answer or 
 scored one at a time, and a batch spends at most `MAX_TIMEOUTS` timeouts (a sample that hangs costs the
 timeout once more, not a failed batch); once a batch has timed out, the function is called one sample at a
 time from then on, so a later hang costs one timeout. Error texts name the line of the user's code that raised, or the
-function's own definition.
+function's own definition (a wrong length, NaN, a string).
 """
 
 from __future__ import annotations
@@ -262,6 +262,7 @@ class FunctionReward:
         self.last_log = CallLog()
         self.one_at_a_time = False  # set once a batched call times out
         self._timeouts = 0
+        self._where: str | None = None  # defined_at(fn), once a failure needs it
         self._call = make_caller(_WorkerCall(fn, per_sample), isolation)
 
     def __call__(
@@ -306,7 +307,13 @@ class FunctionReward:
             self.last_log.extra.setdefault(name, []).extend(values)
         for name, values in log.metrics.items():
             self.last_log.metrics.setdefault(name, []).extend(values)
-        return [_check_value(v) for v in out]
+        return [self._value(v) for v in out]
+
+    def _value(self, v: Any) -> RewardResult:
+        """One returned value as a result; a value that is no score (NaN, a string) names the function's file:line,
+        as a raise and a wrong length do."""
+        result = _check_value(v)
+        return result if result.error is None else RewardResult(None, self._located(result.error))
 
     def _narrow(self, kwargs: dict[str, Any], idx: list[int], n: int, results: list[RewardResult | None]) -> None:
         """Score the samples `idx`; when the call fails as a whole, find the samples that make it fail: halves
@@ -344,7 +351,9 @@ class FunctionReward:
 
     def _located(self, reason: str) -> str:
         """The reason, naming the function's definition unless it already points into the function's file."""
-        where = defined_at(self.fn)
+        if self._where is None:
+            self._where = defined_at(self.fn)
+        where = self._where
         file = where.rpartition("(")[2].rpartition(":")[0]
         return reason if file and f"{file}:" in reason else f"{reason}; {where}"
 

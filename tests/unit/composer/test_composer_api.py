@@ -176,7 +176,8 @@ def test_yaml_import_errors_are_data(client):
     r = client.post("/api/yaml/import", json={"yaml": "model: {path: m, devcie: cpu}\ndata: {task: addition}\n"
                                                       "foo: 1\n"}).json()
     # keys the schema lacks are left out (the form could neither show nor remove them), and named
-    assert r["errors"] == [{"path": "model.devcie", "message": "unknown key, left out of the imported config"},
+    assert r["errors"] == [{"path": "model.devcie",
+                            "message": "unknown key, left out of the imported config; did you mean device?"},
                            {"path": "foo", "message": "unknown key, left out of the imported config"}]
     assert r["config"]["model"]["path"] == "m" and "foo" not in r["config"] and "devcie" not in r["config"]["model"]
     r = client.post("/api/yaml/import", json={"yaml": "model: {path: m}\ndata: {task: addition}\nfoo: 1\n"

@@ -121,11 +121,10 @@ def test_a_10_mb_value_is_not_echoed(tmp_path, capsys):
     base = {"model": {"path": "m"}, "data": {"task": "addition"}}
     with pytest.raises(ConfigError) as err:
         load_config(RLConfig, {**base, "training": {"lr": huge}})
-    assert str(err.value).startswith("training.lr: Extra inputs are not permitted (got 'xxxx")
-    assert len(str(err.value)) < 200
+    assert str(err.value) == "training.lr: unknown field; did you mean learning_rate?"  # the value is not shown
     with pytest.raises(ConfigError) as err:
         load_config(RLConfig, {**base, huge: 1})
-    assert len(str(err.value)) < 200 and str(err.value).startswith("x" * 40 + "...: Extra inputs")
+    assert len(str(err.value)) < 200 and str(err.value).startswith("x" * 40 + "...: unknown field")
     with pytest.raises(ConfigError) as err:  # nested lists: a few items per level, not the whole value
         load_config(RLConfig, base, {"generation.stop": [[huge] * 1000] * 1000})
     lines = str(err.value).splitlines()

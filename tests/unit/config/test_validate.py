@@ -322,3 +322,42 @@ def test_the_libraries_progress_bars_are_off_without_importing_them():
     done = subprocess.run([sys.executable, "-c", probe], check=False, capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     assert "HEAVY []" in done.stdout and "BARS False False" in done.stdout, done.stdout
+
+
+# ------------------------------------------------------------------------------------- tied heads on vLLM
+
+
+def _model_folder(tmp_path: Path, tied: bool) -> str:
+    folder = tmp_path / f"model-{tied}"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "tie_word_embeddings": tied}))
+    return str(folder)
+
+
+def _vllm_cfg(tmp_path: Path, tied: bool, url: str = "http://127.0.0.1:8000", **engine) -> str:
+    return write(tmp_path, {"model": {"path": _model_folder(tmp_path, tied)}, "data": {"task": "addition"},
+                            "engine": {"placement": "remote", "urls": [url], "sync": "vllm", **engine}})
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(_has_gpu(), reason="vLLM on this machine could run on its GPU")
+@pytest.mark.parametrize("sync", ["vllm", "vllm_broadcast"])
+def test_a_tied_model_pushed_into_vllm_on_the_cpu_is_refused(tmp_path, capsys, sync):
+    code, out, err = run_cli(["validate", _vllm_cfg(tmp_path, tied=True, sync=sync)], capsys)
+    assert code == 2 and out == ""
+    assert err.splitlines()[1].startswith(f"engine.sync: {sync}: model.path has tied input and output embeddings, "
+                                          "and vLLM on the CPU does not reload a tied output head in place")
+
+
+def test_untied_lora_or_remote_vllm_servers_pass(tmp_path, capsys):
+    assert run_cli(["validate", _vllm_cfg(tmp_path / "a", tied=False)], capsys)[0] == 0
+    code, out, _ = run_cli(["validate", _vllm_cfg(tmp_path / "b", tied=True, url="http://10.1.2.3:8000")], capsys)
+    assert code == 0 and "note: engine.urls: if these vLLM servers run on the CPU, model.path has tied" in out
+    lora = yaml.safe_load(Path(_vllm_cfg(tmp_path / "c", tied=True)).read_text())
+    lora["model"]["lora"] = {"rank": 4}  # adapters alone reach vLLM: the head is not reloaded
+    assert run_cli(["validate", write(tmp_path / "c", lora, "lora.yaml")], capsys)[0] == 0

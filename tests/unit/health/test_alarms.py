@@ -119,14 +119,17 @@ def test_reward_failures_keep_the_watch_behaviour_per_function():
     fail = [Group(0, (_sample(math.nan, {"a": None, "b": 1.0}, {"a": "KeyError: 'x'"}),))]
     half = [Group(0, (_sample(1.0, {"a": 1.0}), _sample(math.nan, {"a": None}, {"a": "E"})))]
     saved: list[int] = []
-    alarms = _alarms("reward_failures", saved=saved, policy="stop", threshold=1.0, window=2)
+    said: list[str] = []
+    alarms = _alarms("reward_failures", lines=said, saved=saved, policy="stop", threshold=1.0, window=2)
     assert alarms.check(1, {}, fail) == [] and alarms.check(2, {}, half) == [] and alarms.check(3, {}, fail) == []
     with pytest.raises(RewardFailureError, match=r"^reward 'a' failed on every sample in 2 consecutive steps \(3-4\); "
                                                  r"first error: KeyError: 'x'\. Fix or remove the function"):
         alarms.check(4, {}, fail)
     assert saved == [4]
-    lower = _alarms("reward_failures", policy="warn", threshold=0.5, window=1)
+    assert said == []  # the raise carries the stop line: whoever catches it prints it, once
+    lower = _alarms("reward_failures", lines=said, policy="warn", threshold=0.5, window=1)
     assert [f.metric for f in lower.check(1, {}, half)] == ["reward/a/failed"]
+    assert len(said) == 1 and said[0].startswith("alarm (warn) reward_failures: reward 'a' failed on 50%")
     assert "failed on 50% of its samples (threshold 50%)" in lower.fired[0].message
 
 

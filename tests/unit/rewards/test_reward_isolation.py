@@ -125,7 +125,8 @@ def numeric_strings(completions, **kwargs):
 def test_a_numeric_string_is_refused():
     out = FunctionReward(numeric_strings, isolation="thread")(["p"] * 4, ["c"] * 4, {})
     assert [r.value for r in out] == [None, 1.0, None, 2.5]
-    assert out[0].error == "returned the string '1', not a number (return float(...) if meant)"
+    assert out[0].error == ("returned the string '1', not a number (return float(...) if meant); "
+                            f"numeric_strings ({__file__}:{numeric_strings.__code__.co_firstlineno})")
 
 
 def test_failures_are_kept_in_the_run_folder_naming_the_users_line(tmp_path, tiny_model_path):

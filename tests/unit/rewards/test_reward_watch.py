@@ -109,9 +109,13 @@ def _logged_steps(tmp_path) -> list[dict]:
 def test_cli_run_with_an_always_failing_reward_stops_at_step_k(tiny_model_path, tmp_path, capsys):
     from tokenmill.cli import main
 
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(_config(tmp_path, tiny_model_path, "always_raises", steps=10)))
+    cfg = _config(tmp_path, tiny_model_path, "always_raises", steps=10)
+    cfg["tracking"]["console"] = "plain"  # the console prints warnings, and must not print the stop line as well
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     code = main(["train", str(tmp_path / "config.yaml")])
-    err = capsys.readouterr().err.strip().splitlines()
+    out, err = capsys.readouterr()
+    assert (out + err).count("failed on every sample") == 1
+    err = err.strip().splitlines()
     assert code == 1
     assert err[-1] == (
         "tokenmill: reward 'always_raises' failed on every sample in 3 consecutive steps (1-3); first error: "

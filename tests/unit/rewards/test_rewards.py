@@ -136,6 +136,9 @@ def test_non_numbers_fail_only_their_sample():
     assert "not a number" in out[2].error and "'high'" in out[2].error
     assert out[3].error is None
     assert out[4] == RewardResult(None)  # an explicit None abstains: no error
+    where = f"; odd_values ({__file__}:{odd_values.__code__.co_firstlineno})"  # the user's def, as for a wrong length
+    assert out[0].error == f"non-finite value nan{where}"
+    assert out[2].error == f"returned the string 'high', not a number (return float(...) if meant){where}"
 
 
 def test_array_results_are_accepted():

@@ -64,5 +64,5 @@ def test_keyword_settings_take_the_modes_defaults_and_refuse_other_keys():
         "learning_rate": 1e-3, "weight_decay": 0.0, "betas": (0.9, 0.999), "warmup_steps": 20,
         "lr_schedule": "cosine", "max_grad_norm": 1.0, "seed": 4}
     assert optim_settings(PreferenceConfig, {}).learning_rate == 2e-5
-    with pytest.raises(ConfigError, match="^learning_rat: Extra inputs are not permitted"):
+    with pytest.raises(ConfigError, match="^learning_rat: unknown field; did you mean learning_rate\\?$"):
         optim_settings(SFTConfig, {"learning_rat": 1e-3})

