@@ -8,6 +8,7 @@ Calls are synchronous and return plain results (no futures).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import tempfile
 from collections.abc import Callable
@@ -79,7 +80,9 @@ class OverHttp:
     def call(self, op: str, **kwargs: Any) -> dict[str, Any]:
         if any(callable(v) for v in kwargs.values()):
             raise TokenmillError(f"{op}: a custom loss function runs in-process only; over HTTP name one")
-        reply = self.http.post(f"/v1/{op}", json=kwargs)
+        # NaN and inf travel as JSON's common extension, so the server names the field that holds one (400)
+        body = json.dumps(kwargs, allow_nan=True).encode()
+        reply = self.http.post(f"/v1/{op}", content=body, headers={"content-type": "application/json"})
         body = reply.json() if reply.headers.get("content-type", "").startswith("application/json") else {}
         if reply.status_code >= 400:
             err = body.get("error", {}) if isinstance(body, dict) else {}

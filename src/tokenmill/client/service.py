@@ -365,7 +365,7 @@ class TrainerService:
         if not isinstance(prompts, list) or not prompts or len(prompts) * sp.n > MAX_SAMPLES:
             raise RequestError(f"prompts: a non-empty list (prompts x n at most {MAX_SAMPLES})", "prompts")
         vocab = self.model.get_input_embeddings().num_embeddings
-        ids = [p if isinstance(p, list) and p and all(isinstance(t, int) for t in p) else self._encode(p, i)
+        ids = [p if isinstance(p, list) and all(isinstance(t, int) for t in p) else self._encode(p, i)
                for i, p in enumerate(prompts)]
         for i, p in enumerate(ids):
             if not p or not all(0 <= t < vocab for t in p):
