@@ -118,8 +118,7 @@ class TrainerService:
     def __init__(self, base_model: str, root: str | Path, *, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.base_model, self.root = base_model, Path(root).resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.base_model, self.root = base_model, Path(root).resolve()  # made by the first save
         self.tokenizer = AutoTokenizer.from_pretrained(base_model)
         self.model: Any = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32).to(device)
         self.lock = threading.Lock()

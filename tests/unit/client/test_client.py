@@ -209,3 +209,19 @@ def test_optim_step_reports_the_learning_rate_it_applied(server):
     for lr in (1e-2, 3e-3, 1e-4, 5e-2):
         client.forward_backward([DATUM], "cross_entropy")
         assert client.optim_step(AdamParams(learning_rate=lr))["lr"] == lr
+
+
+def test_in_process_saves_go_under_the_documented_folder(model, tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # a temporary folder would show up here
+    (tmp_path / "tmp").mkdir()
+    service = ServiceClient(model)
+    assert service.root == tmp_path / "runs" / "trainer" and not service.root.exists()  # made by the first save
+    client = service.create_lora_training_client(rank=4)
+    assert client.save_state("s") == str(tmp_path / "runs/trainer/t1/states/s")
+    assert client.save_weights_for_sampler("w") == str(tmp_path / "runs/trainer/t1/sampler_weights/w/t1")
+    assert list((tmp_path / "tmp").iterdir()) == []
+    given = ServiceClient(model, root=str(tmp_path / "mine"))
+    assert given.create_lora_training_client(rank=4).save_state("s").startswith(str(tmp_path / "mine"))
