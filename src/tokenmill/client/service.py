@@ -138,7 +138,7 @@ class TrainerService:
                     self.model.add_adapter(name, cfg)
                 else:
                     self.model = get_peft_model(self.model, cfg, adapter_name=name)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, re.error) as exc:  # a module name that matches nothing, a bad pattern
             raise RequestError(f"target_modules: {exc}", "target_modules") from None
         self.model.set_adapter(name)
 
@@ -159,6 +159,10 @@ class TrainerService:
         if not is_number(alpha) or not 0 < alpha < math.inf:
             raise RequestError("alpha: a finite number > 0", "alpha")
         check_seed(seed)
+        if not (isinstance(target_modules, str) and target_modules or isinstance(target_modules, list)
+                and target_modules and all(isinstance(m, str) and m for m in target_modules)):
+            raise RequestError("target_modules: 'all-linear', a module name or a list of module names",
+                               "target_modules")
         with self.lock:
             self.count += 1
             cid = f"t{self.count}"
