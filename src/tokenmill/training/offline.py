@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 from tokenmill.checkpoint.export import export_model
+from tokenmill.config.health import SkippedUpdateAlarm
 from tokenmill.config.load import load_config
 from tokenmill.config.offline import OfflineConfig
-from tokenmill.config.health import SkippedUpdateAlarm
 from tokenmill.config.schema import OptimConfig
 from tokenmill.health.alarms import AlarmStop, SkippedUpdates
 from tokenmill.tracking import events

@@ -182,9 +182,9 @@ def test_a_skipped_update_warns_naming_the_cause_and_stops_after_the_window(tmp_
     alarms = _alarms("skipped_update", lines=said, saved=saved, policy="stop", window=2)
     skipped = {"loss": math.nan, "grad_norm": math.nan, "skipped_nonfinite": 1.0}
     assert _stream(alarms, [skipped, {"loss": 0.5, "grad_norm": 1.0}]) == [(1, "skipped_update")]
-    assert said == ["alarm (warn) skipped_update: step 1 skipped its update: loss was NaN, so the gradient was "
-                    "not applied (1 in a row; the run stops at 2); lower training.learning_rate, look for NaN or "
-                    "extreme rewards or inputs, and train in float32 if the model is in half precision"]
+    assert said == [("alarm (warn) skipped_update: step 1 skipped its update: loss was NaN, so the gradient was "
+                     "not applied (1 in a row; the run stops at 2); lower training.learning_rate, look for NaN or "
+                     "extreme rewards or inputs, and train in float32 if the model is in half precision")]
     assert [f.name for f in alarms.check(3, {**skipped, "skipped_nonfinite": 0.5})] == ["skipped_update"]
     assert "skipped 50% of its optimiser steps" in alarms.fired[-1].message
     with pytest.raises(AlarmStop, match=r"^step 4 skipped its update: grad_norm was inf, .*2 in a row: the run stops"):
