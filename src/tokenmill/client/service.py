@@ -202,6 +202,7 @@ class TrainerService:
                 if not isinstance(extra, dict) or fixed & set(extra):
                     raise TypeError(f"an object of the loss's settings, not {sorted(fixed & set(extra)) or extra!r}")
                 inspect.signature(named).bind_partial(**extra)
+                finite([v for v in extra.values() if isinstance(v, float)], "loss_fn_config")
             except TypeError as exc:
                 raise RequestError(f"loss_fn_config: {exc}", "loss_fn_config") from None
 

@@ -181,6 +181,8 @@ def test_non_finite_inputs_are_refused_and_the_adapter_is_untouched(server):
         with pytest.raises(RequestError, match="finite numbers only") as refused:
             client.forward_backward([datum], "importance_sampling")
         assert refused.value.status == 400 and refused.value.param == param
+    with pytest.raises(RequestError, match="loss_fn_config: finite numbers only"):
+        client.forward_backward([Datum(DATUM.tokens, DATUM.weights, before, 1.0)], "ppo", {"clip_low": nan})
     for bad in ({"learning_rate": float("inf")}, {"eps": nan}):
         with pytest.raises(RequestError, match="finite"):
             client.optim_step(bad)
