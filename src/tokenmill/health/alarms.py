@@ -293,7 +293,8 @@ class SkippedUpdates:
         self.cfg, self.count = cfg or SkippedUpdateAlarm(), 0
 
     def check(self, step: int, metrics: dict[str, Any]) -> Fired | None:
-        share = _num(metrics.get("skipped_nonfinite"))
+        shares = [v for k in ("skipped_nonfinite", "critic/skipped_nonfinite") if (v := _num(metrics.get(k))) is not None]
+        share = max(shares, default=None)  # the policy's optimiser steps, or the critic's
         if share is None or share <= self.cfg.threshold or self.cfg.policy == "off":
             self.count = 0
             return None

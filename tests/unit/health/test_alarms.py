@@ -190,6 +190,9 @@ def test_a_skipped_update_warns_naming_the_cause_and_stops_after_the_window(tmp_
     with pytest.raises(AlarmStop, match=r"^step 4 skipped its update: grad_norm was inf, .*2 in a row: the run stops"):
         alarms.check(4, {"loss": 0.5, "grad_norm": math.inf, "skipped_nonfinite": 1.0})
     assert saved == []  # the weights were never touched: the last checkpoint stands
+    critic = _alarms("skipped_update", policy="stop", window=3)
+    fired = critic.check(1, {"loss": 0.1, "critic/grad_norm": math.nan, "critic/skipped_nonfinite": 1.0})
+    assert [f.name for f in fired] == ["skipped_update"] and "critic/grad_norm was NaN" in fired[0].message
     warn_only = _alarms("skipped_update", policy="warn", window=1)
     assert _stream(warn_only, [skipped] * 3) == [(1, "skipped_update"), (2, "skipped_update"), (3, "skipped_update")]
     assert AlarmsConfig().skipped_update.policy == "stop" and AlarmsConfig().skipped_update.window == 3
