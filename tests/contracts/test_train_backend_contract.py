@@ -12,6 +12,7 @@ Adding a backend is one entry in `BACKENDS`.
 from __future__ import annotations
 
 import copy
+import math
 import random
 from collections.abc import Callable
 
@@ -153,3 +154,37 @@ def test_state_dict_resumes_exactly(make, tokenizer):
     step(resumed, collated[2])
     for (n, p), (_, q) in zip(model.named_parameters(), resumed_model.named_parameters(), strict=True):
         assert torch.equal(full(p.detach()), full(q.detach())), n
+
+
+def nan_loss(logprobs_B_T, batch):
+    """A loss whose gradient is NaN everywhere it reaches (a NaN advantage, as a bad input gives one)."""
+    loss, metrics = policy_gradient(logprobs_B_T, batch)
+    return loss * torch.tensor(float("nan")), metrics
+
+
+def test_a_non_finite_update_is_skipped_and_the_schedule_advances(make, tokenizer):
+    """A NaN gradient is never applied: weights and optimiser state stay bit for bit, the metrics say so, the
+    lr reported is the one each step applied, and the schedule advances as for a step taken."""
+    model, backend = make()
+    batch_samples = samples(len(tokenizer), seed=5)
+    batch = collate(batch_samples, [1.0] * len(batch_samples), tokenizer.pad_token_id)
+    first = step(backend, batch)  # warm-up step 1 of 1: lr 1e-2 x 1
+    assert "skipped_nonfinite" not in first and first["lr"] == pytest.approx(1e-2)
+    before = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
+    optimizer = getattr(backend, "local", backend).optimizer  # the sharded backend's is its local one's
+    moments = copy.deepcopy(optimizer.state_dict()["state"])
+    backend.forward_backward(batch, nan_loss)
+    skipped = backend.optim_step()
+    assert skipped["skipped_nonfinite"] == 1 and math.isnan(skipped["grad_norm"])
+    assert skipped["lr"] == pytest.approx(1e-2)  # the cosine's first step after warm-up (progress 0)
+    for n, p in model.named_parameters():
+        assert torch.equal(full(p.detach()), before[n]), n
+    after = optimizer.state_dict()["state"]
+    assert after.keys() == moments.keys()
+    for k in moments:
+        for name, value in moments[k].items():
+            assert torch.equal(full(after[k][name]), full(value)), (k, name)
+    again = step(backend, batch)  # the next step applies again, at the schedule's next lr, from clean gradients
+    assert "skipped_nonfinite" not in again and math.isfinite(again["grad_norm"])
+    assert again["lr"] == pytest.approx(1e-2 * 0.5 * (1 + math.cos(math.pi * 1 / 9)))
+    assert any(not torch.equal(full(p.detach()), before[n]) for n, p in model.named_parameters())

@@ -109,3 +109,33 @@ def test_an_engine_sampling_at_another_temperature_trips_the_mismatch_alarm_nami
     assert alarm["step"] == 2 and alarm["metric"] == "mismatch/kl" and alarm["value"] >= 2e-4
     assert ("likely causes: the engine samples at temperature 1.5 but the trainer assumes generation.temperature 1: "
             "make them equal") in alarm["message"]
+
+
+def test_nan_updates_are_skipped_with_an_alarm_each_and_the_third_in_a_row_stops(tiny_model_path, tmp_path,
+                                                                                  monkeypatch):
+    """`tokenmill train` with a loss gone NaN: the trainer applies none of those updates, each step is a
+    `skipped_update` alarm naming the NaN, and the third in a row ends the run (health.alarms.skipped_update)."""
+    import math
+
+    import pytest
+
+    from tokenmill.health.alarms import AlarmStop
+    from tokenmill.training.local import LocalBackend
+
+    original = LocalBackend.forward_backward
+    seen: list[float] = []
+
+    def poisoned(self, batch, loss_fn, entropy_coef=0.0):
+        def nan_loss(logprobs_B_T, micro):
+            loss, metrics = loss_fn(logprobs_B_T, micro)
+            return loss * math.nan, metrics
+
+        seen.append(sum(float(p.detach().double().sum()) for p in self.params))  # the weights never move
+        return original(self, batch, nan_loss, entropy_coef)
+
+    monkeypatch.setattr(LocalBackend, "forward_backward", poisoned)
+    with pytest.raises(AlarmStop, match=r"^step 3 skipped its update: loss was NaN.*3 in a row: the run stops"):
+        tokenmill.train(_config(tmp_path, tiny_model_path))
+    alarms = [(a["step"], a["name"], a["policy"]) for a in _events(tmp_path, "alarm") if a["name"] == "skipped_update"]
+    assert alarms == [(1, "skipped_update", "warn"), (2, "skipped_update", "warn"), (3, "skipped_update", "stop")]
+    assert len(seen) >= 3 and len(set(seen)) == 1 and math.isfinite(seen[0])

@@ -99,3 +99,46 @@ def test_train_help_names_replay_and_rollout_only(capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--replay DIR: train from the rollouts recorded in DIR" in help_text
     assert "--rollout-only: generate and score, record, never train" in help_text
+
+
+def test_replay_refuses_a_gap_a_changed_setting_and_a_truncated_shard(tmp_path, capsys):
+    """A real recording: with a shard gone from the middle, with another group size / prompts per step / max
+    tokens / model than it was recorded with, or with a truncated shard, the replay ends with status 1 and
+    one line naming the steps, the fields or the file; the complete recording replays."""
+    import shutil
+
+    torch.set_num_threads(1)
+    model = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps({k: v for k, v in _config(model, str(tmp_path / "live")).items() if k != "record"}))
+    assert main(["train", str(cfg), "--rollout-only", "--record.every", "1", "--controller.steps", "3"]) == 0
+    dump = tmp_path / "live" / "rollouts"
+    assert json.loads((dump / "recording.json").read_text())["fingerprint"]["generation.group_size"] == 4
+
+    def replay(folder, *extra) -> str:
+        capsys.readouterr()
+        code = main(["train", str(cfg), "--replay", str(folder), "--tracking.output_dir",
+                     str(tmp_path / f"r{len(list(tmp_path.iterdir()))}"), "--controller.steps", "3", *extra])
+        err = capsys.readouterr().err.strip()
+        return f"{code}: {err.splitlines()[-1] if err else ''}"
+
+    gap = tmp_path / "gap"
+    shutil.copytree(dump, gap)
+    (gap / "steps_00000002-00000002.parquet").unlink()
+    assert replay(gap).startswith("1: ") and "misses steps 2 (no shard holds them)" in replay(gap)
+    for flag, value, field in (("--generation.group_size", "8", "generation.group_size: recorded 4, now 8"),
+                               ("--controller.prompts_per_step", "2", "controller.prompts_per_step: recorded 4"),
+                               ("--generation.max_tokens", "5", "generation.max_tokens: recorded 4, now 5"),
+                               ("--model.path", str(tmp_path / "other"), "model.path: recorded")):
+        if flag == "--model.path":
+            build_tiny_model(tmp_path / "other", hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1)
+        said = replay(dump, flag, value)
+        assert said.startswith("1: ") and "recorded with other settings" in said and field in said, said
+    assert "model.config.hidden_size: recorded 32, now 16" in said
+    cut = tmp_path / "cut"
+    shutil.copytree(dump, cut)
+    shard = cut / "steps_00000003-00000003.parquet"
+    shard.write_bytes(shard.read_bytes()[:100])
+    said = replay(cut)
+    assert said.startswith("1: ") and "steps_00000003-00000003.parquet' (steps 3) is unreadable" in said, said
+    assert replay(dump).startswith("0: ")

@@ -8,14 +8,17 @@ Calls are synchronous and return plain results (no futures).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tokenmill.client.service import RequestError, TrainerService
 from tokenmill.types import SamplingParams, TokenmillError
+
+DEFAULT_ROOT = "runs/trainer"  # in-process saves, relative to the working directory (serve-trainer's --root too)
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,9 @@ class OverHttp:
     def call(self, op: str, **kwargs: Any) -> dict[str, Any]:
         if any(callable(v) for v in kwargs.values()):
             raise TokenmillError(f"{op}: a custom loss function runs in-process only; over HTTP name one")
-        reply = self.http.post(f"/v1/{op}", json=kwargs)
+        # NaN and inf travel as JSON's common extension, so the server names the field that holds one (400)
+        body = json.dumps(kwargs, allow_nan=True).encode()
+        reply = self.http.post(f"/v1/{op}", content=body, headers={"content-type": "application/json"})
         body = reply.json() if reply.headers.get("content-type", "").startswith("application/json") else {}
         if reply.status_code >= 400:
             err = body.get("error", {}) if isinstance(body, dict) else {}
@@ -145,17 +150,22 @@ class TrainingClient:
 
 
 class ServiceClient:
-    """In-process: `ServiceClient(base_model="path/to/model")`; over HTTP: `ServiceClient(base_url=..., token=...)`."""
+    """In-process: `ServiceClient(base_model="path/to/model")`; over HTTP: `ServiceClient(base_url=..., token=...)`.
+
+    In-process, `save_state` and `save_weights_for_sampler` write under `root` (default `runs/trainer` in the
+    working directory, as `tokenmill serve-trainer`'s): `<root>/<client id>/states/<name>` and
+    `<root>/<client id>/sampler_weights/<name>`; they stay there until removed (`self.root` names it)."""
 
     def __init__(self, base_model: str | None = None, *, base_url: str | None = None, token: str | None = None,
                  root: str | None = None, device: str = "cpu") -> None:
         if (base_model is None) == (base_url is None):
             raise TokenmillError("ServiceClient: give base_model (in-process) or base_url (a serve-trainer server)")
+        self.root: Path | None = None  # where in-process saves go (a server's: its --root)
         if base_url is not None:
             self.transport: Any = OverHttp(base_url, token or os.environ.get("TOKENMILL_TRAINER_TOKEN"))
         else:
-            root = root or tempfile.mkdtemp(prefix="tokenmill-client-")
-            self.transport = InProcess(TrainerService(base_model, root, device=device))
+            service = TrainerService(base_model, root or DEFAULT_ROOT, device=device)
+            self.root, self.transport = service.root, InProcess(service)
 
     def create_lora_training_client(self, rank: int = 8, *, alpha: float = 16.0, seed: int = 0,
                                     target_modules: Any = "all-linear") -> TrainingClient:

@@ -13,6 +13,7 @@ what it would be alone on the server.
 from __future__ import annotations
 
 import inspect
+import math
 import re
 import threading
 from collections.abc import Callable
@@ -84,11 +85,31 @@ def datum_sample(d: Any, i: int) -> Sample:
         if not isinstance(value, list) or len(value) != n:
             raise RequestError(f"data.{i}.{name}: one number per token ({n}), got "
                                f"{len(value) if isinstance(value, list) else type(value).__name__}", f"data.{i}.{name}")
+        finite(value, f"data.{i}.{name}")
     per_token = isinstance(adv, list)
+    if not per_token:
+        finite([adv], f"data.{i}.advantages")
     zeros = (0.0,) * n if per_token else ()
     return Sample(tokens=tuple(d["tokens"]), loss_mask=tuple(weights), logprobs=tuple(logprobs), prompt_len=0,
                   prompt=None, completion="", stop_reason=StopReason.STOP, advantage=0.0 if per_token else float(adv),
                   token_advantages=tuple(adv) if per_token else (), returns=zeros, values=zeros)
+
+
+def finite(values: list, param: str) -> None:
+    """Refuse a list holding anything but finite numbers: a NaN or inf input makes a NaN update."""
+    for value in values:
+        if not is_number(value) or not math.isfinite(value):
+            raise RequestError(f"{param}: finite numbers only, got {value!r} (a NaN or inf input would ruin the "
+                               "adapter's weights)", param)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_seed(seed: Any) -> None:
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise RequestError("seed: a whole number from 0 to 2**63 - 1", "seed")
 
 
 class TrainerService:
@@ -97,8 +118,7 @@ class TrainerService:
     def __init__(self, base_model: str, root: str | Path, *, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.base_model, self.root = base_model, Path(root).resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.base_model, self.root = base_model, Path(root).resolve()  # made by the first save
         self.tokenizer = AutoTokenizer.from_pretrained(base_model)
         self.model: Any = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32).to(device)
         self.lock = threading.Lock()
@@ -118,7 +138,7 @@ class TrainerService:
                     self.model.add_adapter(name, cfg)
                 else:
                     self.model = get_peft_model(self.model, cfg, adapter_name=name)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, re.error) as exc:  # a module name that matches nothing, a bad pattern
             raise RequestError(f"target_modules: {exc}", "target_modules") from None
         self.model.set_adapter(name)
 
@@ -127,7 +147,7 @@ class TrainerService:
             self.model.set_adapter(adapter)
 
     def _trainee(self, cid: str) -> Trainee:
-        if cid not in self.trainees:
+        if not isinstance(cid, str) or cid not in self.trainees:
             raise RequestError(f"no training client {cid!r}", "client_id", 404)
         self._use(self.trainees[cid].adapter)
         return self.trainees[cid]
@@ -136,6 +156,13 @@ class TrainerService:
                                target_modules: Any = "all-linear") -> dict[str, Any]:
         if not isinstance(rank, int) or not 1 <= rank <= 1024:
             raise RequestError("rank: a whole number from 1 to 1024", "rank")
+        if not is_number(alpha) or not 0 < alpha < math.inf:
+            raise RequestError("alpha: a finite number > 0", "alpha")
+        check_seed(seed)
+        if not (isinstance(target_modules, str) and target_modules or isinstance(target_modules, list)
+                and target_modules and all(isinstance(m, str) and m for m in target_modules)):
+            raise RequestError("target_modules: 'all-linear', a module name or a list of module names",
+                               "target_modules")
         with self.lock:
             self.count += 1
             cid = f"t{self.count}"
@@ -168,13 +195,14 @@ class TrainerService:
         return its summed metrics (`loss`, and the loss's own)."""
         if callable(loss_fn):
             fn = loss_fn
-        elif loss_fn in NAMED_LOSSES:
+        elif isinstance(loss_fn, str) and loss_fn in NAMED_LOSSES:
             named, extra = NAMED_LOSSES[loss_fn], loss_fn_config or {}
             fixed = {"logprobs_B_T", "old_logprobs_B_T", "advantages", "weights_B_T"}
             try:
                 if not isinstance(extra, dict) or fixed & set(extra):
                     raise TypeError(f"an object of the loss's settings, not {sorted(fixed & set(extra)) or extra!r}")
                 inspect.signature(named).bind_partial(**extra)
+                finite([v for v in extra.values() if isinstance(v, float)], "loss_fn_config")
             except TypeError as exc:
                 raise RequestError(f"loss_fn_config: {exc}", "loss_fn_config") from None
 
@@ -203,12 +231,14 @@ class TrainerService:
         weight_decay, grad_clip_norm (0: none)."""
         p = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
              "grad_clip_norm": 0.0}
+        if not isinstance(adam_params or {}, dict):
+            raise RequestError("adam_params: an object of settings", "adam_params")
         unknown = set(adam_params or {}) - set(p)
         if unknown:
             raise RequestError(f"adam_params: unknown key(s) {sorted(unknown)}; known: {sorted(p)}", "adam_params")
         p |= adam_params or {}
-        if not all(isinstance(v, (int, float)) and v >= 0 for v in p.values()) or not p["learning_rate"] > 0:
-            raise RequestError("adam_params: every value a number >= 0, learning_rate > 0", "adam_params")
+        if not all(is_number(v) and 0 <= v < math.inf for v in p.values()) or not p["learning_rate"] > 0:
+            raise RequestError("adam_params: every value a finite number >= 0, learning_rate > 0", "adam_params")
         with self.lock:
             backend = self._trainee(cid).backend
             for group in backend.optimizer.param_groups:
@@ -287,6 +317,7 @@ class TrainerService:
         (`client_id`: a snapshot, unchanged by its later steps)."""
         if (model_path is None) == (client_id is None):
             raise RequestError("give one of model_path (saved sampler weights) or client_id", "model_path")
+        check_seed(seed)
         with self.lock:
             if client_id is not None:  # one snapshot adapter per training client, sampled with its RNG
                 trainee, sid = self._trainee(client_id), f"{client_id}-sampler"
@@ -319,6 +350,8 @@ class TrainerService:
         text (a string, or chat messages). Per prompt: its ids and `n` sequences (tokens, logprobs, text,
         stop_reason)."""
         known = set(SamplingParams.__dataclass_fields__)
+        if not isinstance(params or {}, dict):
+            raise RequestError("params: an object of sampling settings", "params")
         if set(params or {}) - known:
             raise RequestError(f"params: unknown key(s) {sorted(set(params or {}) - known)}; known: {sorted(known)}",
                                "params")
@@ -327,12 +360,20 @@ class TrainerService:
         except TypeError as exc:
             raise RequestError(f"params: {exc}", "params") from None
         if not isinstance(sp.max_tokens, int) or not 1 <= sp.max_tokens <= 1 << 16 or not isinstance(sp.n, int) \
-                or sp.n < 1 or not isinstance(sp.temperature, (int, float)) or sp.temperature < 0:
-            raise RequestError("params: max_tokens 1..65536, n >= 1, temperature >= 0", "params")
+                or sp.n < 1 or not is_number(sp.temperature) or not 0 <= sp.temperature < math.inf \
+                or not is_number(sp.top_p) or not 0 < sp.top_p <= 1 or not isinstance(sp.top_k, int) \
+                or not 0 <= sp.top_k < 2**31 or not isinstance(sp.greedy, bool) \
+                or not all(isinstance(t, str) and t for t in sp.stop):
+            raise RequestError("params: max_tokens 1..65536, n >= 1, temperature a finite number >= 0, top_p in "
+                               "(0, 1], top_k >= 0, greedy true or false, stop a list of non-empty strings", "params")
         if not isinstance(prompts, list) or not prompts or len(prompts) * sp.n > MAX_SAMPLES:
             raise RequestError(f"prompts: a non-empty list (prompts x n at most {MAX_SAMPLES})", "prompts")
+        vocab = self.model.get_input_embeddings().num_embeddings
         ids = [p if isinstance(p, list) and all(isinstance(t, int) for t in p) else self._encode(p, i)
                for i, p in enumerate(prompts)]
+        for i, p in enumerate(ids):
+            if not p or not all(0 <= t < vocab for t in p):
+                raise RequestError(f"prompts.{i}: token ids must be in [0, {vocab}) (and at least one)", f"prompts.{i}")
         name, _, generation = str(sid).partition(":")
         with self.lock:
             sampler = self.samplers.get(name)

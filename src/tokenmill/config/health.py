@@ -91,6 +91,18 @@ class GradSpikeAlarm(Alarm):
     window: int = Field(20, ge=2, le=100_000, description="Steps the running median is taken over.")
 
 
+class SkippedUpdateAlarm(Alarm):
+    """An optimiser step skipped because its gradient was NaN or inf (`skipped_nonfinite` > 0; the trainer never
+    applies such an update): each one is an `alarm` event naming the cause; `window` in a row stop the run."""
+
+    policy: Policy = Field("stop", description="stop: after `window` skipped steps in a row the run exits "
+                           "non-zero (each skip before is a warning); warn: each skip is a warning, the run goes "
+                           "on; off: skipped silently.")
+    threshold: float = Field(0.0, ge=0.0, lt=1.0, description="Share of a step's optimiser steps skipped above "
+                             "which the step counts (0: any).")
+    window: int = Field(3, ge=1, le=100_000, description="Skipped steps in a row that stop the run.")
+
+
 class RewardPlateauAlarm(Alarm):
     """The mean `reward/mean` of the last `window` steps is not above that of the `window` steps before by more
     than `threshold` (warn only: a plateau can be the end of learning)."""
@@ -101,8 +113,9 @@ class RewardPlateauAlarm(Alarm):
 
 
 class AlarmsConfig(Section):
-    """Alarms on the step's metrics. NaN or inf in the loss, the gradients or the advantages always stops the
-    run (no checkpoint of the broken weights is written: the last one is kept)."""
+    """Alarms on the step's metrics. An update whose gradient is NaN or inf is skipped by the trainer and
+    counted by `skipped_update`; NaN or inf anywhere else (a loss or advantage of an update that was applied)
+    always stops the run (no checkpoint of the broken weights is written: the last one is kept)."""
 
     flat_groups: FlatGroupsAlarm = Field(default_factory=FlatGroupsAlarm, description="All groups flat.")
     truncation: TruncationAlarm = Field(default_factory=TruncationAlarm, description="Completions truncated.")
@@ -115,6 +128,8 @@ class AlarmsConfig(Section):
     grad_spike: GradSpikeAlarm = Field(default_factory=GradSpikeAlarm, description="Gradient-norm spike.")
     reward_plateau: RewardPlateauAlarm = Field(default_factory=RewardPlateauAlarm,
                                                description="No reward improvement.")
+    skipped_update: SkippedUpdateAlarm = Field(default_factory=SkippedUpdateAlarm,
+                                               description="Updates skipped for a NaN or inf gradient.")
 
 
 class HealthConfig(Section):

@@ -4,8 +4,10 @@ Each alarm of `health.alarms` watches one metric against a threshold over a wind
 policy: `warn` prints the message and appends an `alarm` row to events.jsonl (the Composer shows it as a
 banner), `stop` appends the row, writes a checkpoint and raises `AlarmStop` with the message (printed once,
 by whoever catches it: the CLI prints it and exits with status 1), `off` skips it. A warning fires once when its condition has held for `window` steps
-and again only after the condition has cleared. NaN or inf in the loss, the gradient norm or the advantages
-always stops, without a checkpoint of the broken weights (the last one written is kept).
+and again only after the condition has cleared. An update the trainer skipped for a NaN or inf gradient
+(`skipped_nonfinite`) is a `skipped_update` alarm each step, and stops after its `window` in a row; NaN or inf
+in the loss, the gradient norm or the advantages of an update that was applied always stops, without a
+checkpoint of the broken weights (the last one written is kept).
 
     >>> alarms = Alarms(AlarmsConfig(), say=print)                                          # doctest: +SKIP
     >>> alarms.check(step, metrics, groups)   # after the step's metrics are logged           # doctest: +SKIP
@@ -20,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tokenmill.config.health import AlarmsConfig
+from tokenmill.config.health import AlarmsConfig, SkippedUpdateAlarm
 from tokenmill.rewards.watch import RewardFailureError, RewardFailureWatch
 from tokenmill.tracking import events
 from tokenmill.types import Group, TokenmillError
@@ -89,16 +91,22 @@ class Alarms:
         self._grad: deque[float] = deque(maxlen=cfg.grad_spike.window)
         self._reward: deque[float] = deque(maxlen=2 * cfg.reward_plateau.window)
         self._rewards = RewardFailureWatch(cfg.reward_failures.window, cfg.reward_failures.threshold)
+        self.skips = SkippedUpdates(cfg.skipped_update)
         self.fired: list[Fired] = []  # every alarm of the run, in order
 
     def check(self, step: int, metrics: dict[str, Any], groups: Sequence[Group] = ()) -> list[Fired]:
         """The alarms this step fires (each already written to events.jsonl, a warning printed too); raises
         `AlarmStop` after a `stop` alarm, having saved a checkpoint (none for NaN/inf)."""
-        broken = self._non_finite(step, metrics, groups)
+        skipped = self.skips.check(step, metrics)
+        if skipped is not None:
+            self._announce(skipped)
+            if skipped.policy == "stop":
+                raise AlarmStop(skipped)
+        broken = None if skipped is not None else self._non_finite(step, metrics, groups)
         if broken is not None:
             self._announce(broken)
             raise AlarmStop(broken)
-        found: list[Fired] = []
+        found: list[Fired] = []  # a skipped update's warning was announced above: it is returned, not again
         for name, watch in self._watches():
             if getattr(self.cfg, name).policy != "off":
                 found += [f for f in watch(step, metrics, groups) if f is not None]
@@ -110,7 +118,7 @@ class Alarms:
                 self.save(step)
             first = stops[0]
             raise (RewardFailureStop if first.name == "reward_failures" else AlarmStop)(first)
-        return found
+        return ([skipped] if skipped is not None else []) + found
 
     after_step = check  # the `Monitors` hook
 
@@ -273,6 +281,35 @@ class Alarms:
             f"{before:.3g} over the {cfg.window} before (a rise above {cfg.threshold:g} expected); the run may "
             "have converged; otherwise try another training.learning_rate or check that the reward can rise"),
             step)]
+
+
+class SkippedUpdates:
+    """Counts the steps in a row whose update the trainer skipped (`skipped_nonfinite` > the alarm's threshold:
+    a NaN or inf gradient, never applied). `check` gives each such step's alarm: a warning until `window` in a
+    row, then a stop (policy `stop`); None on a step that applied its update, or with policy `off`. Used by the
+    RL loop's `Alarms` and by the offline trainers (SFT, preference)."""
+
+    def __init__(self, cfg: SkippedUpdateAlarm | None = None) -> None:
+        self.cfg, self.count = cfg or SkippedUpdateAlarm(), 0
+
+    def check(self, step: int, metrics: dict[str, Any]) -> Fired | None:
+        shares = [v for k in ("skipped_nonfinite", "critic/skipped_nonfinite") if (v := _num(metrics.get(k))) is not None]
+        share = max(shares, default=None)  # the policy's optimiser steps, or the critic's
+        if share is None or share <= self.cfg.threshold or self.cfg.policy == "off":
+            self.count = 0
+            return None
+        self.count += 1
+        cause = next((k for k in NON_FINITE_KEYS if _num(metrics.get(k)) is not None
+                      and not math.isfinite(metrics[k])), "grad_norm")
+        stop = self.cfg.policy == "stop" and self.count >= self.cfg.window
+        share_text = "its update" if share >= 1 else f"{share:.0%} of its optimiser steps"
+        then = (f"{self.count} in a row: the run stops (the weights are the last good ones)" if stop else
+                f"{self.count} in a row" + (f"; the run stops at {self.cfg.window}" if self.cfg.policy == "stop" else ""))
+        message = (f"step {step} skipped {share_text}: {cause} was {_non_finite(float(metrics.get(cause, math.nan)))}"
+                   f", so the gradient was not applied ({then}); lower training.learning_rate, look for NaN or "
+                   "extreme rewards or inputs, and train in float32 if the model is in half precision")
+        return Fired("skipped_update", "skipped_nonfinite", float(self.count), float(self.cfg.window),
+                     "stop" if stop else "warn", message, step)
 
 
 ENTROPY_FIX = ("lower training.learning_rate, add an entropy bonus (algorithm.entropy_coef), raise "

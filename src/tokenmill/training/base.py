@@ -30,7 +30,9 @@ class TrainBackend(Protocol):
         ...
 
     def optim_step(self) -> dict[str, float]:
-        """Clip, step the optimiser and the LR schedule, zero the gradients; return grad_norm and lr."""
+        """Clip, step the optimiser and the LR schedule, zero the gradients; return grad_norm and the lr
+        applied. A non-finite grad_norm is not applied (weights and optimiser state unchanged, the schedule
+        advances) and adds `skipped_nonfinite: 1` to the metrics."""
         ...
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -241,12 +241,19 @@ class LocalBackend:
         )
 
     def optim_step(self) -> dict[str, float]:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        """Apply the accumulated gradients (clipped to `max_grad_norm`); report their norm and the learning rate
+        applied. A non-finite gradient norm (NaN or inf: a NaN loss, advantage or input) is never applied: the
+        gradients are dropped, the weights and AdamW's moments stay as they were, and the metrics say
+        `skipped_nonfinite: 1`. The learning-rate schedule still advances, so it stays aligned with the run's
+        steps whether or not some were skipped."""
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True))
+        lr = self.optimizer.param_groups[0]["lr"]  # what this step applies (set by the schedule, or by hand)
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(grad_norm), "lr": lr}
+        return {"grad_norm": grad_norm, "lr": lr} | ({"skipped_nonfinite": 1.0} if skipped else {})
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """What a weight sync must send: the parameters that train (with LoRA, only the adapters; frozen

@@ -17,15 +17,19 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 from tokenmill.checkpoint.export import export_model
+from tokenmill.config.health import SkippedUpdateAlarm
 from tokenmill.config.load import load_config
 from tokenmill.config.offline import OfflineConfig
 from tokenmill.config.schema import OptimConfig
+from tokenmill.health.alarms import AlarmStop, SkippedUpdates
+from tokenmill.tracking import events
 from tokenmill.tracking.logger import MetricsLogger, offline_row
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.dist import is_main
@@ -69,18 +73,28 @@ def sampled_batches(pool: Sequence[T], batch_size: int, seed: int) -> Iterator[l
 def run_offline(
     backend: Any, batches: Iterator[list[T]], loss_fn: LossFn, steps: int, logger: MetricsLogger | None = None,
     *, tokens: Callable[[list[T]], int] | None = None, log_every: int = 0, label: str = "offline",
+    skipped_update: SkippedUpdateAlarm | None = None,
 ) -> list[float]:
     """`steps` optimiser steps, one batch of `batches` each; return the loss of each step. `loss_fn(batch)`
     leaves the batch's gradients in the model and returns (loss, metrics). With a `logger`, each step writes
     the same metrics row as an RL step (the metrics, lr, grad norm, timings, tokens/s of `tokens(batch)`);
-    without one, the main rank prints a line every `log_every` steps."""
+    without one, the main rank prints a line every `log_every` steps. A step whose gradient was NaN or inf is
+    not applied by the backend (`skipped_nonfinite`): it is an `alarm` event in events.jsonl and a console line,
+    and `skipped_update.window` such steps in a row (default 3) raise `AlarmStop` (`health.alarms`)."""
     losses = []
+    skips = SkippedUpdates(skipped_update)
     for step, batch in zip(range(1, steps + 1), batches, strict=False):
         counted = tokens(batch) if tokens is not None and logger is not None else 0
         with step_timer(step) as timer, stage("train", tokens=counted):
             loss, metrics = loss_fn(batch)
             metrics |= backend.optim_step()
         losses.append(loss)
+        skipped = skips.check(step, metrics)  # a NaN or inf gradient was not applied: say so, stop after N
+        if skipped is not None:
+            events.emit("alarm", **asdict(skipped))
+            if skipped.policy == "stop":
+                raise AlarmStop(skipped)
+            print(f"alarm (warn) skipped_update: {skipped.message}", flush=True)
         if logger is not None:
             logger.log(step, offline_row(metrics, timer))
         elif log_every and step % log_every == 0 and is_main():

@@ -4,6 +4,8 @@ OpenAI-shaped 4xx answers naming the field."""
 
 from __future__ import annotations
 
+import math
+
 import httpx
 import pytest
 import torch
@@ -147,3 +149,83 @@ def test_serve_trainer_refuses_a_bad_folder_and_an_unsafe_bind(tmp_path, capsys,
     assert "not a model folder" in capsys.readouterr().err
     assert main(["serve-trainer", model, "--host", "0.0.0.0"]) == 2
     assert "allow-remote" in capsys.readouterr().err
+
+
+def test_bad_prompts_are_400s_and_the_connection_survives(server):
+    url, _ = server
+    http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"})  # one kept-alive connection
+    service = ServiceClient(base_url=url, token=TOKEN)
+    sampler = service.create_lora_training_client(rank=4).save_weights_and_get_sampling_client()
+    for prompts, param in (([[10**9]], "prompts.0"), ([[]], "prompts.0"), ([[5, 9], [3, -1]], "prompts.1")):
+        reply = http.post("/v1/sample", json={"sid": sampler.sampler_id, "prompts": prompts})
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] == param and "token ids" in reply.json()["error"]["message"]
+        with pytest.raises(RequestError, match=r"prompts\.\d: token ids must be in \[0, "):
+            sampler.sample(prompts)
+        got = sampler.sample([[5, 9]], SamplingParams(max_tokens=2))  # the same client goes on
+        assert len(got[0].sequences[0].tokens) == 2
+    assert http.get("/health").json() == {"status": "ok"}
+
+
+def test_non_finite_inputs_are_refused_and_the_adapter_is_untouched(server):
+    url, _ = server
+    client = ServiceClient(base_url=url, token=TOKEN).create_lora_training_client(rank=4, seed=3)
+    client.forward_backward([DATUM], "cross_entropy")
+    client.optim_step(AdamParams(learning_rate=1e-2))  # B != 0, so every LoRA parameter gets a gradient
+    before = client.forward([DATUM])[0]
+    nan = float("nan")
+    for datum, param in ((Datum(DATUM.tokens, DATUM.weights, before, nan), "data.0.advantages"),
+                         (Datum(DATUM.tokens, DATUM.weights, before, [0.0, 1.0, nan, 1.0, 1.0]), "data.0.advantages"),
+                         (Datum(DATUM.tokens, [0.0, float("inf"), 1.0, 1.0, 1.0]), "data.0.weights"),
+                         (Datum(DATUM.tokens, DATUM.weights, [0.0, nan, 0.0, 0.0, 0.0], 1.0), "data.0.logprobs")):
+        with pytest.raises(RequestError, match="finite numbers only") as refused:
+            client.forward_backward([datum], "importance_sampling")
+        assert refused.value.status == 400 and refused.value.param == param
+    with pytest.raises(RequestError, match="loss_fn_config: finite numbers only"):
+        client.forward_backward([Datum(DATUM.tokens, DATUM.weights, before, 1.0)], "ppo", {"clip_low": nan})
+    for bad in ({"learning_rate": float("inf")}, {"eps": nan}):
+        with pytest.raises(RequestError, match="finite"):
+            client.optim_step(bad)
+    step = client.optim_step(AdamParams(learning_rate=1e-2))  # nothing was accumulated by the refused calls
+    assert step["grad_norm"] == 0.0 and "skipped_nonfinite" not in step
+    assert client.forward([DATUM])[0] == pytest.approx(before, abs=1e-6)
+
+
+def test_a_nan_gradient_in_process_is_skipped_not_applied(model, tmp_path):
+    client = ServiceClient(model, root=str(tmp_path)).create_lora_training_client(rank=4, seed=4)
+    client.forward_backward([DATUM], "cross_entropy")
+    client.optim_step(AdamParams(learning_rate=1e-2))
+    before = client.forward([DATUM])[0]
+
+    def nan_loss(logprobs_B_T, batch):  # a custom loss gone wrong: the check is the trainer's, not the request's
+        return (logprobs_B_T * batch.weights_B_T).sum() * float("nan"), {}
+
+    client.forward_backward([DATUM], nan_loss)
+    step = client.optim_step(AdamParams(learning_rate=1e-2))
+    assert step["skipped_nonfinite"] == 1 and math.isnan(step["grad_norm"])
+    after = client.forward([DATUM])[0]
+    assert after == before and all(math.isfinite(x) for x in after)
+
+
+def test_optim_step_reports_the_learning_rate_it_applied(server):
+    url, _ = server
+    client = ServiceClient(base_url=url, token=TOKEN).create_lora_training_client(rank=4)
+    for lr in (1e-2, 3e-3, 1e-4, 5e-2):
+        client.forward_backward([DATUM], "cross_entropy")
+        assert client.optim_step(AdamParams(learning_rate=lr))["lr"] == lr
+
+
+def test_in_process_saves_go_under_the_documented_folder(model, tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # a temporary folder would show up here
+    (tmp_path / "tmp").mkdir()
+    service = ServiceClient(model)
+    assert service.root == tmp_path / "runs" / "trainer" and not service.root.exists()  # made by the first save
+    client = service.create_lora_training_client(rank=4)
+    assert client.save_state("s") == str(tmp_path / "runs/trainer/t1/states/s")
+    assert client.save_weights_for_sampler("w") == str(tmp_path / "runs/trainer/t1/sampler_weights/w/t1")
+    assert list((tmp_path / "tmp").iterdir()) == []
+    given = ServiceClient(model, root=str(tmp_path / "mine"))
+    assert given.create_lora_training_client(rank=4).save_state("s").startswith(str(tmp_path / "mine"))

@@ -172,3 +172,29 @@ def test_off_alarms_never_fire_and_defaults_are_the_documented_ones():
     d = AlarmsConfig()
     assert (d.flat_groups.policy, d.flat_groups.threshold, d.flat_groups.window) == ("warn", 1.0, 5)
     assert (d.reward_failures.policy, d.probe.policy, d.reward_plateau.policy) == ("stop", "stop", "warn")
+
+
+def test_a_skipped_update_warns_naming_the_cause_and_stops_after_the_window(tmp_path):
+    """The trainer skipped the update (`skipped_nonfinite`), so the NaN loss is no immediate stop: each such
+    step is a warning naming it, `window` in a row stop, and an applied step in between restarts the count."""
+    said: list[str] = []
+    saved: list[int] = []
+    alarms = _alarms("skipped_update", lines=said, saved=saved, policy="stop", window=2)
+    skipped = {"loss": math.nan, "grad_norm": math.nan, "skipped_nonfinite": 1.0}
+    assert _stream(alarms, [skipped, {"loss": 0.5, "grad_norm": 1.0}]) == [(1, "skipped_update")]
+    assert said == [("alarm (warn) skipped_update: step 1 skipped its update: loss was NaN, so the gradient was "
+                     "not applied (1 in a row; the run stops at 2); lower training.learning_rate, look for NaN or "
+                     "extreme rewards or inputs, and train in float32 if the model is in half precision")]
+    assert [f.name for f in alarms.check(3, {**skipped, "skipped_nonfinite": 0.5})] == ["skipped_update"]
+    assert "skipped 50% of its optimiser steps" in alarms.fired[-1].message
+    with pytest.raises(AlarmStop, match=r"^step 4 skipped its update: grad_norm was inf, .*2 in a row: the run stops"):
+        alarms.check(4, {"loss": 0.5, "grad_norm": math.inf, "skipped_nonfinite": 1.0})
+    assert saved == []  # the weights were never touched: the last checkpoint stands
+    critic = _alarms("skipped_update", policy="stop", window=3)
+    fired = critic.check(1, {"loss": 0.1, "critic/grad_norm": math.nan, "critic/skipped_nonfinite": 1.0})
+    assert [f.name for f in fired] == ["skipped_update"] and "critic/grad_norm was NaN" in fired[0].message
+    warn_only = _alarms("skipped_update", policy="warn", window=1)
+    assert _stream(warn_only, [skipped] * 3) == [(1, "skipped_update"), (2, "skipped_update"), (3, "skipped_update")]
+    assert AlarmsConfig().skipped_update.policy == "stop" and AlarmsConfig().skipped_update.window == 3
+    with pytest.raises(AlarmStop, match="^loss is NaN"):  # without the trainer's skip it is the old immediate stop
+        _alarms("skipped_update", policy="warn").check(1, {"loss": math.nan})

@@ -66,3 +66,44 @@ def test_keyword_settings_take_the_modes_defaults_and_refuse_other_keys():
     assert optim_settings(PreferenceConfig, {}).learning_rate == 2e-5
     with pytest.raises(ConfigError, match="^learning_rat: unknown field; did you mean learning_rate\\?$"):
         optim_settings(SFTConfig, {"learning_rat": 1e-3})
+
+
+def test_a_nan_step_is_skipped_named_in_events_and_three_in_a_row_stop(tmp_path):
+    """SFT / preference step through `run_offline`: a NaN gradient never reaches the weights; each such step is
+    an `alarm` event naming the cause, and the third in a row stops the run with the weights of the last good
+    step."""
+    from tokenmill.config.health import SkippedUpdateAlarm
+    from tokenmill.health.alarms import AlarmStop
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    backend, module = offline_trainer(model, OptimConfig(learning_rate=0.1), 10)
+    poisoned = {2, 4, 5, 6}  # step 3 is good again: the count restarts
+
+    def loss_fn(step: list[int]) -> tuple[float, dict[str, float]]:
+        loss = torch.nn.functional.mse_loss(module(x), y) * (math.nan if step[0] in poisoned else 1.0)
+        loss.backward()
+        return loss.item(), {"loss": loss.item()}
+
+    seen: dict[int, torch.Tensor] = {}
+
+    def steps():
+        for s in range(1, 11):
+            seen[s] = module.weight.detach().clone()
+            yield [s]
+
+    logger = MetricsLogger(tmp_path, 10, console="none")
+    try:
+        with pytest.raises(AlarmStop, match=r"step 6 skipped its update: loss was NaN.*3 in a row: the run stops"):
+            run_offline(backend, steps(), loss_fn, 10, logger, skipped_update=SkippedUpdateAlarm(window=3))
+    finally:
+        logger.close()
+    assert torch.equal(seen[3], seen[2]) and not torch.equal(seen[4], seen[3])  # 2 skipped, 3 applied
+    assert torch.equal(module.weight.detach(), seen[4])  # steps 4, 5, 6 changed nothing
+    assert torch.isfinite(module.weight).all()
+    alarms = [json.loads(r) for r in (tmp_path / "events.jsonl").read_text().splitlines()]
+    alarms = [r for r in alarms if r["event"] == "alarm"]
+    assert [(r["step"], r["name"], r["policy"], r["value"]) for r in alarms] == [
+        (2, "skipped_update", "warn", 1.0), (4, "skipped_update", "warn", 1.0), (5, "skipped_update", "warn", 2.0),
+        (6, "skipped_update", "stop", 3.0)]

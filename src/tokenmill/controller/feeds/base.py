@@ -66,7 +66,9 @@ def rollout_feed(run, rollout: RolloutFn, start: int, buffered: dict | None = No
     else:
         feed = AsyncFeed(run, rollout, start, buffered)
     if rec.rollouts:
-        feed = RecordingFeed(feed, rec.dir or run.output_dir / "rollouts", rec.every)
+        from tokenmill.checkpoint.recording import run_fingerprint
+
+        feed = RecordingFeed(feed, rec.dir or run.output_dir / "rollouts", rec.every, run_fingerprint(run.cfg))
     try:
         yield feed
     except BaseException:

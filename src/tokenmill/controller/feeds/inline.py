@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenmill.controller.feeds.base import Feed, RolloutFn
-from tokenmill.types import Group
+from tokenmill.types import Group, TokenmillError
 
 
 class InlineFeed:
@@ -38,9 +38,17 @@ class ReplayFeed:
     side = None
 
     def __init__(self, run) -> None:
-        from tokenmill.rollout.record import read_dump
+        from tokenmill.checkpoint.recording import fingerprint_changes, run_fingerprint
+        from tokenmill.rollout.record import read_dump, read_manifest
 
-        self.run, self.steps = run, read_dump(run.cfg.record.replay)
+        folder = run.cfg.record.replay
+        recorded = read_manifest(folder).get("fingerprint")  # None: recorded before recordings kept one
+        changes = fingerprint_changes(recorded, run_fingerprint(run.cfg)) if recorded is not None else []
+        if changes:
+            raise TokenmillError(f"record.replay: {str(folder)!r} was recorded with other settings than this run's: "
+                                 f"{'; '.join(changes)}; the recorded rollouts mean nothing under these, so set "
+                                 "them back to the recording's (or record again)")
+        self.run, self.steps = run, read_dump(folder)
 
     def get(self, step: int) -> tuple[list[Group], dict[str, float]] | None:
         if step not in self.steps and step > max(self.steps):  # the dump ends here: so does the run
@@ -61,10 +69,10 @@ class ReplayFeed:
 class RecordingFeed:
     """`record.rollouts`: another feed, whose groups are also written to the run's dump as they are taken."""
 
-    def __init__(self, feed: Feed, folder, every: int) -> None:
+    def __init__(self, feed: Feed, folder, every: int, fingerprint: dict[str, Any] | None = None) -> None:
         from tokenmill.rollout.record import RolloutRecorder
 
-        self.feed, self.side, self.recorder = feed, feed.side, RolloutRecorder(folder, every)
+        self.feed, self.side, self.recorder = feed, feed.side, RolloutRecorder(folder, every, fingerprint)
 
     def get(self, step: int) -> tuple[list[Group], dict[str, float]] | None:
         got = self.feed.get(step)
