@@ -105,7 +105,7 @@ def test_resume_writes_the_final_export_a_killed_run_still_owed(tmp_path):
     assert again["resumed_from"] == 2 and again["eval_after"] == first["eval_after"]
     exported = load_file(str(out / "final" / "model.safetensors"))
     assert exported.keys() == weights.keys() and all(torch.equal(exported[k], weights[k]) for k in weights)
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no temporary export left
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".lock"]  # no temporary export left
     # with final/ in place a further resume has nothing left to do: no export, no evaluation
     third = tokenmill.train(cfg, rewards=[digit_share], checkpoint__resume=True)
     assert third["resumed_from"] == 2 and "eval_after" not in third and third["last_metrics"] == {}

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import yaml
 
+from tokenmill.checkpoint.lock import RunLock, lock_run_folder
 from tokenmill.config.schema import RLConfig
 from tokenmill.controller.trainer import Trainer, build_trainer
 from tokenmill.data.build import build_datasets
@@ -70,6 +71,7 @@ class Run:
     output_dir: Path
     engine_fleet: Any = None  # engine.placement process on Ray: the replicas (controller.ray.engines.EngineFleet)
     monitors: tuple[Any, ...] = ()  # health checks beside cfg.health's (hooks: tokenmill.health.monitors)
+    lock: RunLock | None = None  # the run folder's (checkpoint.lock); the main rank's only
 
     def __getattr__(self, name: str) -> Any:
         side = _MOVED.get(name)
@@ -88,6 +90,8 @@ class Run:
         self.logger.close()
         if self.trainer.teacher is not None:
             self.trainer.teacher.close()
+        if self.lock is not None:
+            self.lock.release()
 
 
 def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, dataset=None, *,
@@ -107,6 +111,8 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
         from tokenmill.training import dist
 
         dist.init_distributed()
+    # one writer per folder, taken before the model loads (released by close, or by the kernel on any exit)
+    lock = lock_run_folder(cfg.tracking.output_dir) if not sharded or dist.is_main() else None
     device = resolve_device(cfg.model.device)
     amp = autocast_dtype(cfg.model, device)
     model, tokenizer = load_policy(cfg.model, device)
@@ -141,7 +147,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
         )
     source = PromptSource(train_rows, seed=cfg.training.seed, shuffle=cfg.data.shuffle)
     side = RolloutSide(engine, actor, agent or generator, source, reward_set)
-    run = Run(cfg, trainer, side, tokenizer, eval_rows, logger, out)
+    run = Run(cfg, trainer, side, tokenizer, eval_rows, logger, out, lock=lock)
     # the setup's objects (modules, model, datasets: hundreds of thousands) leave the garbage collector's sight
     # until `close`: a full collection in the loop would otherwise scan them all (200 ms on the quickstart)
     gc.freeze()
