@@ -5,6 +5,10 @@ The lock is `fcntl.flock` on a file kept open by the run, so the kernel releases
 takes it over without anyone deleting a file. The holder writes its pid into the file, so a second writer is
 refused with one line naming it. Two runs writing one folder would otherwise interleave their `metrics.jsonl`
 rows and leave `final/` and `config.yaml` from whichever finished last.
+
+Within one process a lock is taken before a run is built and handed to it (`adopt`) once built. A build that
+failed half-way leaves its lock unadopted (held by the failed call's traceback, which a notebook or a test keeps):
+the next lock of that folder in the same process releases it rather than refusing the retry.
 """
 
 from __future__ import annotations
@@ -12,11 +16,15 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import threading
+import weakref
 from pathlib import Path
 
 from tokenmill.types import TokenmillError
 
 FILENAME = ".lock"
+_mine: weakref.WeakValueDictionary[Path, RunLock] = weakref.WeakValueDictionary()  # this process's, by folder
+_mine_lock = threading.Lock()
 
 
 class RunFolderLocked(TokenmillError):
@@ -30,6 +38,11 @@ class RunLock:
 
     def __init__(self, folder: Path, fd: int) -> None:
         self.folder, self._fd = folder, fd
+        self.adopted = False  # a built run holds it (else: its build failed, see the module's docstring)
+
+    def adopt(self) -> RunLock:
+        self.adopted = True
+        return self
 
     @property
     def held(self) -> bool:
@@ -40,7 +53,7 @@ class RunLock:
             fd, self._fd = self._fd, None
             os.close(fd)  # closing the descriptor drops the flock
 
-    def __del__(self) -> None:  # a run dropped without close() (its build failed half-way) frees the folder
+    def __del__(self) -> None:  # a lock dropped unreleased (a run never closed) frees the folder
         self.release()
 
 
@@ -48,6 +61,17 @@ def lock_run_folder(folder: str | Path) -> RunLock:
     """Take the exclusive lock of `folder` (created if missing) or raise RunFolderLocked naming the holder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    key = folder.resolve()
+    with _mine_lock:
+        left = _mine.get(key)
+        if left is not None and not left.adopted:  # an earlier build of this process failed before its run existed
+            left.release()
+        lock = _take(folder)
+        _mine[key] = lock
+    return lock
+
+
+def _take(folder: Path) -> RunLock:
     path = folder / FILENAME
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:

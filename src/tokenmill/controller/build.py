@@ -147,7 +147,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
         )
     source = PromptSource(train_rows, seed=cfg.training.seed, shuffle=cfg.data.shuffle)
     side = RolloutSide(engine, actor, agent or generator, source, reward_set)
-    run = Run(cfg, trainer, side, tokenizer, eval_rows, logger, out, lock=lock)
+    run = Run(cfg, trainer, side, tokenizer, eval_rows, logger, out, lock=lock and lock.adopt())
     # the setup's objects (modules, model, datasets: hundreds of thousands) leave the garbage collector's sight
     # until `close`: a full collection in the loop would otherwise scan them all (200 ms on the quickstart)
     gc.freeze()

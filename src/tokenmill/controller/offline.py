@@ -25,7 +25,7 @@ def offline_logger(cfg: OfflineConfig, label: str) -> Iterator[MetricsLogger | N
     """The run logger of an offline run (the main rank's; None on the others): the same metrics.jsonl and
     events.jsonl rows as an RL run, in its output_dir, with a line every tenth of it. The main rank holds the
     folder's lock meanwhile (`checkpoint.lock`): a second run writing there is refused."""
-    lock = lock_run_folder(cfg.output_dir) if is_main() else None
+    lock = lock_run_folder(cfg.output_dir).adopt() if is_main() else None
     logger = MetricsLogger(cfg.output_dir, cfg.steps, console="plain", log_every=max(1, cfg.steps // 10),
                            run_config=cfg.model_dump(mode="json"), label=label) if is_main() else None
     try:

@@ -14,7 +14,7 @@ from tokenmill.testing.crash import _command, run_to_end, write_config
 
 
 def test_second_lock_is_refused_naming_the_holder_and_release_frees_it(tmp_path):
-    first = lock_run_folder(tmp_path / "run")
+    first = lock_run_folder(tmp_path / "run").adopt()  # a built run's
     assert (tmp_path / "run" / ".lock").read_text().startswith(f"pid {os.getpid()} on ")
     with pytest.raises(RunFolderLocked, match=f"in use by another run \\(pid {os.getpid()} on "):
         lock_run_folder(tmp_path / "run")
@@ -22,6 +22,17 @@ def test_second_lock_is_refused_naming_the_holder_and_release_frees_it(tmp_path)
     assert not first.held
     again = lock_run_folder(tmp_path / "run")
     again.release()
+
+
+def test_a_lock_left_by_a_failed_build_in_this_process_does_not_refuse_the_retry(tmp_path):
+    """A build that raised before its run existed leaves its lock unadopted, kept alive by the traceback that a
+    notebook or pytest.raises holds: the retry in the same process takes the folder over."""
+    left = lock_run_folder(tmp_path)  # never adopted: the build failed
+    retry = lock_run_folder(tmp_path).adopt()
+    assert not left.held and retry.held
+    with pytest.raises(RunFolderLocked):  # the retry's run now holds it
+        lock_run_folder(tmp_path)
+    retry.release()
 
 
 def test_two_real_train_processes_on_one_folder(tmp_path, tiny_model_path):
