@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_model, save_model
 
+from tokenmill.checkpoint.space import disk_error, tensor_bytes
 from tokenmill.types import TokenmillError
 
 log = logging.getLogger("tokenmill.checkpoint")
@@ -145,8 +146,11 @@ def save_checkpoint(
         _fsync_path(tmp / "meta.json")
         _fsync_path(tmp)
         hold_point(f"checkpoint-rename@{step}")  # complete, not renamed into place
-    except BaseException:  # disk full, interrupted: leave no half-written folder behind (older ones stay)
+    except BaseException as exc:  # disk full, interrupted: leave no half-written folder behind (older ones stay)
         shutil.rmtree(tmp, ignore_errors=True)
+        full = disk_error(exc, root, f"checkpoint {final.name}", tensor_bytes(model) + tensor_bytes(trainer_state))
+        if full is not None:  # one line naming the folder and the space, not a torch traceback
+            raise full from None
         raise
     if final.exists():  # re-saving the same step: move the old one aside first, never delete it first
         old = root / f".old-{final.name}-{os.getpid()}"

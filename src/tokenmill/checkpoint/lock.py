@@ -20,6 +20,7 @@ import threading
 import weakref
 from pathlib import Path
 
+from tokenmill.checkpoint.space import disk_error
 from tokenmill.types import TokenmillError
 
 FILENAME = ".lock"
@@ -60,14 +61,17 @@ class RunLock:
 def lock_run_folder(folder: str | Path) -> RunLock:
     """Take the exclusive lock of `folder` (created if missing) or raise RunFolderLocked naming the holder."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    key = folder.resolve()
-    with _mine_lock:
-        left = _mine.get(key)
-        if left is not None and not left.adopted:  # an earlier build of this process failed before its run existed
-            left.release()
-        lock = _take(folder)
-        _mine[key] = lock
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        key = folder.resolve()
+        with _mine_lock:
+            left = _mine.get(key)
+            if left is not None and not left.adopted:  # an earlier build of this process failed before its run
+                left.release()
+            lock = _take(folder)
+            _mine[key] = lock
+    except OSError as exc:  # a read-only or full folder: one line before anything is loaded
+        raise disk_error(exc, folder, "the run's lock file") or exc from None
     return lock
 
 

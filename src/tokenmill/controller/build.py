@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from tokenmill.checkpoint.lock import RunLock, lock_run_folder
+from tokenmill.checkpoint.space import check_free_space
 from tokenmill.config.schema import RLConfig
 from tokenmill.controller.trainer import Trainer, build_trainer
 from tokenmill.data.build import build_datasets
@@ -113,6 +114,8 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
         dist.init_distributed()
     # one writer per folder, taken before the model loads (released by close, or by the kernel on any exit)
     lock = lock_run_folder(cfg.tracking.output_dir) if not sharded or dist.is_main() else None
+    if lock is not None:  # room for a checkpoint and the export (checkpoint.space), also before the model loads
+        check_free_space(cfg)
     device = resolve_device(cfg.model.device)
     amp = autocast_dtype(cfg.model, device)
     model, tokenizer = load_policy(cfg.model, device)
