@@ -26,9 +26,10 @@ def offline_logger(cfg: OfflineConfig, label: str) -> Iterator[MetricsLogger | N
     events.jsonl rows as an RL run, in its output_dir, with a line every tenth of it. The main rank holds the
     folder's lock meanwhile (`checkpoint.lock`): a second run writing there is refused."""
     lock = lock_run_folder(cfg.output_dir).adopt() if is_main() else None
-    logger = MetricsLogger(cfg.output_dir, cfg.steps, console="plain", log_every=max(1, cfg.steps // 10),
-                           run_config=cfg.model_dump(mode="json"), label=label) if is_main() else None
+    logger = None
     try:
+        logger = MetricsLogger(cfg.output_dir, cfg.steps, console="plain", log_every=max(1, cfg.steps // 10),
+                               run_config=cfg.model_dump(mode="json"), label=label) if is_main() else None
         yield logger
     finally:
         if logger is not None:

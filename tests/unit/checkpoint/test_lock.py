@@ -67,3 +67,18 @@ def test_two_real_train_processes_on_one_folder(tmp_path, tiny_model_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert (out / "final" / "config.json").is_file()
     assert (out / ".lock").read_text().startswith("pid ")  # the file stays; only the kernel's lock went
+
+
+def test_an_offline_run_takes_the_lock_and_gives_it_back(tmp_path, tiny_model_path):
+    """`tokenmill.sft` into a folder another run holds is refused naming it; once free, it trains and leaves the
+    folder free behind it."""
+    import tokenmill
+
+    tree = {"model": {"path": tiny_model_path}, "data": {"task": "addition", "num_train": 8}, "steps": 1,
+            "batch_size": 4, "output_dir": str(tmp_path / "sft")}
+    other = lock_run_folder(tmp_path / "sft").adopt()
+    with pytest.raises(RunFolderLocked, match=f"pid {os.getpid()} on "):
+        tokenmill.sft(tree)
+    other.release()
+    assert len(tokenmill.sft(tree)["losses"]) == 1
+    lock_run_folder(tmp_path / "sft").adopt().release()  # free again
