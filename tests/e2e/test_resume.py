@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -105,7 +106,7 @@ def test_resume_writes_the_final_export_a_killed_run_still_owed(tmp_path):
     assert again["resumed_from"] == 2 and again["eval_after"] == first["eval_after"]
     exported = load_file(str(out / "final" / "model.safetensors"))
     assert exported.keys() == weights.keys() and all(torch.equal(exported[k], weights[k]) for k in weights)
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no temporary export left
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".lock"]  # no temporary export left
     # with final/ in place a further resume has nothing left to do: no export, no evaluation
     third = tokenmill.train(cfg, rewards=[digit_share], checkpoint__resume=True)
     assert third["resumed_from"] == 2 and "eval_after" not in third and third["last_metrics"] == {}
@@ -164,9 +165,55 @@ def test_resume_reads_an_older_engine_key_and_refuses_a_checkpoint_of_another_ki
     ppo = dict(cfg, algorithm={**cfg["algorithm"], **PPO}, controller={**cfg["controller"], "max_steps_per_run": 0})
     path = tmp_path / "ppo.yaml"
     path.write_text(json.dumps(ppo))
-    assert main(["train", str(path), "--checkpoint.resume", "true"]) == 2
+    assert main(["train", str(path), "--checkpoint.resume", "true"]) == 2  # another advantage: refused as such
+    err = capsys.readouterr().err
+    assert f"checkpoint.resume: {folder} was written by a different run" in err
+    assert "algorithm.advantage: 'grpo' -> 'gae'" in err and "Traceback" not in err
+    # forced on (checkpoint.resume_anyway), the state still lacks the critic the PPO run needs
+    assert main(["train", str(path), "--checkpoint.resume", "true", "--checkpoint.resume_anyway", "true"]) == 2
     err = capsys.readouterr().err
     assert f"checkpoint.resume: {folder} lacks critic" in err and "Traceback" not in err
     cfg["controller"]["max_steps_per_run"] = 0
     again = tokenmill.train(cfg, rewards=[digit_share], checkpoint__resume=True)
     assert again["resumed_from"] == 2 and again["last_metrics"]
+
+
+def test_resume_refuses_another_model_group_size_or_advantage_and_records_safe_changes(tmp_path, capsys):
+    """What the checkpoint means (model, its shapes, group size, advantage) must match: refused before any weight
+    is loaded, with a message naming the fields (a model of another shape is not called damaged). The run's length
+    may change: said, and recorded as a `resume_changes` event."""
+    from tokenmill.checkpoint.fingerprint import ResumeMismatch
+    from tokenmill.cli import main
+
+    torch.set_num_threads(1)
+    model = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    same_shape = build_tiny_model(tmp_path / "m2", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                  seed=1)
+    wider = build_tiny_model(tmp_path / "m3", hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
+    out = tmp_path / "run"
+    cfg = _config(model, str(out), steps=2, max_steps_per_run=1)
+    tokenmill.train(cfg)  # step 1 saved
+    folder = out / "checkpoints" / "step_00000001"
+    cfg["controller"]["max_steps_per_run"] = 0
+    with pytest.raises(ResumeMismatch) as refused:
+        tokenmill.train(dict(cfg, model={"path": same_shape}, generation={"group_size": 2, "max_tokens": 4}),
+                        checkpoint__resume=True)
+    message = str(refused.value)
+    assert message.startswith(f"checkpoint.resume: {folder} was written by a different run")
+    assert "generation.group_size: 4 -> 2" in message and f"model.path: {os.path.realpath(model)!r} -> {os.path.realpath(same_shape)!r}" in message
+    assert "checkpoint.resume_anyway: true" in message
+    path = tmp_path / "wider.yaml"
+    path.write_text(json.dumps(dict(cfg, model={"path": wider})))
+    assert main(["train", str(path), "--checkpoint.resume", "true", "--checkpoint.resume_anyway", "true"]) == 2
+    err = capsys.readouterr().err
+    err = err[err.index("tokenmill: "):]
+    assert "model.parameters: '" in err and "cannot be loaded into this model" in err
+    assert "damaged" not in err and "Traceback" not in err
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000001"]  # nothing moved aside
+    # a longer run is a safe change: resumed, said and recorded
+    again = tokenmill.train(cfg, checkpoint__resume=True, controller__steps=3)
+    assert again["resumed_from"] == 1
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    changes = [e for e in events if e["event"] == "resume_changes"]
+    assert len(changes) == 1 and changes[0]["overridden"] == []
+    assert changes[0]["settings"] == ["controller.max_steps_per_run: 1 -> 0", "controller.steps: 2 -> 3"]

@@ -2,9 +2,10 @@
 
 A checkpoint is a folder `step_XXXXXXXX/` holding `model.safetensors` (weights), `trainer.pt`
 (optimiser, scheduler, RNG states, data position: loaded with `weights_only=True`, never arbitrary
-pickle) and `meta.json` (the step, and the size and SHA-256 of each other file). It is written under a
-temporary name, every file fsynced, then renamed into place; only after that are older checkpoints
-pruned. A folder without `meta.json` is never loaded.
+pickle) and `meta.json` (the step, the size and SHA-256 of each other file, and the run's fingerprint:
+`checkpoint.fingerprint`). It is written under a temporary name, every file fsynced, then renamed into place;
+only after that are older checkpoints pruned, each renamed aside (`.pruned-step_*`) before it is deleted, so a
+`step_*` folder is always complete or absent. A folder without `meta.json` is never loaded.
 
 Why checksums: a renamed folder is complete when it was written, but a disk, a copy or a hand edit can
 still damage it later, and safetensors loads a file whose last bytes were zeroed without complaint (the
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_model, save_model
 
+from tokenmill.checkpoint.space import disk_error, tensor_bytes
 from tokenmill.types import TokenmillError
 
 log = logging.getLogger("tokenmill.checkpoint")
@@ -82,14 +84,16 @@ def hold_point(name: str) -> None:
 def clean_stale(root: str | Path) -> list[str]:
     """Tidy what a killed writer left in `root`; return what was done, one line each.
 
-    `.tmp-step_*` folders of a writer that is gone are half-written: deleted. `.old-step_*` is the previous
+    `.tmp-step_*` folders of a writer that is gone are half-written, `.pruned-step_*` ones half-deleted: both
+    deleted. `.old-step_*` is the previous
     copy of a step being re-saved; if the writer died before the new copy took its place, it is the only
     copy, so it is renamed back rather than deleted."""
     root = Path(root)
     done: list[str] = []
     if not root.is_dir():
         return done
-    for leftover in sorted(root.glob(f".tmp-{PREFIX}*")) + sorted(root.glob(f".old-{PREFIX}*")):
+    leftovers = [sorted(root.glob(f".{kind}-{PREFIX}*")) for kind in ("tmp", "pruned", "old")]
+    for leftover in leftovers[0] + leftovers[1] + leftovers[2]:
         pid = leftover.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
             continue  # another live process is writing (should not happen: one run per folder)
@@ -115,8 +119,11 @@ def _alive(pid: int) -> bool:
 
 
 def save_checkpoint(
-    root: str | Path, step: int, model: torch.nn.Module, trainer_state: dict[str, Any], keep_last: int = 2
+    root: str | Path, step: int, model: torch.nn.Module, trainer_state: dict[str, Any], keep_last: int = 2,
+    fingerprint: dict[str, Any] | None = None,
 ) -> Path:
+    """Write step `step`'s checkpoint under `root` (atomically), then prune older ones to `keep_last`.
+    `fingerprint`: what the checkpoint means (`checkpoint.fingerprint.run_fingerprint`), kept in meta.json."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     clean_stale(root)
@@ -133,12 +140,17 @@ def save_checkpoint(
             _fsync_path(tmp / name)
             files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": file_sha256(tmp / name)}
         meta = {"step": step, "format": FORMAT, "files": files}
+        if fingerprint is not None:
+            meta["fingerprint"] = fingerprint
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         _fsync_path(tmp / "meta.json")
         _fsync_path(tmp)
         hold_point(f"checkpoint-rename@{step}")  # complete, not renamed into place
-    except BaseException:  # disk full, interrupted: leave no half-written folder behind (older ones stay)
+    except BaseException as exc:  # disk full, interrupted: leave no half-written folder behind (older ones stay)
         shutil.rmtree(tmp, ignore_errors=True)
+        full = disk_error(exc, root, f"checkpoint {final.name}", tensor_bytes(model) + tensor_bytes(trainer_state))
+        if full is not None:  # one line naming the folder and the space, not a torch traceback
+            raise full from None
         raise
     if final.exists():  # re-saving the same step: move the old one aside first, never delete it first
         old = root / f".old-{final.name}-{os.getpid()}"
@@ -151,7 +163,11 @@ def save_checkpoint(
     # prune only older steps: a newer folder is one a resume fell back from, never worth more than this one
     older = [p for p in list_checkpoints(root) if _step_of(p) < step]
     for stale in older[: max(0, len(older) - (keep_last - 1))]:
-        shutil.rmtree(stale, ignore_errors=True)
+        # renamed aside first: a kill mid-delete leaves a `.pruned-` folder (tidied later), never a `step_*` one
+        # without its weights
+        aside = root / f".pruned-{stale.name}-{os.getpid()}"
+        stale.rename(aside)
+        shutil.rmtree(aside, ignore_errors=True)
     return final
 
 
@@ -215,14 +231,17 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module) -> tuple[int, dict
 
 
 def load_latest(
-    root: str | Path, model: torch.nn.Module, warn: Callable[[str], None] | None = None
+    root: str | Path, model: torch.nn.Module, warn: Callable[[str], None] | None = None,
+    check: Callable[[Path, dict[str, Any] | None], None] | None = None,
 ) -> tuple[Path, int, dict[str, Any]] | None:
     """Load the newest checkpoint under `root` that verifies and loads; None when there is none at all.
 
     Each bad newer one is reported through `warn` (default: the `tokenmill.checkpoint` logger), naming it
     and what is wrong, and once a good one has loaded it is moved aside to `.corrupt-<name>`, so later
     saves and resumes do not trip on it again. CheckpointError when checkpoints exist but not one of them
-    is usable (then nothing is moved: a rerun reports the same)."""
+    is usable (then nothing is moved: a rerun reports the same). `check` is called with a checkpoint that
+    verifies and its recorded fingerprint (None if it has none) before its weights are loaded: it raises to
+    refuse it (`checkpoint.fingerprint.resume_check`: a run of another model, algorithm or data)."""
     warn = warn or log.warning
     root = Path(root)
     for line in clean_stale(root):
@@ -233,6 +252,8 @@ def load_latest(
     bad: list[tuple[Path, str]] = []
     for path in reversed(found):
         problem = verify_checkpoint(path)
+        if problem is None and check is not None:
+            check(path, json.loads((path / "meta.json").read_text()).get("fingerprint"))
         if problem is None:
             try:
                 step, state = load_checkpoint(path, model)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from tokenmill.checkpoint.atomic import hold_point
+from tokenmill.checkpoint.space import disk_error, tensor_bytes
 
 
 def export_model(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
@@ -38,8 +39,11 @@ def export_atomic(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
             if file.is_file():
                 with open(file, "rb") as f:
                     os.fsync(f.fileno())
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        full = disk_error(exc, path.parent, f"the export {path.name}/", tensor_bytes(model))
+        if full is not None:
+            raise full from None
         raise
     hold_point("export-rename")  # written in full, not renamed into place
     old = path.with_name(f".old-{path.name}-{os.getpid()}")

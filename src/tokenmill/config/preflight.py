@@ -4,7 +4,9 @@
 anything heavy starts, so that a missing file, a dataset without the column a reward needs or a device the
 machine lacks is one line naming the field, not a traceback minutes later. Nothing here imports torch,
 transformers or datasets, except torch when the config names an accelerator (to ask whether it exists) or
-pushes a tied model's weights into vLLM on this machine (to ask whether that vLLM runs on the CPU).
+pushes a tied model's weights into vLLM on this machine (to ask whether that vLLM runs on the CPU), and
+torch and transformers when `model.lora.target_modules` lists modules: the model is then built on the meta
+device from its config.json (no weights read, no memory taken) to learn its module names.
 """
 
 from __future__ import annotations
@@ -62,6 +64,45 @@ def model_folder_problem(path: str, field: str, what: str = "model") -> str | No
     markers = ("tokenizer_config.json", "tokenizer.json", "config.json") if what == "tokenizer" else ("config.json",)
     if not any((p / m).is_file() for m in markers):
         return f"{field}: {_q(path)} has no {' or '.join(markers)}, so it is not a Hugging Face {what} folder"
+    return None
+
+
+def module_names(path: str) -> dict[str, str] | None:
+    """{module name: its class name} of the causal LM in the local folder `path`, built on the meta device
+    from its config.json (no weights read); None when transformers cannot build it from the config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    except Exception:  # noqa: BLE001 - an architecture this transformers cannot build: train will say
+        return None
+    return {name: type(module).__name__ for name, module in model.named_modules() if name}
+
+
+def lora_target_problem(model: ModelConfig, notes: list[str]) -> str | None:
+    """`model.lora.target_modules` against the model's module names, as peft matches them (a name, or its
+    dotted suffix): a problem when none matches (train would refuse after loading the model), a note naming
+    those that match nothing beside others that do. Checked for local model folders only."""
+    targets = model.lora.target_modules
+    if not model.lora.rank or targets == "all-linear" or model_folder_problem(model.path, "model.path"):
+        return None
+    if _kind(model.path) != "dir":
+        return None  # a hub id: not looked up
+    names = module_names(model.path)
+    if names is None:
+        notes.append(f"model.lora.target_modules: not checked (transformers cannot build {_q(model.path)} "
+                     "from its config)")
+        return None
+    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if unmatched and len(unmatched) == len(targets):
+        linear = sorted({n.rsplit(".", 1)[-1] for n, kind in names.items() if kind == "Linear"})
+        return (f"model.lora.target_modules: {unmatched} name no module of the model at {_q(model.path)}; its "
+                f"linear layers are {linear} (or use 'all-linear')")
+    if unmatched:
+        notes.append(f"model.lora.target_modules: {unmatched} name no module of the model; only the others are "
+                     "adapted")
     return None
 
 
@@ -336,6 +377,8 @@ def check_run(cfg: RLConfig, rewards: list[Any] | None = None, dataset: Any = No
     if problem := _env_problem(cfg):
         problems.append(problem)
     if problem := vllm_head_problem(cfg, notes):
+        problems.append(problem)
+    if problem := lora_target_problem(cfg.model, notes):
         problems.append(problem)
     functions = _reward_functions(cfg, list(rewards or []), problems)
     columns: list[str] | None = None

@@ -429,6 +429,9 @@ class CheckpointConfig(Section):
     every: int = Field(0, ge=0, description="Save a checkpoint every N steps (0 = only at the end).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are removed after a save.")
     resume: bool = Field(False, description="Continue from the newest complete checkpoint in output_dir.")
+    resume_anyway: bool = Field(
+        False, description="Resume even from a checkpoint of a run with another model, algorithm, data, group "
+        "size or LoRA (refused by default); the differences are recorded as an event.")
     save_final: bool = Field(True, description="Save a checkpoint and an HF export at the end.")
 
 

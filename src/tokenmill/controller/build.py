@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import yaml
 
+from tokenmill.checkpoint.lock import RunLock, lock_run_folder
+from tokenmill.checkpoint.space import check_free_space
 from tokenmill.config.schema import RLConfig
 from tokenmill.controller.trainer import Trainer, build_trainer
 from tokenmill.data.build import build_datasets
@@ -70,6 +72,7 @@ class Run:
     output_dir: Path
     engine_fleet: Any = None  # engine.placement process on Ray: the replicas (controller.ray.engines.EngineFleet)
     monitors: tuple[Any, ...] = ()  # health checks beside cfg.health's (hooks: tokenmill.health.monitors)
+    lock: RunLock | None = None  # the run folder's (checkpoint.lock); the main rank's only
 
     def __getattr__(self, name: str) -> Any:
         side = _MOVED.get(name)
@@ -88,6 +91,8 @@ class Run:
         self.logger.close()
         if self.trainer.teacher is not None:
             self.trainer.teacher.close()
+        if self.lock is not None:
+            self.lock.release()
 
 
 def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, dataset=None, *,
@@ -107,6 +112,10 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
         from tokenmill.training import dist
 
         dist.init_distributed()
+    # one writer per folder, taken before the model loads (released by close, or by the kernel on any exit)
+    lock = lock_run_folder(cfg.tracking.output_dir) if not sharded or dist.is_main() else None
+    if lock is not None:  # room for a checkpoint and the export (checkpoint.space), also before the model loads
+        check_free_space(cfg)
     device = resolve_device(cfg.model.device)
     amp = autocast_dtype(cfg.model, device)
     model, tokenizer = load_policy(cfg.model, device)
@@ -141,7 +150,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
         )
     source = PromptSource(train_rows, seed=cfg.training.seed, shuffle=cfg.data.shuffle)
     side = RolloutSide(engine, actor, agent or generator, source, reward_set)
-    run = Run(cfg, trainer, side, tokenizer, eval_rows, logger, out)
+    run = Run(cfg, trainer, side, tokenizer, eval_rows, logger, out, lock=lock and lock.adopt())
     # the setup's objects (modules, model, datasets: hundreds of thousands) leave the garbage collector's sight
     # until `close`: a full collection in the loop would otherwise scan them all (200 ms on the quickstart)
     gc.freeze()

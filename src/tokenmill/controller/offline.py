@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from tokenmill.checkpoint.lock import lock_run_folder
 from tokenmill.config.offline import OfflineConfig, PreferenceConfig, SFTConfig
 from tokenmill.config.preflight import check_model_and_data
 from tokenmill.data.formats import pair_problem, sft_columns
@@ -22,14 +23,19 @@ from tokenmill.types import ConfigError
 @contextlib.contextmanager
 def offline_logger(cfg: OfflineConfig, label: str) -> Iterator[MetricsLogger | None]:
     """The run logger of an offline run (the main rank's; None on the others): the same metrics.jsonl and
-    events.jsonl rows as an RL run, in its output_dir, with a line every tenth of it."""
-    logger = MetricsLogger(cfg.output_dir, cfg.steps, console="plain", log_every=max(1, cfg.steps // 10),
-                           run_config=cfg.model_dump(mode="json"), label=label) if is_main() else None
+    events.jsonl rows as an RL run, in its output_dir, with a line every tenth of it. The main rank holds the
+    folder's lock meanwhile (`checkpoint.lock`): a second run writing there is refused."""
+    lock = lock_run_folder(cfg.output_dir).adopt() if is_main() else None
+    logger = None
     try:
+        logger = MetricsLogger(cfg.output_dir, cfg.steps, console="plain", log_every=max(1, cfg.steps // 10),
+                               run_config=cfg.model_dump(mode="json"), label=label) if is_main() else None
         yield logger
     finally:
         if logger is not None:
             logger.close()
+        if lock is not None:
+            lock.release()
 
 
 def sft_rows(cfg: SFTConfig):

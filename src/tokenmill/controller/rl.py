@@ -11,6 +11,7 @@ from tokenmill.algorithms.advantages import assign_advantages
 from tokenmill.algorithms.shaping import has_spread, shape_overlong
 from tokenmill.checkpoint.atomic import load_latest, rng_state, save_checkpoint, set_rng_state
 from tokenmill.checkpoint.export import export_atomic
+from tokenmill.checkpoint.fingerprint import resume_check, run_fingerprint
 from tokenmill.config.schema import RLConfig
 from tokenmill.controller.build import RolloutSide, Run
 from tokenmill.controller.evaluate import evaluate, evaluate_agent, rollout_metrics, sample_records
@@ -217,7 +218,7 @@ def save(run: Run, step: int, feed: Feed) -> None:
         state["critic"] = trainer.critic.state_dict()
     if is_main():  # one writer of the folder (with fsdp2 every rank wrote its shards in state_dict above)
         save_checkpoint(run.output_dir / "checkpoints", step, trainer.model, state,
-                        keep_last=run.cfg.checkpoint.keep_last)
+                        keep_last=run.cfg.checkpoint.keep_last, fingerprint=run_fingerprint(run.cfg, trainer.model))
     barrier()
 
 
@@ -227,7 +228,10 @@ def resume(run: Run) -> tuple[int, dict]:
     # a damaged checkpoint is reported even with tracking.console none (then as a logging warning)
     trainer, side = run.trainer, run.rollout
     warn = run.logger.message if run.cfg.tracking.console != "none" else None
-    found = load_latest(run.output_dir / "checkpoints", trainer.model, warn=warn)
+    # what the checkpoint means (model, algorithm, data, group size) must match this run's: checked before loading
+    check = resume_check(run_fingerprint(run.cfg, trainer.model), anyway=run.cfg.checkpoint.resume_anyway,
+                         say=run.logger.message)
+    found = load_latest(run.output_dir / "checkpoints", trainer.model, warn=warn, check=check)
     if found is None:
         run.logger.message("resume: no complete checkpoint found, starting from scratch")
         return 0, {}

@@ -11,7 +11,8 @@ returns. The protocol mirrors `Environment` one to one:
     DELETE /episodes/{id}           -> {"episode_id": id, "closed": true}
 
 Every error is JSON in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}` (the one shape of
-tokenmill's servers): 400 a bad body (`param` names the field), 404 unknown episode, 409 a step already
+tokenmill's servers): 400 a bad body (`param` names the field; also a task lacking a field that reset() reads,
+a KeyError naming a key the task does not have: `param` is `task.<key>`), 404 unknown episode, 409 a step already
 running in that episode, 413 a body over `max_body_bytes`, 429 too many live episodes, 500 the environment
 raised (the episode is closed and forgotten), 504 it ran past `step_timeout_s` (likewise), 401 bad or
 missing token, 400 a `Host` header we do not serve (DNS rebinding: a web page must not be able to drive a
@@ -106,6 +107,13 @@ async def _invoke(fn: Callable[..., T | Awaitable[T]], *args: Any) -> T:
     if inspect.isawaitable(result):
         return await result
     return result  # type: ignore[return-value]
+
+
+def _missing_field(exc: BaseException, task: dict[str, Any]) -> str | None:
+    """The key a reset()'s KeyError names when the client's task does not have it (a bad request), else None."""
+    if isinstance(exc, KeyError) and len(exc.args) == 1 and isinstance(exc.args[0], str) and exc.args[0] not in task:
+        return exc.args[0]
+    return None
 
 
 def _describe(exc: BaseException) -> str:
@@ -292,8 +300,13 @@ async def _open(episodes: _Episodes, factory: EnvFactory, task: dict[str, Any], 
         episodes.dispose_later(made[0] if made else None, episode_id)
         return _error(504, f"reset timed out after {timeout_s:g}s")
     except Exception as exc:  # the environment's failure is the client's answer
-        log.warning("episode %s: reset failed: %s", episode_id, _describe(exc), exc_info=True)
         await episodes.dispose(made[0] if made else None, episode_id)
+        missing = _missing_field(exc, task) if made else None  # made: the factory ran, reset raised
+        if missing is not None:  # the client's mistake: a 400 naming the field, no traceback in the log
+            log.info("episode %s: the task lacks %r", episode_id, missing)
+            return serving.openai_error(400, f"task.{missing}: missing; this environment's reset() reads it (the "
+                                        f"task has {sorted(task) or 'no fields'})", param=f"task.{missing}")
+        log.warning("episode %s: reset failed: %s", episode_id, _describe(exc), exc_info=True)
         return _error(500, _describe(exc))
     finally:
         episodes.opening -= 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import random
 
@@ -291,3 +292,30 @@ def test_pruning_keeps_the_new_checkpoint_beside_a_newer_bad_one(tmp_path):
     # count as "the last one kept" and get the fresh step 2 deleted
     save_checkpoint(tmp_path, 2, Small(5), {}, keep_last=1)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
+
+
+def test_a_kill_mid_prune_leaves_no_half_deleted_step_folder(tmp_path, monkeypatch):
+    """Pruning renames a checkpoint aside before deleting it: a writer killed after deleting the old weights (its
+    meta.json still there) leaves a `.pruned-` folder, which the next save tidies, never a `step_*` one."""
+    import shutil
+
+    from tokenmill.checkpoint import atomic, clean_stale
+
+    save_checkpoint(tmp_path, 1, Small(1), {}, keep_last=1)
+    real = shutil.rmtree
+
+    def killed_mid_delete(path, *args, **kwargs):
+        if (path / "meta.json").is_file():  # a complete checkpoint being pruned: the weights go first, then death
+            (path / "model.safetensors").unlink()
+            raise KeyboardInterrupt
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(atomic.shutil, "rmtree", killed_mid_delete)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 2, Small(2), {}, keep_last=1)
+    monkeypatch.setattr(atomic.shutil, "rmtree", real)
+    steps = [p for p in tmp_path.iterdir() if p.name.startswith("step_")]
+    assert [p.name for p in steps] == ["step_00000002"] and all(verify_checkpoint(p) is None for p in steps)
+    assert clean_stale(tmp_path) == [(f"removed .pruned-step_00000001-{os.getpid()} "
+                                     "(left by an interrupted save)")]
+    assert _names(tmp_path) == ["step_00000002"]

@@ -361,3 +361,30 @@ def test_untied_lora_or_remote_vllm_servers_pass(tmp_path, capsys):
     lora = yaml.safe_load(Path(_vllm_cfg(tmp_path / "c", tied=True)).read_text())
     lora["model"]["lora"] = {"rank": 4}  # adapters alone reach vLLM: the head is not reloaded
     assert run_cli(["validate", write(tmp_path / "c", lora, "lora.yaml")], capsys)[0] == 0
+
+
+# --------------------------------------------------------------------------------------- issue 39.7
+
+
+def test_lora_targets_the_model_lacks_are_refused_by_validate_loading_no_weights(tmp_path, capsys, tiny_model_path):
+    """The modules are read from a meta-device build of the model's config: the weights file is not even opened
+    (it is moved away here), yet a target the Llama lacks is one line naming its linear layers."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "tokenizer_config.json", "tokenizer.json"):
+        if (Path(tiny_model_path) / name).is_file():
+            (model / name).write_bytes((Path(tiny_model_path) / name).read_bytes())
+    tree = {"model": {"path": str(model), "lora": {"rank": 4, "target_modules": ["c_attn", "query_key_value"]}},
+            "data": {"task": "addition"}}
+    code, out, err = run_cli(["validate", write(tmp_path, tree)], capsys)
+    assert code == 2 and out == ""
+    line = err.splitlines()[1]
+    assert line.startswith("model.lora.target_modules: ['c_attn', 'query_key_value'] name no module of the model at ")
+    assert "'q_proj'" in line and "'down_proj'" in line and "'lm_head'" in line
+    # one target of two that exists: valid, with a note; the model's own names: valid, no note
+    tree["model"]["lora"]["target_modules"] = ["q_proj", "c_attn"]
+    code, out, _ = run_cli(["validate", write(tmp_path, tree)], capsys)
+    assert code == 0 and "note: model.lora.target_modules: ['c_attn'] name no module of the model" in out
+    tree["model"]["lora"]["target_modules"] = ["q_proj", "v_proj"]
+    code, out, _ = run_cli(["validate", write(tmp_path, tree)], capsys)
+    assert code == 0 and "note:" not in out

@@ -365,3 +365,24 @@ def test_client_argument_checks():
     assert isinstance(env, RemoteEnvironment) and env.url == "http://127.0.0.1:1" and env.token == "t"
     with pytest.raises(RuntimeError, match="before reset"):
         run(env.step({"role": "assistant", "content": "1"}))
+
+
+def test_a_task_lacking_a_field_reset_reads_is_a_400_naming_it(caplog):
+    """`guess_number`'s reset reads task["high"]: a client task without it is the client's mistake (400, `param`
+    task.high), not a server failure (500 with a traceback in the log); the server keeps serving."""
+    from tokenmill.envs.guess import GuessNumberEnv
+
+    srv, _ = start_in_thread(create_app(GuessNumberEnv))
+    try:
+        with httpx.Client(base_url=srv.url) as client:
+            r = client.post("/episodes", json={"task": {"prompt": "1-20", "secret": 7}})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "task.high" and error["type"] == "invalid_request_error"
+            assert error["message"].startswith("task.high: missing; ") and "['prompt', 'secret']" in error["message"]
+            assert client.get("/health").json()["episodes"] == 0
+            ok = client.post("/episodes", json={"task": {"secret": 7, "high": 20}})
+            assert ok.status_code == 200 and ok.json()["observation"][-1]["content"] == "1-20"
+    finally:
+        srv.stop()
+    assert not any(r.exc_info for r in caplog.records if r.name == "tokenmill.envs.server")
