@@ -408,3 +408,16 @@ def test_unit_tests_mirror_the_source_tree():
     stray = [p.name for p in unit.glob("test_*.py")
              if not any(p.stem == f"test_{m}" or p.stem.startswith(f"test_{m}_") for m in modules)]
     assert stray == [], f"move these into tests/unit/<package>/: {stray}"
+
+
+def test_test_files_have_unique_names():
+    """pytest imports test files by their base name (the test folders are not packages): two files of one name
+    stop the whole collection."""
+    tests = Path(__file__).resolve().parent
+    seen: dict[str, Path] = {}
+    twins = []
+    for path in sorted(tests.rglob("test_*.py")):
+        if path.name in seen:
+            twins.append(f"{seen[path.name].relative_to(tests)} and {path.relative_to(tests)}")
+        seen.setdefault(path.name, path)
+    assert not twins, "test files sharing a name: " + "; ".join(twins)
