@@ -20,7 +20,7 @@ minute for a 28-layer model, which `compile_seconds` reports; inductor keeps its
 cache for the next run. Where compiling fails the step runs uncompiled and `compile_off` says why.
 
 Same numbers as the eager step, up to the attention's summation order over the masked columns
-(tests/unit/engines/test_cuda_graphs.py checks the recorded step's arithmetic on the CPU, compiled and
+(tests/unit/engines/local/test_cuda_graphs.py checks the recorded step's arithmetic on the CPU, compiled and
 not; the GPU test and `benchmarks/gpu_table.py` check tokens on a GPU).
 """
 

@@ -9,7 +9,7 @@ rotary tables read from a table computed once, the key/value states written into
 (`StaticKV`), the attention run on the key/value heads (grouped queries packed, no repeat), the head applied
 to the one new position only.
 
-Same tokens and logprobs as the transformers forward (tests/unit/engines/test_fast_decode.py: 1e-5 in
+Same tokens and logprobs as the transformers forward (tests/unit/engines/local/test_fast_decode.py: 1e-5 in
 fp32). Models it does not know (`fast_decode_blocker` names the reason) decode through transformers.
 
     >>> fast = FastDecoder(model)                                   # doctest: +SKIP
