@@ -78,8 +78,11 @@ def test_training_on_ray_with_the_driver_engine_equals_one_process(ray_cluster, 
     assert result["restarts"] == 0
     got = _final(tmp_path / "ray")
     assert sorted(got) == sorted(want)
+    # two ranks sum each gradient in another order than one process, and AdamW divides by the root of the second
+    # moment, so a near-zero gradient entry amplifies the rounding: 1.15e-5 seen on an AVX-512 host after 4 steps
+    # (training moves the weights by over 1e-4, the last assert)
     for name, tensor in want.items():
-        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=5e-5, msg=name)
     start = load_file(str(next(iter(Path(model).glob("*.safetensors")))))
     assert max((want[n] - start[n]).abs().max().item() for n in want if n in start) > 1e-4  # it trained
 
