@@ -21,6 +21,7 @@ from tokenmill.client import TrainerService
 from tokenmill.client.server import OPS, create_app
 from tokenmill.serving import start_in_thread
 from tokenmill.testing import build_tiny_model
+from tokenmill.testing.http import check_error_shape as check
 
 FUZZ = settings(max_examples=100, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -42,17 +43,6 @@ def server(tmp_path_factory):
         saved = http.post("/v1/save_weights_for_sampler", json={"cid": cid, "name": "w"}).json()["path"]
         yield http, service, {"cid": cid, "sid": sid, "saved": saved, "data": data}
     srv.stop()
-
-
-def check(answer: httpx.Response) -> None:
-    """A success, or a 4xx whose body is OpenAI's error object."""
-    assert answer.status_code < 500, (answer.status_code, answer.text[:300])
-    body = answer.json()
-    if answer.status_code >= 400:
-        error = body["error"]
-        assert set(error) == {"message", "type", "param", "code"}, body
-        assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
-        assert error["param"] is None or isinstance(error["param"], str)
 
 
 def dump(value: Any) -> bytes:

@@ -21,6 +21,7 @@ from tokenmill.engines.server.app import create_app as engine_app
 from tokenmill.envs.base import StepResult
 from tokenmill.envs.server import create_app as env_app
 from tokenmill.serving import start_in_thread
+from tokenmill.testing.http import check_error_shape as check
 
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -57,17 +58,6 @@ def env():
 @pytest.fixture(scope="module")
 def episode(env) -> str:
     return env.post("/episodes", json={"task": {}}).json()["episode_id"]
-
-
-def check(answer: httpx.Response) -> None:
-    """A success, or a 4xx whose body is OpenAI's error object."""
-    assert answer.status_code < 500, (answer.status_code, answer.text[:300])
-    body = answer.json()
-    if answer.status_code >= 400:
-        error = body["error"]
-        assert set(error) == {"message", "type", "param", "code"}, body
-        assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
-        assert error["param"] is None or isinstance(error["param"], str)
 
 
 def post(client: httpx.Client, route: str, raw: bytes, content_type: str = "application/json") -> httpx.Response:
