@@ -124,9 +124,7 @@ class Alarms:
 
     def _announce(self, fired: Fired) -> None:
         self.fired.append(fired)
-        events.emit("alarm", **asdict(fired))
-        if fired.policy != "stop":  # a stop is raised with this message: saying it too would print it twice
-            self.say(f"alarm ({fired.policy}) {fired.name}: {fired.message}")
+        announce(fired, self.say)
 
     def _fired(self, name: str, metric: str, value: float, threshold: float, message: str, step: int) -> Fired:
         policy = getattr(self.cfg, name).policy if name != "non_finite" else "stop"
@@ -281,6 +279,14 @@ class Alarms:
             f"{before:.3g} over the {cfg.window} before (a rise above {cfg.threshold:g} expected); the run may "
             "have converged; otherwise try another training.learning_rate or check that the reward can rise"),
             step)]
+
+
+def announce(fired: Fired, say: Callable[[str], None]) -> None:
+    """An alarm's `alarm` row in events.jsonl and, for a warning, its console line: a stop is raised with this
+    message (`AlarmStop`), and saying it too would print it twice."""
+    events.emit("alarm", **asdict(fired))
+    if fired.policy != "stop":
+        say(f"alarm ({fired.policy}) {fired.name}: {fired.message}")
 
 
 class SkippedUpdates:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,8 +27,7 @@ from tokenmill.config.health import SkippedUpdateAlarm
 from tokenmill.config.load import load_config
 from tokenmill.config.offline import OfflineConfig
 from tokenmill.config.schema import OptimConfig
-from tokenmill.health.alarms import AlarmStop, SkippedUpdates
-from tokenmill.tracking import events
+from tokenmill.health.alarms import AlarmStop, SkippedUpdates, announce
 from tokenmill.tracking.logger import MetricsLogger, offline_row
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.dist import is_main
@@ -91,10 +89,9 @@ def run_offline(
         losses.append(loss)
         skipped = skips.check(step, metrics)  # a NaN or inf gradient was not applied: say so, stop after N
         if skipped is not None:
-            events.emit("alarm", **asdict(skipped))
+            announce(skipped, say=lambda line: print(line, flush=True))
             if skipped.policy == "stop":
                 raise AlarmStop(skipped)
-            print(f"alarm (warn) skipped_update: {skipped.message}", flush=True)
         if logger is not None:
             logger.log(step, offline_row(metrics, timer))
         elif log_every and step % log_every == 0 and is_main():
