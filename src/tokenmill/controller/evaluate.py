@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 from tokenmill.envs.metrics import episode_metrics, succeeded
-from tokenmill.rollout.agent import build_agent
+from tokenmill.rollout.agent import AgentLoop, build_agent
 from tokenmill.rollout.generator import Generator, build_generator
 from tokenmill.types import Group, Sample, StopReason, TokenmillError
 
@@ -118,17 +118,26 @@ def evaluate_agent(agent, rows, max_rows: int) -> dict[str, float]:
     return out
 
 
+def evaluate_player(player: Generator | AgentLoop, rows, cfg) -> dict[str, float]:
+    """A run's held-out evaluation with its evaluator (`RolloutSide.evaluator`): episodes through the agent loop
+    (`evaluate_agent`), or greedy samples of the generator scored by its rewards (`evaluate`); accuracy is the
+    built-in task's verifier where there is one."""
+    if isinstance(player, AgentLoop):
+        return evaluate_agent(player, rows, cfg.controller.eval_max_rows)
+    return evaluate(player, rows, cfg.controller.eval_max_rows, accuracy_reward=cfg.data.task)
+
+
 def evaluate_config(cfg, engine, tokenizer, rewards, rows) -> dict[str, float]:
     """The held-out evaluation a run of `cfg` does on `rows` (`tokenmill eval`): episodes of `cfg.env` through
-    the agent loop where it has one (`evaluate_agent`), else greedy samples scored by `rewards` (`evaluate`).
-    Raises `TokenmillError` with the reason when a number comes out NaN (nothing was scored)."""
+    the agent loop where it has one, else greedy samples scored by `rewards` (`evaluate_player`). Raises
+    `TokenmillError` with the reason when a number comes out NaN (nothing was scored)."""
     if cfg.env is not None:
-        result = evaluate_agent(build_agent(cfg, engine, tokenizer), rows, cfg.controller.eval_max_rows)
+        player: Generator | AgentLoop = build_agent(cfg, engine, tokenizer)
         why = "every episode failed (the environment raised, timed out or the engine failed)"
     else:
-        generator = build_generator(cfg, engine, tokenizer, rewards)
-        result = evaluate(generator, rows, cfg.controller.eval_max_rows, accuracy_reward=cfg.data.task)
+        player = build_generator(cfg, engine, tokenizer, rewards)
         why = "no sample got a reward (each reward failed or returned NaN on every row)"
+    result = evaluate_player(player, rows, cfg)
     nan = [k for k, v in result.items() if isinstance(v, float) and math.isnan(v)]
     if nan:
         raise TokenmillError(f"eval: {', '.join(nan)} is NaN on {result['eval/rows']} rows: {why}")

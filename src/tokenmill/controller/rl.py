@@ -14,11 +14,10 @@ from tokenmill.checkpoint.export import export_atomic
 from tokenmill.checkpoint.fingerprint import resume_check, run_fingerprint
 from tokenmill.config.schema import RLConfig
 from tokenmill.controller.build import RolloutSide, Run
-from tokenmill.controller.evaluate import evaluate, evaluate_agent, rollout_metrics, sample_records
+from tokenmill.controller.evaluate import evaluate_player, rollout_metrics, sample_records
 from tokenmill.controller.feeds import Feed, rollout_feed
 from tokenmill.health.monitors import health_monitors
 from tokenmill.health.report import efficiency_metrics
-from tokenmill.rollout.agent import AgentLoop
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.critic import gae_advantages
 from tokenmill.training.dist import barrier, is_main
@@ -104,11 +103,8 @@ def announce(run: Run) -> None:
 
 
 def held_out(run: Run) -> dict[str, float]:
-    """Greedy evaluation on the held-out rows; accuracy is the built-in task's verifier where there is one."""
-    cfg, player = run.cfg, run.rollout.evaluator
-    if isinstance(player, AgentLoop):  # episodes against the environment, greedy and sampled
-        return evaluate_agent(player, run.eval_rows, cfg.controller.eval_max_rows)
-    return evaluate(player, run.eval_rows, cfg.controller.eval_max_rows, accuracy_reward=cfg.data.task)
+    """Greedy evaluation on the held-out rows with the rollout side's evaluator (`evaluate.evaluate_player`)."""
+    return evaluate_player(run.rollout.evaluator, run.eval_rows, run.cfg)
 
 
 def advantages(run: Run, groups: list[Group]) -> tuple[list[Group], list[Sample], dict[str, float]]:
