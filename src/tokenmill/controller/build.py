@@ -20,7 +20,7 @@ import yaml
 from tokenmill.checkpoint.lock import RunLock, lock_run_folder
 from tokenmill.checkpoint.space import check_free_space
 from tokenmill.config.schema import RLConfig
-from tokenmill.controller.trainer import Trainer, build_trainer
+from tokenmill.controller.trainer import Trainer, build_trainer, trainer_kind
 from tokenmill.data.build import build_datasets
 from tokenmill.data.prompts import PromptSource
 from tokenmill.engines.base import InferenceEngine
@@ -107,7 +107,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     random.seed(cfg.training.seed)
     train_rows, eval_rows, task_reward = build_datasets(cfg, dataset)
     reward_set = build_rewards(cfg, rewards, task_reward)
-    sharded = cfg.training.backend == "fsdp2"
+    sharded = trainer_kind(cfg) == "fsdp2"  # this process is one torchrun rank
     if sharded:  # join the torchrun group first: with CUDA that picks this rank's GPU
         from tokenmill.training import dist
 
