@@ -216,7 +216,7 @@ def cmd_env_serve(args: argparse.Namespace) -> int:
     try:
         serve(args.env, host=args.host, port=args.port, token=token, allow_remote=args.allow_remote, kwargs=kwargs,
               max_episodes=args.max_episodes, step_timeout_s=args.step_timeout_s,
-              max_body_bytes=int(args.max_body_mb * 2**20))
+              max_body_bytes=int(args.max_body_mb * 2**20), limits=_limits(args))
     except ValueError as exc:  # a bad spec or an unsafe exposure: one line, no traceback
         raise ConfigError(f"env serve: {exc}") from None
     return 0
@@ -236,7 +236,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve(args.model_dir, host=args.host, port=args.port, token=token, allow_remote=args.allow_remote,
               served_model_name=args.served_model_name, dtype=args.dtype, max_batch=args.max_batch,
               max_batch_tokens=args.max_batch_tokens, seed=args.seed, device=args.device,
-              max_body_bytes=int(args.max_body_mb * 2**20))
+              max_body_bytes=int(args.max_body_mb * 2**20), limits=_limits(args))
     except ValueError as exc:  # an unsafe exposure, a bad folder or flag: one line, no traceback
         print(f"tokenmill serve: {exc}", file=sys.stderr)
         return 2
@@ -250,7 +250,7 @@ def cmd_serve_trainer(args: argparse.Namespace) -> int:
     token = args.token if args.token is not None else os.environ.get("TOKENMILL_TRAINER_TOKEN") or None
     try:
         serve(args.model_dir, host=args.host, port=args.port, token=token, allow_remote=args.allow_remote,
-              root=args.root, device=args.device)
+              root=args.root, device=args.device, limits=_limits(args))
     except ValueError as exc:  # an unsafe exposure or a bad folder: one line, no traceback
         print(f"tokenmill serve-trainer: {exc}", file=sys.stderr)
         return 2
@@ -265,7 +265,7 @@ def cmd_composer(args: argparse.Namespace) -> int:
         return 2
     try:
         serve(args.host, args.port, token=args.token or os.environ.get("TOKENMILL_COMPOSER_TOKEN") or None,
-              allow_remote=args.allow_remote, runs_dir=args.runs_dir, max_runs=args.max_runs)
+              allow_remote=args.allow_remote, runs_dir=args.runs_dir, max_runs=args.max_runs, limits=_limits(args))
     except ExposureError as exc:  # one line, exit 2, nothing bound
         print(f"tokenmill composer: {exc}", file=sys.stderr)
         return 2
@@ -284,6 +284,36 @@ def _server_args(parser: argparse.ArgumentParser, *, port: int, token_env: str) 
     parser.add_argument("--port", type=int, default=port, help="0 picks a free port (printed when ready)")
     parser.add_argument("--token", default=None, help=f"bearer token (default: ${token_env})")
     parser.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host (needs a token)")
+    _limit_args(parser)
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a {kind.__name__}: {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+def _limit_args(parser: argparse.ArgumentParser) -> None:
+    """The connection limits every server takes (tokenmill.serving_limits)."""
+    parser.add_argument("--read-timeout-s", type=_positive(float), default=30.0,
+                        help="seconds a client may take to send a request's head (and to pause in its body); "
+                             "answers are not timed")
+    parser.add_argument("--max-connections", type=_positive(int), default=None,
+                        help="open connections at most; at the cap the slowest waiting one is closed "
+                             "(default: half the open-file limit, at most 1000)")
+
+
+def _limits(args: argparse.Namespace) -> Any:
+    from tokenmill.serving_limits import ConnectionLimits
+
+    return ConnectionLimits(read_timeout_s=args.read_timeout_s, max_connections=args.max_connections)
 
 
 def _with_serve_trainer(parser: argparse.ArgumentParser, sub) -> argparse.ArgumentParser:
@@ -373,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--runs-dir", default="runs/composer", help="folder of the runs launched from the page")
     comp.add_argument("--max-runs", type=int, default=1,
                       help="runs the page may have running at once; a launch beyond it is refused (409)")
+    _limit_args(comp)
     comp.set_defaults(fn=cmd_composer)
     return _with_serve_trainer(parser, sub)
 

@@ -13,7 +13,8 @@ What every server needs and gets from here, so that a fix lands in all three at 
 * `bind`: the socket, bound here so that port 0 works and a bind error is raised where it can be reported.
   Its proto is IPPROTO_TCP: asyncio turns Nagle off only on sockets whose proto says TCP, and with Nagle on
   every answer on a kept-alive connection waits ~40 ms for the client's delayed ACK [measured].
-* `serve_forever` (a CLI server) and `start_in_thread` (tests, notebooks, proxy mode).
+* `serve_forever` (a CLI server) and `start_in_thread` (tests, notebooks, proxy mode), both under
+  `ConnectionLimits` (`tokenmill.serving_limits`): a read timeout for requests and a cap on open connections.
 * `ready_line` / `read_port`: the line a server prints once it accepts connections, naming its bound port,
   so that a parent can start it with `--port 0` (no free-port race) and read the port back.
 * OpenAI-shaped errors (`ApiError`, `openai_error`, `install_openai_errors`):
@@ -43,7 +44,9 @@ from fastapi.responses import JSONResponse, RedirectResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from tokenmill.serving_limits import ConnectionLimits, ConnectionSlots, limited_protocol
 from tokenmill.types import TokenmillError
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -383,8 +386,11 @@ def wait_for_port(proc: subprocess.Popen, *, timeout_s: float, log: BinaryIO | N
     return port
 
 
-def _config(app: ASGIApp, graceful_timeout_s: float) -> uvicorn.Config:
-    return uvicorn.Config(app, log_config=None, log_level="warning", access_log=False,
+def _config(app: ASGIApp, graceful_timeout_s: float, limits: ConnectionLimits | None) -> uvicorn.Config:
+    """uvicorn's settings for our servers: its HTTP protocol under `limits` (defaults: `ConnectionLimits()`),
+    and no WebSocket upgrade (no server of ours has a WebSocket route)."""
+    protocol = limited_protocol(AutoHTTPProtocol, limits or ConnectionLimits())
+    return uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, http=protocol, ws="none",
                           timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=graceful_timeout_s)
 
 
@@ -402,6 +408,11 @@ class BackgroundServer(uvicorn.Server):
     def url(self) -> str:
         return url_of(self.host, self.port)
 
+    @property
+    def slots(self) -> ConnectionSlots:
+        """The open connections and what the limits did to them (`timed_out`, `evicted`, `refused`)."""
+        return self.config.http_protocol_class.slots
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop accepting, let running requests finish (up to the graceful timeout), then end the app."""
         self.should_exit = True
@@ -413,11 +424,13 @@ class BackgroundServer(uvicorn.Server):
 
 
 def start_in_thread(app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, graceful_timeout_s: float = 1.0,
-                    startup_timeout_s: float = 10.0) -> tuple[BackgroundServer, threading.Thread]:
+                    startup_timeout_s: float = 10.0,
+                    limits: ConnectionLimits | None = None) -> tuple[BackgroundServer, threading.Thread]:
     """Run `app` in a daemon thread and return once it accepts connections. Port 0 picks a free port:
-    read it from `server.port` (or `server.url`)."""
+    read it from `server.port` (or `server.url`). `limits`: read timeout and connection cap (defaults)."""
+    config = _config(app, graceful_timeout_s, limits)
     sock = bind(host, port)
-    server = BackgroundServer(_config(app, graceful_timeout_s), sock)
+    server = BackgroundServer(config, sock)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="tokenmill-server", daemon=True)
     server.thread = thread
     thread.start()
@@ -434,10 +447,11 @@ def start_in_thread(app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, gra
 
 
 def serve_forever(app: ASGIApp, sock: socket.socket, *, on_ready: Callable[[], None] | None = None,
-                  graceful_timeout_s: float = 5.0) -> None:
+                  graceful_timeout_s: float = 5.0, limits: ConnectionLimits | None = None) -> None:
     """Serve `app` on the bound `sock` in this thread until interrupted; `on_ready()` runs (on a helper
-    thread) once the server accepts connections, e.g. to print its `ready_line`."""
-    server = uvicorn.Server(_config(app, graceful_timeout_s))
+    thread) once the server accepts connections, e.g. to print its `ready_line`. `limits`: read timeout and
+    connection cap (defaults: `ConnectionLimits()`)."""
+    server = uvicorn.Server(_config(app, graceful_timeout_s, limits))
 
     def announce() -> None:
         deadline = time.monotonic() + 60

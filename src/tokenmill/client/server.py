@@ -18,6 +18,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from tokenmill import serving
 from tokenmill.client.service import RequestError, TrainerService
+from tokenmill.serving_limits import ConnectionLimits
 
 OPS = ("create_training_client", "forward_backward", "forward", "optim_step", "save_state", "load_state",
        "save_weights_for_sampler", "create_sampling_client", "sample")
@@ -65,9 +66,10 @@ def create_app(service: TrainerService, *, token: str | None = None, allowed_hos
 
 
 def serve(base_model: str, *, host: str = "127.0.0.1", port: int = 8100, token: str | None = None,
-          allow_remote: bool = False, root: str = "runs/trainer", device: str = "cpu") -> None:
+          allow_remote: bool = False, root: str = "runs/trainer", device: str = "cpu",
+          limits: ConnectionLimits | None = None) -> None:
     """Load `base_model` and serve it until interrupted; prints `serving.ready_line` once it accepts
-    connections (port 0 binds a free port)."""
+    connections (port 0 binds a free port). `limits`: read timeout and connection cap."""
     serving.check_exposure(host, token, allow_remote)
     if not Path(base_model, "config.json").is_file():
         raise ValueError(f"MODEL {base_model!r}: not a model folder (no config.json)")
@@ -84,4 +86,4 @@ def serve(base_model: str, *, host: str = "127.0.0.1", port: int = 8100, token: 
         print(serving.ready_line("tokenmill serve-trainer", url, f"auth {'on' if token else 'off'}, states in "
                                  f"{service.root}"), flush=True)
 
-    serving.serve_forever(app, sock, on_ready=ready)
+    serving.serve_forever(app, sock, on_ready=ready, limits=limits)

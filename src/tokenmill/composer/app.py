@@ -34,6 +34,7 @@ from tokenmill.composer.schema_ui import schema_response
 from tokenmill.config.modes import MODES
 from tokenmill.estimate import estimate_for_config
 from tokenmill.serving import ExposureError, host_name, is_loopback
+from tokenmill.serving_limits import ConnectionLimits
 
 __all__ = ["ExposureError", "create_app", "host_name", "is_loopback", "serve"]
 
@@ -341,8 +342,10 @@ async def _sse(runs: RunManager, run_id: str, run_dir: Path, cursor: Cursor, fol
 
 
 def serve(host: str = "127.0.0.1", port: int = 8600, *, token: str | None = None, allow_remote: bool = False,
-          runs_dir: str | Path = "runs/composer", max_runs: int = DEFAULT_MAX_RUNS, say: Any = print) -> None:
-    """Bind, print the URL with the token, and serve until interrupted."""
+          runs_dir: str | Path = "runs/composer", max_runs: int = DEFAULT_MAX_RUNS, say: Any = print,
+          limits: ConnectionLimits | None = None) -> None:
+    """Bind, print the URL with the token, and serve until interrupted (`limits`: read timeout and
+    connection cap)."""
     import secrets
 
     token = token or secrets.token_urlsafe(24)
@@ -356,4 +359,4 @@ def serve(host: str = "127.0.0.1", port: int = 8600, *, token: str | None = None
     say(f"tokenmill composer: open {url}/?token={token}")
     say(f"  runs in {app.state.runs.runs_dir}; "
         f"{'loopback only' if is_loopback(host) else 'REACHABLE FROM THE NETWORK (token required)'}; Ctrl-C stops")
-    serving.serve_forever(app, sock, graceful_timeout_s=2)
+    serving.serve_forever(app, sock, graceful_timeout_s=2, limits=limits)

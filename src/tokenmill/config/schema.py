@@ -410,6 +410,10 @@ class ProxyConfig(Section):
     wait_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one step's episodes before the run "
                                   "stops with a message naming what arrived.")
     episode_ttl_s: float = Field(600.0, gt=0, description="An open episode with no call for this long is dropped.")
+    read_timeout_s: float = Field(30.0, gt=0, description="Seconds a client may take to send a request's head (and "
+                                  "to pause in its body) before the endpoint closes its connection.")
+    max_connections: int | None = Field(None, ge=1, description="Open connections at most; at the cap the slowest "
+                                        "waiting one is closed (default: half the open-file limit, at most 1000).")
 
 
 class TrackingConfig(Section):

@@ -49,6 +49,7 @@ from pydantic import BaseModel, ConfigDict
 from tokenmill import serving
 from tokenmill.envs.base import EnvFactory, StepResult, as_messages, as_step_result
 from tokenmill.serving import check_exposure, is_loopback
+from tokenmill.serving_limits import ConnectionLimits
 from tokenmill.types import ConfigError
 
 __all__ = ["create_app", "load_factory", "serve"]
@@ -368,10 +369,12 @@ def serve(
     max_episodes: int = 1024,
     step_timeout_s: float = 60.0,
     max_body_bytes: int = serving.DEFAULT_MAX_BODY_BYTES,
+    limits: ConnectionLimits | None = None,
 ) -> None:
     """Serve the environment `spec` ("module:Class") until interrupted; once it accepts connections, print its
     `serving.ready_line` (port 0 binds a free port, named there). Loopback only, unless `allow_remote` and a
-    token are both given (`--allow-remote`, `--token`). The current directory is importable, as with uvicorn."""
+    token are both given (`--allow-remote`, `--token`). The current directory is importable, as with uvicorn.
+    `limits`: read timeout and connection cap."""
     check_exposure(host, token, allow_remote)
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -386,4 +389,4 @@ def serve(
         print(serving.ready_line(f"tokenmill env serve: {spec}", url, f"auth {'on' if token else 'off'}, {scope}"),
               flush=True)
 
-    serving.serve_forever(app, sock, on_ready=ready, graceful_timeout_s=step_timeout_s)
+    serving.serve_forever(app, sock, on_ready=ready, graceful_timeout_s=step_timeout_s, limits=limits)

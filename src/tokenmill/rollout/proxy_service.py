@@ -24,6 +24,7 @@ from tokenmill.engines.server.app import create_app
 from tokenmill.engines.server.recorder import EpisodeRecorder
 from tokenmill.sandbox.lifetime import stop_process
 from tokenmill.serving import check_exposure, start_in_thread
+from tokenmill.serving_limits import ConnectionLimits
 from tokenmill.types import TokenmillError
 
 if TYPE_CHECKING:
@@ -45,7 +46,8 @@ class ProxyService:
         app = create_app(self.engine, model_name="policy", token=cfg.token, recorder=self.recorder,
                          default_max_tokens=max_tokens, max_tokens_cap=max_tokens)
         try:
-            self.server, _ = start_in_thread(app, cfg.host, cfg.port)
+            limits = ConnectionLimits(read_timeout_s=cfg.read_timeout_s, max_connections=cfg.max_connections)
+            self.server, _ = start_in_thread(app, cfg.host, cfg.port, limits=limits)
         except BaseException:
             self.engine.close()
             raise

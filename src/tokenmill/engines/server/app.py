@@ -51,6 +51,7 @@ from tokenmill.engines.server.recorder import EpisodeError, EpisodeRecorder
 from tokenmill.engines.server.streaming import Streamer, StreamSpec, TokenFeed, stream
 from tokenmill.sandbox.lifetime import parent_env, preexec_die_with_parent
 from tokenmill.serving import ApiError
+from tokenmill.serving_limits import ConnectionLimits
 from tokenmill.types import Completion, SamplingParams, StopReason, TokenmillError
 
 __all__ = ["Completer", "create_app", "render_chat", "serve", "spawn_servers"]
@@ -372,10 +373,10 @@ def _weight_routes(engine) -> APIRouter | None:
 def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
           allow_remote: bool = False, served_model_name: str | None = None, dtype: str = "float32",
           max_batch: int = 256, max_batch_tokens: int = 0, seed: int = 0, device: str = "cpu",
-          max_body_bytes: int = serving.DEFAULT_MAX_BODY_BYTES) -> None:
+          max_body_bytes: int = serving.DEFAULT_MAX_BODY_BYTES, limits: ConnectionLimits | None = None) -> None:
     """Load `model_dir` into a ContinuousEngine and serve it until interrupted; once it accepts connections,
     print its `serving.ready_line` (port 0 binds a free port, named there). Loopback only unless `allow_remote`
-    and a token are both given (ValueError otherwise)."""
+    and a token are both given (ValueError otherwise). `limits`: read timeout and connection cap."""
     import torch
 
     serving.check_exposure(host, token, allow_remote)
@@ -403,7 +404,7 @@ def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, token: s
                                  f"auth {'on' if token else 'off'}, max_batch {max_batch}, {dtype}"), flush=True)
 
     try:
-        serving.serve_forever(app, sock, on_ready=ready)
+        serving.serve_forever(app, sock, on_ready=ready, limits=limits)
     finally:
         engine.close()
 
