@@ -3,7 +3,9 @@ it starts with the endpoint's URL and token filled in."""
 
 from __future__ import annotations
 
+import socket
 import sys
+import time
 
 import httpx
 import pytest
@@ -54,5 +56,19 @@ def test_no_agent_command_starts_nothing(tiny_model, tokenizer):
     service = ProxyService(tiny_model, tokenizer, ProxyConfig(port=0), seed=0, max_tokens=4)
     try:
         assert service.start_agent() is None and service.agent is None
+    finally:
+        service.close()
+
+
+def test_the_endpoint_closes_silent_clients_after_proxy_read_timeout_s(tiny_model, tokenizer):
+    cfg = ProxyConfig(port=0, read_timeout_s=0.3, max_connections=5)
+    service = ProxyService(tiny_model, tokenizer, cfg, seed=0, max_tokens=4)
+    try:
+        assert service.server.slots.cap == 5 and service.server.slots.read_timeout_s == 0.3
+        silent = socket.create_connection(("127.0.0.1", service.server.port), timeout=5)
+        start = time.monotonic()
+        assert silent.recv(1) == b"" and time.monotonic() - start < 1.0  # closed by the server, not by us
+        silent.close()
+        assert service.server.slots.timed_out == 1
     finally:
         service.close()
