@@ -25,6 +25,7 @@ from tokenmill.engines.server.app import create_app as engine_app
 from tokenmill.serving_limits import ConnectionLimits, LimitsError, default_max_connections
 
 TIMEOUT_S = 0.5
+SLACK_S = 1.0  # a loaded CI machine; "never closed" shows as the socket's 5 s timeout
 
 
 def _protocols() -> list:
@@ -113,10 +114,10 @@ def test_silent_and_trickling_clients_are_closed_after_the_read_timeout(server):
 
     threading.Thread(target=drip, daemon=True).start()
     waited, got = _wait_closed(silent)
-    assert TIMEOUT_S - 0.1 < waited < TIMEOUT_S + 0.5 and got == b""
+    assert TIMEOUT_S - 0.1 < waited < TIMEOUT_S + SLACK_S and got == b""
     waited, got = _wait_closed(trickle)
     stop.set()
-    assert waited < TIMEOUT_S + 0.5  # the head's deadline is fixed: trickling bytes do not extend it
+    assert waited < TIMEOUT_S + SLACK_S  # the head's deadline is fixed: trickling bytes do not extend it
     assert got.startswith(b"HTTP/1.1 408") or got == b""  # a reset may beat the 408 to the reader
     assert server.slots.timed_out == 2
 
@@ -128,7 +129,7 @@ def test_the_next_request_on_a_kept_alive_connection_has_the_same_deadline(serve
     time.sleep(0.1)
     sock.sendall(b"GET /health HTTP/1.1\r\nHo")  # then nothing: uvicorn's keep-alive (30 s) no longer applies
     waited, got = _wait_closed(sock)
-    assert waited < TIMEOUT_S + 0.5 and got.startswith(b"HTTP/1.1 408")
+    assert waited < TIMEOUT_S + SLACK_S and got.startswith(b"HTTP/1.1 408")
 
 
 def test_answers_are_not_timed_and_a_body_that_keeps_coming_is_read(server):
@@ -151,7 +152,7 @@ def test_a_body_that_stalls_is_closed(server):
     sock = _connect(server.port)
     sock.sendall(b"POST /upload HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n" + b"x" * 10)
     waited, got = _wait_closed(sock)
-    assert waited < TIMEOUT_S + 0.5 and b"200" not in got
+    assert waited < TIMEOUT_S + SLACK_S and b"200" not in got
     assert server.slots.timed_out == 1
 
 
@@ -162,9 +163,9 @@ def test_at_the_cap_the_slowest_connection_makes_room_and_busy_ones_are_kept(ser
     time.sleep(0.05)
     start = time.monotonic()
     r = httpx.get(f"{server.url}/health", timeout=5, trust_env=False)
-    assert r.status_code == 200 and time.monotonic() - start < 0.3
+    assert r.status_code == 200 and time.monotonic() - start < 1.0
     waited, _ = _wait_closed(silent[0])
-    assert waited < 0.2 and server.slots.evicted >= 1
+    assert waited < 0.5 and server.slots.evicted >= 1
     for sock in silent:
         sock.close()
     time.sleep(0.05)
@@ -245,7 +246,7 @@ def test_a_flood_of_slow_clients_leaves_health_fast_and_handles_under_the_cap(tm
         for t in threads:
             t.join(10)
         assert len(lives) == 300, f"{300 - len(lives)} connections still open after 3 s"
-        assert max(lives) < 1.0 + 0.8
+        assert max(lives) < 1.0 + SLACK_S
         assert peak[0] <= base + 50 + 10, (base, peak[0])
         assert latencies and {code for _, code in latencies} == {200}
         assert max(t for t, _ in latencies) < 1.0, latencies
