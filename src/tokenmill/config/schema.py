@@ -14,6 +14,7 @@ from pydantic.fields import FieldInfo
 from tokenmill.config.cluster import ClusterConfig
 from tokenmill.config.distill import DistillConfig, check_distill
 from tokenmill.config.health import HealthConfig
+from tokenmill.config.judge import RewardJudgeConfig
 from tokenmill.config.record import RecordConfig
 from tokenmill.config.section import DEVICE, MAX_GROUP, MAX_SEQUENCES, MAX_TOKENS, Section
 
@@ -132,61 +133,6 @@ class RewardModelConfig(Section):
     path: str = Field(..., description="Folder of an AutoModelForSequenceClassification with one label.")
     weight: float = Field(1.0, description="Weight in the total reward.")
     batch_size: int = Field(32, ge=1, description="Sequences scored per forward pass.")
-
-
-class RewardJudgeConfig(Section):
-    """An LLM judge behind an OpenAI-compatible endpoint scores the completions (tokenmill.rewards.judge):
-    `rubric` grades each completion, `pairwise` gives each its win rate against the reference or its group."""
-
-    type: Literal["judge"] = "judge"
-    name: str = Field("judge", description="Name used in metrics.")
-    url: str = Field(..., description="Base URL of the judge's OpenAI-compatible API, e.g. http://127.0.0.1:8000/v1.")
-    model: str = Field(..., description="The judge's model name at that endpoint.")
-    mode: Literal["rubric", "pairwise"] = Field(
-        "rubric", description="rubric: a score per completion, scaled to [0, 1]; pairwise: each completion's win rate "
-        "(a tie counts 1/2) against its row's reference_column, or round-robin within its group.")
-    rubric: str = Field("", description="The criteria, given to the judge as {rubric}.")
-    prompt: str | None = Field(None, description="Template of the judge's request (null: the mode's own). Rubric "
-                               "fields: {question} {completion} {rubric} {reference} {low} {high}; pairwise: "
-                               "{question} {a} {b} {rubric}.")
-    system: str | None = Field(None, description="A system message sent before the request.")
-    reference_column: str | None = Field(None, description="Dataset column of the reference answer: rubric gives "
-                                         "it as {reference}; pairwise compares each completion with it.")
-    both_orders: bool = Field(True, description="Pairwise: ask each pair both ways round (cancels position bias).")
-    score_range: tuple[float, float] = Field((0.0, 10.0), description="Rubric: the judge's scale, mapped to [0, 1].")
-    score_pattern: str | None = Field(None, description="Rubric: a regex whose first group is the score (null: a "
-                                      "<score>N</score> tag, a reply that is a number, or yes / no).")
-    weight: float = Field(1.0, description="Weight in the total reward.")
-    concurrency: int = Field(8, ge=1, le=1024, description="Requests in flight at most.")
-    timeout_s: float = Field(30.0, gt=0, description="Seconds one request may take.")
-    retries: int = Field(2, ge=0, le=10, description="Retries of a request after a timeout, connection error, 429 or 5xx.")
-    backoff_s: float = Field(0.5, ge=0, description="Wait before the first retry; doubles each retry.")
-    max_tokens: int = Field(512, ge=1, le=MAX_TOKENS, description="Longest judge reply.")
-    temperature: float = Field(0.0, ge=0.0, le=2.0, description="The judge's sampling temperature (0: greedy).")
-    api_key_env: str | None = Field(None, description="Environment variable that holds the API key (null: none).")
-    cache: Literal["memory", "disk", "off"] = Field(
-        "memory", description="Answered requests are not asked again: memory; disk: also in "
-        "<output_dir>/judge_cache/<name>.jsonl, read back on resume; off.")
-    alarm_after: int = Field(3, ge=1, description="Batches in a row with no answer before the judge_down alarm.")
-
-    @model_validator(mode="after")
-    def _check(self) -> RewardJudgeConfig:
-        import re  # the prompt's fields are checked where the judge is built (rewards.build)
-
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
-        if self.score_range[0] >= self.score_range[1]:
-            raise ValueError(f"score_range must be [low, high] with low < high, got {list(self.score_range)}")
-        if self.prompt is None and self.mode == "rubric" and not self.rubric.strip():
-            raise ValueError("rubric: give the criteria the judge grades against (or a prompt of your own)")
-        if self.score_pattern is not None:
-            try:
-                groups = re.compile(self.score_pattern).groups
-            except re.error as exc:
-                raise ValueError(f"score_pattern is not a regular expression: {exc}") from None
-            if groups < 1:
-                raise ValueError("score_pattern needs a group around the number, e.g. 'Score: (\\d+)'")
-        return self
 
 
 def _reward_kind(value: object) -> str:

@@ -14,7 +14,7 @@ Requests go out concurrently (at most `concurrency` at a time, for the whole rew
 retried `retries` times with exponential backoff (`backoff_s`, doubling) after a timeout, a connection error,
 a 408/409/429 or a 5xx; any other status is not retried. An answered request is cached by what was asked
 (model, messages, sampling): the same prompt, completion and rubric are never asked twice (in memory; with
-`cache_path` also in a JSONL file, read back by a resumed run); identical requests in flight are sent once.
+`cache_path` also in a JSONL file, read back by a resumed run); identical requests of one batch are sent once.
 
 A sample the judge could not score (no answer after the retries, a reply with no score) abstains: None, "does
 not apply", so it adds nothing to its sample's total and the run goes on. Each batch's counts go to the step's
@@ -41,7 +41,6 @@ import json
 import re
 import string
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,10 +65,10 @@ PAIRWISE_PROMPT = (
 FIELDS = {"rubric": {"question", "completion", "rubric", "reference", "low", "high"},
           "pairwise": {"question", "a", "b", "rubric"}}
 RETRY_STATUSES = frozenset({408, 409, 429})
-_THINK = re.compile(r"<think>.*?</think>", re.S | re.I)
-_SCORE_TAG = re.compile(r"<score>\s*([-+]?\d+(?:\.\d+)?)\s*</score>", re.I)
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
+_SCORE_TAG = re.compile(r"<score>\s*([-+]?\d+(?:\.\d+)?)\s*</score>", re.IGNORECASE)
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
-_WINNER_TAG = re.compile(r"<winner>\s*(a|b|tie)\s*</winner>", re.I)
+_WINNER_TAG = re.compile(r"<winner>\s*(a|b|tie)\s*</winner>", re.IGNORECASE)
 _FIRST_WORD = re.compile(r"[A-Za-z]+")
 
 
@@ -83,13 +82,15 @@ def _answer_text(reply: str) -> str:
     return _THINK.sub("", reply).strip()
 
 
-def parse_score(reply: str, score_range: tuple[float, float] = (0.0, 10.0), pattern: str | None = None) -> float | None:
+def parse_score(
+    reply: str, score_range: tuple[float, float] = (0.0, 10.0), pattern: str | None = None
+) -> float | None:
     """The score a judge's reply gives, scaled from `score_range` to [0, 1]: the number in `<score>` tags, a
     reply that is only a number, or yes (1) / no (0) as the reply's first word; with `pattern`, its first
     group. None when the reply has none, or a number outside the range."""
     text = _answer_text(reply)
     if pattern is not None:
-        found = re.search(pattern, text, re.S)
+        found = re.search(pattern, text, re.DOTALL)
         number = found.group(1) if found else None
     else:
         tag = _SCORE_TAG.search(text)
@@ -180,10 +181,6 @@ class JudgeCache:
         with self._lock:
             if self._file is not None:
                 self._file.close()
-
-
-class JudgeUnavailable(Exception):
-    """No answer from the judge's endpoint after the retries (the message says what went wrong last)."""
 
 
 @dataclass
@@ -335,8 +332,9 @@ class JudgeReward:
             return [[(ask(question=q, completion=c, reference="" if refs is None else str(refs[i]), low=low,
                           high=high), None)] for i, (q, c) in enumerate(zip(questions, completions, strict=True))]
         asks: list[Asks] = [[] for _ in completions]
+        groups = prompt_groups(prompts, columns)
         pairs = ([(i, None) for i in range(len(completions))] if refs is not None else
-                 [(i, j) for group in prompt_groups(prompts, columns) for n, i in enumerate(group) for j in group[n + 1:]])
+                 [(i, j) for group in groups for n, i in enumerate(group) for j in group[n + 1:]])
         for i, j in pairs:
             other = str(refs[i]) if j is None else completions[j]  # type: ignore[index]
             orders = [(completions[i], other, "a")] + ([(other, completions[i], "b")] if self.both_orders else [])
@@ -385,7 +383,9 @@ class JudgeReward:
                 points.append(1.0 - read if side == "b" else read)
         return (sum(points) / len(points) if points else None), why
 
-    async def _ask_all(self, requests: dict[str, dict[str, Any]], counts: BatchCounts) -> tuple[dict[str, str], dict[str, str]]:
+    async def _ask_all(
+        self, requests: dict[str, dict[str, Any]], counts: BatchCounts
+    ) -> tuple[dict[str, str], dict[str, str]]:
         """Replies (key -> text) from the cache or the endpoint, and failures (key -> why)."""
         replies: dict[str, str] = {}
         todo = []
