@@ -29,7 +29,7 @@ def _reward_model_path(rc: Any, i: int) -> str:
     return rc.path
 
 
-def _judge_reward(rc: Any, i: int, output_dir: str) -> Any:
+def judge_reward(rc: Any, i: int, output_dir: str) -> Any:
     """A `type: judge` reward (tokenmill.rewards.judge); a missing package, API key or bad prompt is a ConfigError."""
     import os
 
@@ -76,7 +76,7 @@ def build_rewards(cfg: Any, extra: list[Callable[..., Any]] | None = None, task_
                 )
             )
         elif getattr(rc, "type", None) == "judge":
-            rewards.append(_judge_reward(rc, i, cfg.tracking.output_dir))
+            rewards.append(judge_reward(rc, i, cfg.tracking.output_dir))
         else:
             path = _reward_model_path(rc, i)
             rewards.append(ModelReward(path, name=rc.name, weight=rc.weight, batch_size=rc.batch_size))

@@ -6,16 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from tokenmill.rewards.judge import JudgeReward, parse_score, parse_winner, prompt_groups
 from tokenmill.serving import start_in_thread
+from tokenmill.testing.judge import ScriptedJudge
 from tokenmill.tracking import events
 from tokenmill.types import RewardResult
 
@@ -115,50 +113,12 @@ def test_the_judge_works_from_inside_a_running_event_loop(echo_judge):
 
 
 # ------------------------------------------------------------------------------ scripted servers
-class Script:
-    """A loopback OpenAI chat endpoint: `reply(content)` gives the text; `status` codes are answered first,
-    one per request; `delay_s` before answering; counts requests and the most in flight at once."""
-
-    def __init__(self, reply=lambda content: "<score>5</score>", statuses=(), delay_s: float = 0.0) -> None:
-        self.reply, self.statuses, self.delay_s = reply, list(statuses), delay_s
-        self.requests, self.in_flight, self.most_in_flight = 0, 0, 0
-        self.contents: list[str] = []
-        self._lock = threading.Lock()
-        app = FastAPI()
-        app.post("/v1/chat/completions")(self._chat)
-        self.server, _ = start_in_thread(app)
-        self.url = self.server.url + "/v1"
-
-    async def _chat(self, request: Request) -> JSONResponse:
-        body = await request.json()
-        with self._lock:
-            self.requests += 1
-            self.in_flight += 1
-            self.most_in_flight = max(self.most_in_flight, self.in_flight)
-            status = self.statuses.pop(0) if self.statuses else 200
-        try:
-            await asyncio.sleep(self.delay_s)
-            if status != 200:
-                return JSONResponse({"error": {"message": f"scripted {status}", "type": "server_error"}}, status)
-            content = body["messages"][-1]["content"]
-            self.contents.append(content)
-            return JSONResponse({"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
-                                 "choices": [{"index": 0, "finish_reason": "stop", "message": {
-                                     "role": "assistant", "content": self.reply(content)}}]})
-        finally:
-            with self._lock:
-                self.in_flight -= 1
-
-    def close(self) -> None:
-        self.server.stop()
-
-
 @pytest.fixture
 def script():
-    made: list[Script] = []
+    made: list[ScriptedJudge] = []
 
-    def make(**kwargs) -> Script:
-        made.append(Script(**kwargs))
+    def make(**kwargs) -> ScriptedJudge:
+        made.append(ScriptedJudge(**kwargs))
         return made[-1]
 
     yield make
