@@ -241,6 +241,11 @@ class JudgeReward:
         if unknown:
             raise ValueError(f"prompt: unknown field(s) {sorted(unknown)}; a {mode} prompt may use "
                              f"{', '.join('{' + f + '}' for f in sorted(FIELDS[mode]))}")
+        if score_pattern is not None:
+            try:
+                re.compile(score_pattern)
+            except re.error as exc:
+                raise ValueError(f"score_pattern: not a regular expression: {exc}") from None
         self.url, self.model, self.name, self.weight, self.mode = url, model, name, weight, mode
         self.rubric, self.system, self.reference_column = rubric, system, reference_column
         self.both_orders, self.score_range, self.score_pattern = both_orders, tuple(score_range), score_pattern
@@ -262,10 +267,15 @@ class JudgeReward:
         self, prompts: list[Any], completions: list[str], columns: dict[str, list[Any]], *,
         completion_ids: list[list[int]] | None = None, state: RewardState | None = None,
     ) -> list[RewardResult]:
-        """Score a batch, waiting for the judge on the reward's own event loop (any calling thread)."""
+        """Score a batch, waiting for the judge on the reward's own event loop (any calling thread). A fault
+        of the judge's own (not the endpoint's) fails the batch's samples, naming it, instead of raising."""
         step = state.global_step if state is not None else 0
         future = asyncio.run_coroutine_threadsafe(self._score(prompts, completions, columns, step), self._started())
-        return future.result()
+        try:
+            return future.result()
+        except Exception as exc:  # noqa: BLE001 - a reward's errors are data (RewardResult.error)
+            error = f"judge {self.name!r}: {type(exc).__name__}: {exc}"
+            return [RewardResult(None, error) for _ in completions]
 
     async def ascore(
         self, prompts: list[Any], completions: list[str], columns: dict[str, list[Any]] | None = None, *,

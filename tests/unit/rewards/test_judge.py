@@ -235,3 +235,14 @@ def test_the_judge_recovers_when_the_endpoint_answers_again(script):
         assert judge.down_batches == 0 and said[-1].endswith("answers again")
     finally:
         judge.close()
+
+
+def test_a_fault_of_the_judge_itself_fails_the_samples_instead_of_raising(script):
+    server = script(reply=lambda content: "score 7")
+    judge = JudgeReward(server.url, "m", prompt="{completion}", score_pattern=r"\d")  # no group to read
+    try:
+        got = judge(["q", "q"], ["a", "b"], {})
+        assert [r.value for r in got] == [None, None]
+        assert got[0].error == "judge 'judge': IndexError: no such group"
+    finally:
+        judge.close()
