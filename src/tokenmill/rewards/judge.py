@@ -20,9 +20,10 @@ A sample the judge could not score (no answer after the retries, a reply with no
 not apply", so it adds nothing to its sample's total and the run goes on. Each batch's counts go to the step's
 metrics through `log_metric` (`reward_metric/<name>/requests`, `retries`, `failed`, `unparsed`, `cache_hits`)
 and the failures to events.jsonl (`reward_failed`). When the endpoint answers no request for `alarm_after`
-batches in a row, a `judge_down` alarm (policy warn) is written to events.jsonl and the console; from then on
-each batch first sends one request and, if that fails too, skips the rest, so a dead endpoint costs a batch
-one request's timeout, not every sample's.
+batches in a row, a `judge_down` alarm (policy warn) is written to events.jsonl and the console. A dead
+endpoint costs little: a batch whose first `concurrency` requests all fail (after their retries) before any
+is answered asks no more, and once the alarm is raised each batch first sends one request and, if that fails
+too, skips the rest.
 
 Scoring runs on an event loop of the reward's own (one background thread), so `__call__` works from any
 thread, inside a running loop too; `ascore` is the coroutine. In an asynchronous run rewards are scored on the
@@ -193,6 +194,7 @@ class BatchCounts:
     cache_hits: int = 0
     unparsed: int = 0
     answered: int = 0
+    first_error: str = ""  # why the batch's first failed request failed
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -430,6 +432,11 @@ class JudgeReward:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
                 async with self._semaphore:
+                    if counts.answered == 0 and counts.failed >= self.concurrency:  # a whole wave got nothing
+                        counts.failed += 1
+                        failures[key] = (f"not asked: the first {self.concurrency} requests of this batch got no "
+                                         f"answer ({counts.first_error})")
+                        return
                     counts.requests += 1
                     answer = await asyncio.wait_for(self._client.chat.completions.create(**request), self.timeout_s)
                 reply = answer.choices[0].message.content or ""
@@ -445,6 +452,7 @@ class JudgeReward:
             return
         counts.failed += 1
         failures[key] = _describe(last, self.timeout_s) if last is not None else "no answer"
+        counts.first_error = counts.first_error or failures[key]
 
     # ------------------------------------------------------------------------------ reporting
     def _after(self, counts: BatchCounts, step: int, failed: list[RewardResult], failures: dict[str, str]) -> None:

@@ -153,6 +153,19 @@ def test_a_request_that_hangs_abstains_within_its_timeouts(script):
         judge.close()
 
 
+def test_a_batch_whose_first_wave_gets_no_answer_asks_no_more(script):
+    server = script(delay_s=5.0)
+    judge = JudgeReward(server.url, "m", rubric="r", concurrency=2, timeout_s=0.3, retries=0)
+    try:
+        start = time.monotonic()
+        got = judge(["q"] * 6, [str(i) for i in range(6)], {})
+        assert values(got) == [None] * 6 and time.monotonic() - start < 1.0  # one round of 0.3 s, not three
+        assert server.requests == 2
+        assert metrics(judge) == {"requests": 2, "retries": 0, "failed": 6, "unparsed": 0, "cache_hits": 0}
+    finally:
+        judge.close()
+
+
 def test_server_errors_are_retried_and_counted_a_bad_request_is_not(script):
     server = script(statuses=[503, 500])
     judge = JudgeReward(server.url, "m", rubric="r", retries=2, backoff_s=0.05)
