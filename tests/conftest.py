@@ -29,3 +29,12 @@ def tokenizer(tiny_model_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def echo_judge_path(tmp_path_factory) -> str:
+    """A tiny chat model whose greedy reply is its user message's last character (a judge whose verdicts are
+    known in advance; `tokenmill.testing.judge`)."""
+    from tokenmill.testing.judge import train_echo_judge
+
+    return train_echo_judge(tmp_path_factory.mktemp("echo-judge") / "model")

@@ -240,7 +240,7 @@ def _rewards(cfg: RLConfig, codes: list[RewardCode], task_reward: Any,
     config's functions are resolved in their workers and reward models are timed) and a description of each.
     A code reward with a syntax error is described, with its error, but not run."""
     from tokenmill.rewards.base import FunctionReward
-    from tokenmill.rewards.build import build_rewards
+    from tokenmill.rewards.build import build_rewards, judge_reward
 
     infos: list[dict[str, Any]] = []
     if task_reward is not None:
@@ -252,6 +252,8 @@ def _rewards(cfg: RLConfig, codes: list[RewardCode], task_reward: Any,
             name = rc.name or rc.function.rpartition(":")[2]
             built.append(FunctionReward(fn, name=name, weight=rc.weight, timeout_s=rc.timeout_s,
                                         isolation=rc.isolation))
+        elif rc.type == "judge":  # its requests are bounded by its own timeout and retries
+            built.append(judge_reward(rc, i, cfg.tracking.output_dir))
         else:
             built.append(TimedModelReward(rc, i, model_timeout_s))
         infos.append(_info(built[-1].name, rc.weight, "config"))

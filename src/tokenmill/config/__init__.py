@@ -1,5 +1,6 @@
 """Configuration: pydantic schema, YAML loading, dotted CLI overrides, readable errors."""
 
+from tokenmill.config.judge import RewardJudgeConfig
 from tokenmill.config.load import format_validation_error, load_config, parse_overrides
 from tokenmill.config.offline import OfflineConfig, PreferenceConfig, SFTConfig
 from tokenmill.config.schema import (
@@ -33,6 +34,7 @@ __all__ = [
     "PreferenceConfig",
     "RLConfig",
     "RewardFunctionConfig",
+    "RewardJudgeConfig",
     "RewardModelConfig",
     "SFTConfig",
     "TrackingConfig",

@@ -14,6 +14,7 @@ from pydantic.fields import FieldInfo
 from tokenmill.config.cluster import ClusterConfig
 from tokenmill.config.distill import DistillConfig, check_distill
 from tokenmill.config.health import HealthConfig
+from tokenmill.config.judge import RewardJudgeConfig
 from tokenmill.config.record import RecordConfig
 from tokenmill.config.section import DEVICE, MAX_GROUP, MAX_SEQUENCES, MAX_TOKENS, Section
 
@@ -141,7 +142,8 @@ def _reward_kind(value: object) -> str:
 
 
 RewardConfig = Annotated[
-    Annotated[RewardFunctionConfig, Tag("function")] | Annotated[RewardModelConfig, Tag("model")],
+    Annotated[RewardFunctionConfig, Tag("function")] | Annotated[RewardModelConfig, Tag("model")]
+    | Annotated[RewardJudgeConfig, Tag("judge")],
     Discriminator(_reward_kind),
 ]
 

@@ -29,6 +29,33 @@ def _reward_model_path(rc: Any, i: int) -> str:
     return rc.path
 
 
+def judge_reward(rc: Any, i: int, output_dir: str) -> Any:
+    """A `type: judge` reward (tokenmill.rewards.judge); a missing package, API key or bad prompt is a ConfigError."""
+    import os
+
+    api_key = None
+    if rc.api_key_env:
+        api_key = os.environ.get(rc.api_key_env)
+        if not api_key:
+            raise ConfigError(f"rewards.{i}.api_key_env: the environment variable {rc.api_key_env} is not set")
+    cache_path = Path(output_dir, "judge_cache", f"{rc.name}.jsonl") if rc.cache == "disk" else None
+    try:
+        from tokenmill.rewards.judge import JudgeReward
+
+        return JudgeReward(
+            rc.url, rc.model, name=rc.name, weight=rc.weight, mode=rc.mode, rubric=rc.rubric, prompt=rc.prompt,
+            system=rc.system, reference_column=rc.reference_column, both_orders=rc.both_orders,
+            score_range=rc.score_range, score_pattern=rc.score_pattern, concurrency=rc.concurrency,
+            timeout_s=rc.timeout_s, retries=rc.retries, backoff_s=rc.backoff_s, max_tokens=rc.max_tokens,
+            temperature=rc.temperature, api_key=api_key, cache=rc.cache != "off", cache_path=cache_path,
+            alarm_after=rc.alarm_after,
+        )
+    except ImportError as exc:
+        raise ConfigError(f"rewards.{i}: {exc}") from None
+    except ValueError as exc:
+        raise ConfigError(f"rewards.{i}.{exc}") from None
+
+
 def _is_function(rc: Any) -> bool:
     from tokenmill.config.schema import RewardFunctionConfig
 
@@ -48,6 +75,8 @@ def build_rewards(cfg: Any, extra: list[Callable[..., Any]] | None = None, task_
                     per_sample=rc.per_sample, isolation=rc.isolation,
                 )
             )
+        elif getattr(rc, "type", None) == "judge":
+            rewards.append(judge_reward(rc, i, cfg.tracking.output_dir))
         else:
             path = _reward_model_path(rc, i)
             rewards.append(ModelReward(path, name=rc.name, weight=rc.weight, batch_size=rc.batch_size))

@@ -380,3 +380,19 @@ def test_stage_estimate_lays_the_last_step_end_to_end():
     got = [estimate_stage(row, t) for t in (0.5, 2.5, 4.0, 6.2, 7.0)]  # 7.0 = 0.5 into the next step
     assert got == ["generate", "reward", "train", "sync", "generate"]
     assert estimate_stage(None, 3.0) == "starting"
+
+
+def test_preview_scores_with_a_judge_from_the_config(client, tiny_model_path):
+    from tokenmill.testing.judge import ScriptedJudge
+
+    judge = ScriptedJudge(reply=lambda content: "<score>8</score>")
+    try:
+        config = {"model": {"path": tiny_model_path}, "data": {"task": "addition"}, "generation": {"max_tokens": 4},
+                  "rewards": [{"type": "judge", "url": judge.url, "model": "m", "rubric": "is it a number?"}]}
+        out = client.post("/api/rewards/preview", json={"mode": "rl", "config": config, "prompts": 2, "samples": 2})
+        assert out.status_code == 200, out.text
+        samples = out.json()["samples"]
+        assert len(samples) == 4 and all(s["scores"]["judge"] == pytest.approx(0.8) for s in samples)
+        assert 1 <= judge.requests <= 4  # one per distinct completion
+    finally:
+        judge.close()
