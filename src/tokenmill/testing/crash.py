@@ -153,16 +153,18 @@ class Signalled:
 
     returncode: int
     stderr: str
-    steps_logged: int  # metrics rows of the run when the first signal was sent
+    steps_logged: int  # metrics rows of this process when the first signal was sent
+    steps_done: int  # and when it exited
     exit_s: float  # from the last signal to the exit
     seconds: float  # the whole run
 
 
 def run_and_signal(config: Path, signals: list[int], *, after_rows: int = 1, hold: str | None = None,
-                   gap_s: float = 0.5, resume: bool = False, group: bool = False, timeout: float = 120) -> Signalled:
-    """Start `tokenmill train config` and send it `signals` one after another (`gap_s` apart) once its metrics
-    file has `after_rows` rows of this process (or, with `hold`, once it holds at that point of the checkpoint
-    writer); wait for it to exit. `group`: to its whole process group, as a terminal's Ctrl-C (the run gets a
+                   delay_s: float = 0.0, gap_s: float = 0.5, resume: bool = False, group: bool = False,
+                   timeout: float = 120) -> Signalled:
+    """Start `tokenmill train config` and send it `signals` one after another (`gap_s` apart) `delay_s` after its
+    metrics file has `after_rows` rows of this process (or, with `hold`, once it holds at that point of the
+    checkpoint writer); wait for it to exit. `group`: to its whole process group, as a terminal's Ctrl-C (the run gets a
     session of its own), else to the trainer alone, as `docker stop` and Kubernetes do."""
     out = Path(json.loads(config.read_text())["tracking"]["output_dir"])
     metrics = out / "metrics.jsonl"
@@ -181,6 +183,7 @@ def run_and_signal(config: Path, signals: list[int], *, after_rows: int = 1, hol
             if time.monotonic() - start > timeout:
                 raise TimeoutError(f"run did not reach the signal point in {timeout:.0f}s")
             time.sleep(0.01)
+        time.sleep(delay_s)
         rows = len(metrics.read_text().splitlines()) - before if metrics.exists() else 0
         for i, sig in enumerate(signals):
             if i:
@@ -193,7 +196,8 @@ def run_and_signal(config: Path, signals: list[int], *, after_rows: int = 1, hol
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    return Signalled(proc.returncode, stderr_path.read_text(), rows, exit_s, time.monotonic() - start)
+    done = len(metrics.read_text().splitlines()) - before if metrics.exists() else 0
+    return Signalled(proc.returncode, stderr_path.read_text(), rows, done, exit_s, time.monotonic() - start)
 
 
 def _cmdline(pid: int) -> str:
