@@ -108,3 +108,20 @@ def test_sigusr1_saves_a_checkpoint_and_the_run_goes_on(tmp_path, baseline):
     assert saved["signal"] == "SIGUSR1" and saved["stop"] is False and 2 <= saved["step"] < STEPS
     assert _checkpoints(out) == [f"step_{saved['step']:08d}", f"step_{STEPS:08d}"]
     _assert_equal(final_weights(out), expected)
+
+
+def test_sigterm_stops_an_sft_run_and_writes_the_model_so_far(tmp_path, baseline):
+    """`tokenmill sft` (the offline loop, no checkpoints): the step finishes, the model trained so far is written
+    to output_dir, one line says so, exit status 75 (~8 s)."""
+    model, _ = baseline
+    out = tmp_path / "sft"
+    config = tmp_path / "sft.json"
+    config.write_text(json.dumps({"model": {"path": model}, "data": {"task": "addition", "num_train": 200},
+                                  "output_dir": str(out), "steps": 500, "batch_size": 8}))
+    got = run_and_signal(config, [signal.SIGTERM], after_rows=3, command="sft")
+    assert got.returncode == EXIT_PREEMPTED, got.stderr[-3000:]
+    [line] = [x for x in got.stderr.splitlines() if x.startswith("tokenmill: sft stopped by SIGTERM")]
+    step = int(re.search(r"after step (\d+) of 500", line).group(1))
+    assert got.steps_logged <= step == got.steps_done < 500
+    assert f"the model as trained so far written to {out}" in line
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()

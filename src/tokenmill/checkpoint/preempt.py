@@ -167,9 +167,12 @@ class Preemption:
         self.saved_path = path
         of = f" of {self.steps}" if self.steps else ""
         raise Preempted(f"stopped by {self.stop_signal} after step {step}{of}: checkpoint saved to {path} "
-                        f"{elapsed:.1f} s after the signal; to continue, {self.resume_hint} "
+                        f"{elapsed:.2f} s after the signal; to continue, {self.resume_hint} "
                         f"(exit status {EXIT_PREEMPTED})", signal_name=self.stop_signal, step=step, path=path)
 
     def stop_now(self, step: int) -> bool:
         """For a loop that keeps no checkpoints (the offline trainers): whether to stop after `step`."""
-        return self.asked(step) == STOP
+        request = self.asked(step)
+        if request == SAVE:
+            self.say("SIGUSR1: this run keeps no checkpoints; nothing saved")
+        return request == STOP
