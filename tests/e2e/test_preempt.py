@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 import re
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -125,3 +128,41 @@ def test_sigterm_stops_an_sft_run_and_writes_the_model_so_far(tmp_path, baseline
     assert got.steps_logged <= step == got.steps_done < 500
     assert f"the model as trained so far written to {out}" in line
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+
+
+def _torchrun(config: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "tokenmill",
+            "train", str(config), *args]
+
+
+@pytest.mark.slow
+def test_torchrun_sigterm_every_rank_saves_and_the_resume_is_exact(tmp_path):
+    """SIGTERM to the torchrun launcher (what Slurm or Kubernetes signal): it forwards it to both FSDP2 ranks,
+    which agree on the step, save one checkpoint together (sharded optimiser state, rank 0 writing the folder) and
+    exit 75; a torchrun resume then ends bit for bit where an uninterrupted torchrun run does (~2-3 min)."""
+    model = build_tiny_model(tmp_path / "model", hidden_size=32, num_layers=2, seed=0, tie_word_embeddings=False)
+    overrides = {"training": {"backend": "fsdp2"}, "checkpoint": {"every": 0}}
+    whole = write_config(tmp_path / "whole", model, steps=6, overrides=overrides)
+    done = subprocess.run(_torchrun(whole), capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    config = write_config(tmp_path / "split", model, steps=6, overrides=overrides)
+    out = tmp_path / "split" / "run"
+    log = tmp_path / "torchrun.txt"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(_torchrun(config), stdout=sink, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while not ((out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    text = log.read_text()
+    stopped = re.findall(r"tokenmill: stopped by SIGTERM after step (\d+) of 6", text)
+    assert len(stopped) == 2 and len(set(stopped)) == 1, text[-3000:]  # both ranks, the same step
+    step = int(stopped[0])
+    assert re.search(r"exitcode\s*:\s*75", text) or "exit status 75" in text, text[-3000:]
+    assert _checkpoints(out) == ["shards", f"step_{step:08d}"]
+    done = subprocess.run(_torchrun(config, "--checkpoint.resume", "true"), capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _assert_equal(final_weights(out), final_weights(tmp_path / "whole" / "run"))
