@@ -54,10 +54,17 @@ class Preempted(TokenmillError):
     """The run stopped at a step boundary on SIGTERM or SIGINT; the message says what was saved and how to go on."""
 
     exit_code = EXIT_PREEMPTED
+    exit_at_once = True  # the command line exits without the interpreter's teardown (the run is saved and closed)
 
     def __init__(self, message: str, *, signal_name: str, step: int, path: Path | None) -> None:
         super().__init__(message)
         self.signal_name, self.step, self.path = signal_name, step, path
+
+
+class InterruptedAgain(KeyboardInterrupt):
+    """A second Ctrl-C while stopping: the run unwinds at once (a save under way deletes its temporary folder)."""
+
+    exit_at_once = True  # the command line exits without the interpreter's teardown
 
 
 def _say(text: str) -> None:
@@ -114,7 +121,7 @@ class Preemption:
         if self.stop_signal is not None:
             if signum == signal.SIGINT:  # Ctrl-C again: the user does not want to wait
                 _say("tokenmill: interrupted again: exiting now, without the checkpoint")
-                raise KeyboardInterrupt
+                raise InterruptedAgain
             return  # a repeated SIGTERM (Slurm and torchrun can both send one): already stopping
         self.stop_signal, self._signum, self.signalled_at = name, signum, time.monotonic()
         again = "; Ctrl-C again to exit at once" if signum == signal.SIGINT else ""

@@ -1,6 +1,6 @@
 """`checkpoint.preempt.Preemption`: what a step boundary is asked (real signals to this process), and the ranks'
 agreement on it over a real two-process gloo group (what torchrun's ranks do: a signal to any one rank makes
-every rank save and stop at the same step). The whole CLI path is tests/e2e/test_preempt.py."""
+every rank save and stop at the same step). The whole CLI path is tests/e2e/test_signals.py."""
 
 from __future__ import annotations
 
