@@ -5,13 +5,13 @@ each time; does it end bit for bit where an uninterrupted run ends?
     python benchmarks/chaos.py --steps 60 --kills 4  # a quick look
 
 The run is `tokenmill.testing.crash.write_config`'s tiny GRPO job (`training.deterministic: true`, process-
-isolated reward workers) with a checkpoint every `--every` steps. The kinds of the kills are drawn from a seeded
-RNG (each kind at least once), and so are their times: a step to wait for, then a delay of up to one step into
+isolated reward workers) with a checkpoint every `--every` steps. The kills are an even mix of the three kinds in an
+order drawn from a seeded RNG, and so are their times: a step to wait for, then a delay of up to one step into
 the next. SIGTERM goes to the trainer alone (as `docker stop` and Kubernetes send it), SIGINT to its process group
 (as a terminal's Ctrl-C). After each kill the run is started again with `--checkpoint.resume true`; after the
 last, it runs to its end. Printed and written to benchmarks/results/chaos.json: per kill, its kind, the step it
 landed in, the exit status, the steps lost (steps the killed process finished beyond the checkpoint it left:
-up to `--every` - 1 for SIGKILL, 0 for a saved stop), for SIGTERM / SIGINT the seconds from the signal to the
+up to `--every` for SIGKILL, 0 for a saved stop), for SIGTERM / SIGINT the seconds from the signal to the
 saved checkpoint and to the exit; and whether the final weights equal the uninterrupted run's.
 """
 
@@ -40,7 +40,7 @@ SAVED = re.compile(r"after step (\d+)\b.* ([0-9.]+) s after the signal")
 
 def plan(rng: random.Random, kills: int, steps: int) -> list[tuple[signal.Signals, int, float]]:
     """(signal, step to wait for, fraction of a step to wait after it) of each kill, in order."""
-    kinds = list(KINDS) + [rng.choice(KINDS) for _ in range(kills - len(KINDS))]
+    kinds = [KINDS[i % len(KINDS)] for i in range(kills)]  # as even a mix as the count allows, in a random order
     rng.shuffle(kinds)
     targets = sorted(rng.sample(range(2, steps - 2), kills))
     return [(kind, target, rng.random()) for kind, target in zip(kinds, targets, strict=True)]
