@@ -92,7 +92,7 @@ def test_a_save_that_overruns_the_bound_exits_143_and_leaves_no_half_checkpoint(
     out = tmp_path / "job" / "run"
     got = run_and_signal(config, [signal.SIGTERM], hold="checkpoint-model@2")
     assert got.returncode == 128 + signal.SIGTERM, got.stderr[-3000:]
-    assert "no checkpoint within 1 s" in got.stderr and "deleted the half-written .tmp-step_00000002" in got.stderr
+    assert "not saved within the bound (1 s; checkpoint.preempt_timeout_s)" in got.stderr and "deleted the half-written .tmp-step_00000002" in got.stderr
     assert 0.9 < got.exit_s < 5
     assert _checkpoints(out) == ["step_00000001"]
 

@@ -61,7 +61,7 @@ class Preempted(TokenmillError):
         self.signal_name, self.step, self.path = signal_name, step, path
 
 
-class InterruptedAgain(KeyboardInterrupt):
+class _InterruptedAgain(KeyboardInterrupt):
     """A second Ctrl-C while stopping: the run unwinds at once (a save under way deletes its temporary folder)."""
 
     exit_at_once = True  # the command line exits without the interpreter's teardown
@@ -79,13 +79,16 @@ class Preemption:
     on any process). `root`: the checkpoint folder (its `.tmp-` folders of this process are deleted when the
     bound expires). `steps`: the run's total, for the message. `agree`: a step boundary's request over the
     ranks (the maximum; one process: itself). `say`: where the SIGUSR1 line goes. `resume_hint`: how to go on,
-    the end of the stop line. Handlers are installed only from the main thread (elsewhere Python refuses)."""
+    the end of the stop line. `field`: the setting of the bound, named in the lines (None: a fixed bound).
+    Handlers are installed only from the main thread (elsewhere Python refuses)."""
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, *, root: Path | None = None, steps: int | None = None,
                  agree: Callable[[int], int] = lambda request: request, say: Callable[[str], None] = _say,
-                 resume_hint: str = "rerun the same command with --checkpoint.resume true") -> None:
+                 resume_hint: str = "rerun the same command with --checkpoint.resume true",
+                 field: str | None = "checkpoint.preempt_timeout_s") -> None:
         self.timeout_s, self.root, self.steps, self.agree, self.say = timeout_s, root, steps, agree, say
         self.resume_hint = resume_hint
+        self.bound = f"{timeout_s:g} s" + (f"; {field}" if field else "")
         self.stop_signal: str | None = None  # name of the signal that asked to stop
         self.signalled_at: float | None = None
         self.saved_path: Path | None = None
@@ -121,12 +124,11 @@ class Preemption:
         if self.stop_signal is not None:
             if signum == signal.SIGINT:  # Ctrl-C again: the user does not want to wait
                 _say("tokenmill: interrupted again: exiting now, without the checkpoint")
-                raise InterruptedAgain
+                raise _InterruptedAgain
             return  # a repeated SIGTERM (Slurm and torchrun can both send one): already stopping
         self.stop_signal, self._signum, self.signalled_at = name, signum, time.monotonic()
         again = "; Ctrl-C again to exit at once" if signum == signal.SIGINT else ""
-        _say(f"tokenmill: {name}: finishing this step, then a checkpoint and exit (at most {self.timeout_s:g} s; "
-             f"checkpoint.preempt_timeout_s){again}")
+        _say(f"tokenmill: {name}: finishing this step, then saving and exiting (at most {self.bound}){again}")
 
     def _watch(self) -> None:
         while not self._closed.wait(0.1):
@@ -136,8 +138,8 @@ class Preemption:
                 _say(f"tokenmill: {self.stop_signal}: checkpoint {self.saved_path} saved; exiting now")
                 os._exit(EXIT_PREEMPTED)
             removed = self._tidy()
-            _say(f"tokenmill: {self.stop_signal}: no checkpoint within {self.timeout_s:g} s "
-                 f"(checkpoint.preempt_timeout_s); exiting without one{removed}. A resume starts from the last "
+            _say(f"tokenmill: {self.stop_signal}: not saved within the bound ({self.bound}); exiting without a "
+                 f"checkpoint{removed}. A resume starts from the last "
                  "complete checkpoint")
             os._exit(128 + self._signum)
 
@@ -157,7 +159,8 @@ class Preemption:
         self._save_seen = self._save_asks
         self._request = self.agree(own)
         if self._request == STOP and self.stop_signal is None:  # another rank was signalled
-            self.stop_signal, self.signalled_at = "a signal to another rank", time.monotonic()
+            self.stop_signal, self._signum = "a signal to another rank", signal.SIGTERM
+            self.signalled_at = time.monotonic()  # this rank's watchdog bounds the save too
         return self._request
 
     def saved(self, step: int, path: Path) -> None:

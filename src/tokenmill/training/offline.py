@@ -86,7 +86,7 @@ def run_offline(
     checkpoint to resume from: rerun it to train all its steps."""
     losses = []
     skips = SkippedUpdates(skipped_update)
-    with Preemption(DEFAULT_TIMEOUT_S, steps=steps, agree=max_over_ranks) as preempt:
+    with Preemption(DEFAULT_TIMEOUT_S, steps=steps, agree=max_over_ranks, field=None) as preempt:
         for step, batch in zip(range(1, steps + 1), batches, strict=False):
             counted = tokens(batch) if tokens is not None and logger is not None else 0
             with step_timer(step) as timer, stage("train", tokens=counted):
