@@ -1,6 +1,7 @@
 """`tokenmill quickstart | train | sft | eval | validate | preference | env serve | composer | serve | serve-trainer | vllm`.
 
-Config errors print one line per bad field and exit with status 2, never a traceback.
+Config errors print one line per bad field and exit with status 2, never a traceback. A run stopped by SIGTERM
+or Ctrl-C after saving its checkpoint exits with status 75 (`checkpoint.preempt`).
 """
 
 from __future__ import annotations
