@@ -1,6 +1,7 @@
 """`tokenmill quickstart | train | sft | eval | validate | preference | env serve | composer | serve | serve-trainer | vllm`.
 
-Config errors print one line per bad field and exit with status 2, never a traceback.
+Config errors print one line per bad field and exit with status 2, never a traceback. A run stopped by SIGTERM
+or Ctrl-C after saving its checkpoint exits with status 75 (`checkpoint.preempt`).
 """
 
 from __future__ import annotations
@@ -430,6 +431,7 @@ def _clipped(message: str, max_lines: int = 50) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from_command_line = argv is None  # not a call from Python (a test's main([...]))
     argv = list(sys.argv[1:] if argv is None else argv)
     overrides: list[str] = []
     if argv and argv[0] in CONFIG_COMMANDS and not {"-h", "--help"} & set(argv):
@@ -446,10 +448,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except TokenmillError as exc:  # a run that cannot go on (a dead engine server, a producer timeout): one line
         print(f"tokenmill: {exc}", file=sys.stderr)
-        return getattr(exc, "exit_code", 1)  # 2 for errors the user must fix first (e.g. CheckpointError)
-    except KeyboardInterrupt:
+        return _exit(getattr(exc, "exit_code", 1), exc, from_command_line)  # 2: fix first (e.g. CheckpointError)
+    except KeyboardInterrupt as exc:
         print("tokenmill: interrupted", file=sys.stderr)
-        return 130
+        return _exit(130, exc, from_command_line)
+
+
+def _exit(code: int, exc: BaseException, from_command_line: bool) -> int:
+    """`code`, or after a stop by a signal (`checkpoint.preempt`: saved, or a second Ctrl-C), with the run closed:
+    exit now, skipping the interpreter's teardown (seconds of garbage collection of the model's objects) within
+    the scheduler's grace period. Only from the command line (a Python caller of `main` gets the code)."""
+    if from_command_line and getattr(exc, "exit_at_once", False):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -151,3 +151,40 @@ def test_distillation_on_ray_adds_the_teachers_kl_like_one_process(ray_cluster, 
     want, got = kl(tmp_path / "alone"), kl(tmp_path / "ray")
     assert len(want) == 2 and min(want) > 0.05
     assert got == pytest.approx(want, rel=1e-4)
+
+
+def test_sigterm_to_the_driver_saves_through_the_ranks_and_a_resume_goes_on(ray_cluster, alone, tmp_path,
+                                                                           monkeypatch):
+    """SIGTERM to the driver (the process running the loop) during step 2: the step finishes, the driver saves
+    through its trainer ranks (the sharded optimiser state, the full weights), `train_on_ray` raises `Preempted`;
+    the resume trains steps 3-4 and ends like one process (`checkpoint.preempt`)."""
+    from tokenmill.checkpoint.preempt import EXIT_PREEMPTED, Preempted
+    from tokenmill.config import RLConfig, load_config
+    from tokenmill.controller.ray.run import train_on_ray
+    from tokenmill.controller.ray.workers import RayBackend
+
+    model, want = alone
+    out = tmp_path / "ray"
+    tree = _config(model, str(out), backend="ray", nodes=2, cpus_per_node=3, trainer_ranks=2, max_restarts=0,
+                   call_timeout_s=120) | {"checkpoint": {"every": 0, "save_final": True}}
+    original, calls = RayBackend.optim_step, []
+
+    def signalled(backend):
+        calls.append(1)
+        if len(calls) == 3:  # step 2's first optimiser step
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(backend)
+
+    monkeypatch.setattr(RayBackend, "optim_step", signalled)
+    with pytest.raises(Preempted) as stopped:
+        train_on_ray(load_config(RLConfig, tree), rewards=[digit_share], cluster=ray_cluster)
+    assert stopped.value.exit_code == EXIT_PREEMPTED and (stopped.value.signal_name, stopped.value.step) == ("SIGTERM", 2)
+    assert len(calls) == 4  # step 2 finished (2 optimiser steps a step), step 3 never began
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000002"]
+    monkeypatch.setattr(RayBackend, "optim_step", original)
+    tree["checkpoint"]["resume"] = True
+    result = train_on_ray(load_config(RLConfig, tree), rewards=[digit_share], cluster=ray_cluster)
+    assert result["resumed_from"] == 2
+    got = _final(out)
+    for name, tensor in want.items():  # two ranks against one process: the tolerance of the test above
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=5e-5, msg=name)

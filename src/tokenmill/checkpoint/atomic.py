@@ -81,6 +81,11 @@ def hold_point(name: str) -> None:
         time.sleep(3600)
 
 
+def checkpoint_name(step: int) -> str:
+    """The folder name of step `step`'s checkpoint."""
+    return f"{PREFIX}{step:08d}"
+
+
 def clean_stale(root: str | Path) -> list[str]:
     """Tidy what a killed writer left in `root`; return what was done, one line each.
 
@@ -127,7 +132,7 @@ def save_checkpoint(
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     clean_stale(root)
-    final = root / f"{PREFIX}{step:08d}"
+    final = root / checkpoint_name(step)
     tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

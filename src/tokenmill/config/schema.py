@@ -439,6 +439,10 @@ class CheckpointConfig(Section):
         False, description="Resume even from a checkpoint of a run with another model, algorithm, data, group "
         "size or LoRA (refused by default); the differences are recorded as an event.")
     save_final: bool = Field(True, description="Save a checkpoint and an HF export at the end.")
+    preempt_timeout_s: float = Field(
+        20.0, ge=0, description="On SIGTERM or Ctrl-C: finish the step, save a checkpoint and exit with status 75 "
+        "within this many seconds, else exit without one (143 / 130); SIGUSR1 saves one and goes on. 0: no "
+        "signal handling (the signals act as on any process).")
 
 
 class RLConfig(Section):

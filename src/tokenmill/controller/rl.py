@@ -5,13 +5,21 @@
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from tokenmill.algorithms.advantages import assign_advantages
 from tokenmill.algorithms.shaping import has_spread, shape_overlong
-from tokenmill.checkpoint.atomic import load_latest, rng_state, save_checkpoint, set_rng_state
+from tokenmill.checkpoint.atomic import (
+    checkpoint_name,
+    load_latest,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from tokenmill.checkpoint.export import export_atomic
 from tokenmill.checkpoint.fingerprint import resume_check, run_fingerprint
+from tokenmill.checkpoint.preempt import Preemption
 from tokenmill.config.schema import RLConfig
 from tokenmill.controller.build import RolloutSide, Run
 from tokenmill.controller.evaluate import evaluate_player, rollout_metrics, sample_records
@@ -20,7 +28,7 @@ from tokenmill.health.monitors import health_monitors
 from tokenmill.health.report import efficiency_metrics
 from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.critic import gae_advantages
-from tokenmill.training.dist import barrier, is_main
+from tokenmill.training.dist import barrier, is_main, max_over_ranks
 from tokenmill.training.model import parameter_counts
 from tokenmill.training.teacher import distill_groups
 from tokenmill.training.update import UpdateWatch, policy_update, value_update
@@ -48,7 +56,8 @@ def run_rl(run: Run) -> dict[str, Any]:
     # generation runs in place (colocated), ahead in a producer (at most controller.max_staleness versions),
     # or in an external agent program (proxy): the feed hides which
     # health (cfg.health, run.monitors): the probe, the mismatch, the efficiency report and the alarms
-    with (rollout_feed(run, partial(rollout, cfg), start, buffered) as feed,
+    # signals (checkpoint/preempt.py): SIGTERM and Ctrl-C save at the next step boundary and stop, SIGUSR1 saves
+    with (preemption(run) as preempt, rollout_feed(run, partial(rollout, cfg), start, buffered) as feed,
           health_monitors(run, feed, save=lambda s: save(run, s, feed)) as monitors):
         for step in range(start + 1, last + 1):
             with step_timer(step, side=feed.side) as timer:
@@ -69,9 +78,10 @@ def run_rl(run: Run) -> dict[str, Any]:
             # 7. log (the samples with the advantages they were trained with)
             metrics = log_step(run, step, groups, sampling | train_metrics, timer)
             monitors.after_step(step, metrics, groups)
-            # 8. checkpoint
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < last:
-                save(run, step, feed)
+            # 8. checkpoint: every checkpoint.every steps, and when a signal asked (after SIGTERM / SIGINT: stop)
+            asked = preempt.asked(step)
+            if step < last and (asked or cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                preempt.saved(step, save(run, step, feed))
     if last < end:
         save(run, last, feed)
         log.message(f"stopped after step {last} of {end} (max_steps_per_run); resume to go on")
@@ -200,7 +210,14 @@ def rollout(cfg: RLConfig, side: RolloutSide, step: int) -> tuple[list[Group], d
     return groups, info
 
 
-def save(run: Run, step: int, feed: Feed) -> None:
+def preemption(run: Run) -> Preemption:
+    """The loop's signal handlers (`checkpoint.preempt`), agreeing over torchrun's ranks."""
+    return Preemption(run.cfg.checkpoint.preempt_timeout_s, root=run.output_dir / "checkpoints",
+                      steps=run.cfg.controller.steps, agree=max_over_ranks, say=run.logger.message)
+
+
+def save(run: Run, step: int, feed: Feed) -> Path:
+    """Checkpoint `step` (every rank calls it: the sharded state is a collective); return its folder."""
     trainer, side = run.trainer, run.rollout
     state = {
         "trainer": trainer.backend.state_dict(),
@@ -212,10 +229,12 @@ def save(run: Run, step: int, feed: Feed) -> None:
     }
     if trainer.critic is not None:
         state["critic"] = trainer.critic.state_dict()
+    root = run.output_dir / "checkpoints"
     if is_main():  # one writer of the folder (with fsdp2 every rank wrote its shards in state_dict above)
-        save_checkpoint(run.output_dir / "checkpoints", step, trainer.model, state,
+        save_checkpoint(root, step, trainer.model, state,
                         keep_last=run.cfg.checkpoint.keep_last, fingerprint=run_fingerprint(run.cfg, trainer.model))
     barrier()
+    return root / checkpoint_name(step)
 
 
 def resume(run: Run) -> tuple[int, dict]:

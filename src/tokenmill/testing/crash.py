@@ -1,6 +1,7 @@
 """Kill-and-resume runs of `tokenmill train` in real subprocesses, for crash tests and the determinism
 benchmark: SIGKILL at a chosen point (after a checkpoint, mid-checkpoint write, before or during the
-final export), resume, and compare the final weights with an uninterrupted run.
+final export), resume, and compare the final weights with an uninterrupted run. `run_and_signal` sends a run
+SIGTERM, SIGINT or SIGUSR1 (`checkpoint.preempt`) instead, for the preemption tests and benchmarks/chaos.py.
 
 Exact points use the writer's hold points (`TOKENMILL_TEST_HOLD`, see `tokenmill.checkpoint.atomic`): the
 trainer announces on stderr that it is holding there and sleeps until it is killed.
@@ -145,6 +146,62 @@ def run_and_kill(config: Path, point: str, *, timeout: float = 600, orphan_wait_
     while time.monotonic() < end and any(alive(p) for p in children):
         time.sleep(0.05)
     return Killed(point, children, commands, [p for p in children if alive(p)], time.monotonic() - start)
+
+
+@dataclass
+class Signalled:
+    """How a run ended that was sent `signals` (`run_and_signal`)."""
+
+    returncode: int
+    stderr: str
+    steps_logged: int  # metrics rows of this process when the first signal was sent
+    steps_done: int  # and when it exited
+    exit_s: float  # from the last signal to the exit
+    seconds: float  # the whole run
+
+
+def run_and_signal(config: Path, signals: list[int], *, after_rows: int = 1, hold: str | None = None,
+                   delay_s: float = 0.0, gap_s: float = 0.5, resume: bool = False, group: bool = False,
+                   command: str = "train", timeout: float = 120) -> Signalled:
+    """Start `tokenmill train config` and send it `signals` one after another (`gap_s` apart) `delay_s` after its
+    metrics file has `after_rows` rows of this process (or, with `hold`, once it holds at that point of the
+    checkpoint writer); wait for it to exit. `group`: to its whole process group, as a terminal's Ctrl-C (the run gets a
+    session of its own), else to the trainer alone, as `docker stop` and Kubernetes do. `command`: `train`, or an
+    offline one (`sft`, `preference`: their config's `output_dir` holds the metrics)."""
+    settings = json.loads(config.read_text())
+    out = Path(settings["tracking"]["output_dir"] if command == "train" else settings["output_dir"])
+    metrics = out / "metrics.jsonl"
+    before = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+    env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_TEST_HOLD"} | ({"TOKENMILL_TEST_HOLD": hold} if hold else {})
+    stderr_path = config.parent / f"stderr-{os.getpid()}-{time.monotonic_ns()}.txt"
+    start = time.monotonic()
+    with open(stderr_path, "w") as stderr:
+        args = _command(config, resume) if command == "train" else [sys.executable, "-m", "tokenmill.cli", command,
+                                                                    str(config)]
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=stderr, env=env, start_new_session=True)
+    try:
+        while (f"holding at {hold}\n" not in stderr_path.read_text() if hold else
+               (len(metrics.read_text().splitlines()) if metrics.exists() else 0) - before < after_rows):
+            if proc.poll() is not None:
+                raise RuntimeError(f"run exited ({proc.returncode}) before the signal: {stderr_path.read_text()[-2000:]}")
+            if time.monotonic() - start > timeout:
+                raise TimeoutError(f"run did not reach the signal point in {timeout:.0f}s")
+            time.sleep(0.01)
+        time.sleep(delay_s)
+        rows = len(metrics.read_text().splitlines()) - before if metrics.exists() else 0
+        for i, sig in enumerate(signals):
+            if i:
+                time.sleep(gap_s)
+            os.killpg(proc.pid, sig) if group else os.kill(proc.pid, sig)
+            sent = time.monotonic()
+        proc.wait(timeout=timeout)
+        exit_s = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    done = len(metrics.read_text().splitlines()) - before if metrics.exists() else 0
+    return Signalled(proc.returncode, stderr_path.read_text(), rows, done, exit_s, time.monotonic() - start)
 
 
 def _cmdline(pid: int) -> str:

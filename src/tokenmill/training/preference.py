@@ -135,7 +135,8 @@ def _pairwise_training(
         return total, {"loss": total, **metrics}
 
     losses = run_offline(backend, sampled_batches(rows, batch_size, settings.seed), loss_fn, steps, logger,
-                         tokens=lambda picked: _pair_tokens(tokenizer, my_share(picked)), label="pairs")
+                         tokens=lambda picked: _pair_tokens(tokenizer, my_share(picked)), label="pairs",
+                         export=lambda: finish(backend, model, tokenizer, output_dir))
     finish(backend, model, tokenizer, output_dir)
     return losses
 

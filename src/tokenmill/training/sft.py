@@ -133,6 +133,7 @@ def run_sft(
         return metrics["nll"], metrics
 
     losses = run_offline(backend, sampled_batches(samples, batch_size, settings.seed), loss_fn, steps, logger,
-                         tokens=lambda picked: sum(len(s.tokens) for s in picked), log_every=log_every, label="sft")
+                         tokens=lambda picked: sum(len(s.tokens) for s in picked), log_every=log_every, label="sft",
+                         export=lambda: finish(backend, model, tokenizer, output_dir))
     finish(backend, model, tokenizer, output_dir)
     return losses
