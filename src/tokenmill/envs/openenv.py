@@ -44,7 +44,8 @@ log = logging.getLogger("tokenmill.envs.openenv")
 
 INSTALL = "pip install 'tokenmill[openenv]'"
 _FENCE = re.compile(r"```(?:json)?\s*\n?(.*?)```", re.DOTALL)
-_NOT_RESET_ARGS = ("prompt", "messages")  # task columns that are the conversation, not the environment's
+_NOT_RESET_ARGS = ("prompt", "messages")
+_HANGUP_WAIT_S = 5.0  # how long close() waits for the server to end the session and hang up  # task columns that are the conversation, not the environment's
 
 
 class OpenEnvError(TokenmillError, OSError):
@@ -77,19 +78,34 @@ def _one_line(text: str, limit: int = 300) -> str:
 @functools.cache
 def client_class() -> type:
     """OpenEnv's dict client, keeping the server's error code and validation details (its own
-    `_send_and_receive` folds them into a RuntimeError's text)."""
+    `_send_and_receive` folds them into a RuntimeError's text), and the reason of a server that hung up."""
     try:
         from openenv.core.generic_client import GenericEnvClient
+        from websockets.exceptions import ConnectionClosed
     except ImportError:
         raise ConfigError(f"env.openenv: OpenEnv environments need openenv-core: {INSTALL}") from None
 
     class Client(GenericEnvClient):
         async def _send_and_receive(self, message: dict[str, Any]) -> dict[str, Any]:
-            await self._send(message)
+            try:
+                await self._send(message)
+            except ConnectionClosed:  # a server at capacity says so and hangs up at once: read why below
+                pass
             response = await self._receive()
             if response.get("type") == "error":
                 raise _ServerError(response.get("data") or {})
             return response
+
+        async def disconnect(self) -> None:
+            """Ask the server to end the session and let it hang up first: its handler closes the socket
+            itself, and logs a traceback when the client has already gone."""
+            if self._ws is not None:
+                try:
+                    await self._ws.send(json.dumps({"type": "close"}))
+                    await asyncio.wait_for(self._ws.wait_closed(), _HANGUP_WAIT_S)
+                except Exception:  # noqa: BLE001, S110 - best effort: the socket is dropped below either way
+                    pass
+            await super().disconnect()
 
     return Client
 
@@ -365,12 +381,12 @@ def openenv_factory(cfg: Any, kwargs: dict[str, Any] | None = None, *, timeout_s
     """The factory for a config's `env.openenv` (an `OpenEnvConfig`); `kwargs` (env.kwargs) go to a served
     class's constructor, `max_concurrent` (env.max_concurrent) is how many sessions a served class may hold."""
     client_class()
+    if cfg.url is not None and kwargs:
+        raise ConfigError("env.kwargs: arguments for an environment's constructor; the server at env.openenv.url "
+                          "made its own (use env.openenv.reset_kwargs for its reset)")
     mapping = {"action": action_mapping(cfg.action), "observation": observation_mapping(cfg.observation),
                "system_prompt": cfg.system_prompt, "reset_kwargs": cfg.reset_kwargs, "timeout_s": timeout_s}
     if cfg.url is not None:
-        if kwargs:
-            raise ConfigError("env.kwargs: arguments for an environment's constructor; the server at "
-                              "env.openenv.url made its own (use env.openenv.reset_kwargs for its reset)")
         return OpenEnvFactory(cfg.url, **mapping)
     from tokenmill.serving import start_in_thread
 
