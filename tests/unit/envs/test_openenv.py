@@ -11,6 +11,7 @@ import asyncio
 import re
 import sys
 import time
+from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
@@ -31,7 +32,7 @@ from tokenmill.envs.openenv import (
 from tokenmill.serving import start_in_thread
 from tokenmill.types import ConfigError
 
-GUESS = "examples/openenv_guess/env.py:GuessEnvironment"
+GUESS = f"{Path(__file__).parents[3] / 'examples' / 'openenv_guess' / 'env.py'}:GuessEnvironment"
 LOG: dict[str, list[tuple[str, float, bool, str]]] = {}  # session -> (action text, reward, done, reply)
 
 
