@@ -48,6 +48,9 @@ class OpenEnvConfig(Section):
         "json", description="How an observation becomes the next user message: a field name (that field's value), "
         "'json' (the observation's fields as JSON), or 'module:function' (observation dict -> text or messages).")
     system_prompt: str | None = Field(None, description="A system message opening every episode.")
+    task_prompt: bool = Field(
+        True, description="Open the episode with the task row's prompt, then the reset observation (false: the "
+        "reset observation alone, for environments that say everything themselves).")
     reset_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for the environment's reset (the task row's columns, "
         "but its prompt, are sent too; the server passes on those the reset declares).")

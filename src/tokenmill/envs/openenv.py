@@ -14,14 +14,16 @@ per request). Text meets the environment's typed actions and observations at two
   fields as JSON (`"json"`), or a function's text or messages (`"module:function"`).
 
 Rewards (None counts as 0) and `done` pass through as the server computed them. The first messages are
-`system_prompt`, the task row's `prompt` (a string or messages) and the reset observation; the row's other
-columns go to the environment's `reset` as keyword arguments (OpenEnv passes on those its reset declares,
-such as `seed`). A server that is down, errs or does not answer within `timeout_s` raises `OpenEnvError`
-(one line naming the server): the agent loop fails that episode and the run goes on.
+`system_prompt`, the task row's `prompt` (a string or messages; `task_prompt=False` leaves it out) and the
+reset observation; the row's other columns go to the environment's `reset` as keyword arguments (OpenEnv
+passes on those its reset declares, such as `seed`). A server that is down, errs or does not answer within
+`timeout_s` raises `OpenEnvError` (one line naming the server): the agent loop fails that episode and the
+run goes on.
 
-`serve_openenv("module:MyEnvironment")` serves an OpenEnv `Environment` subclass (or an OpenEnv FastAPI app)
-on a free loopback port in this process, with OpenEnv's own app factory; `openenv_factory(cfg.env.openenv)`
-is what a run's `env: {openenv: ...}` builds (and it stops its server when dropped).
+`openenv_app("module:MyEnvironment")` builds the server of an OpenEnv `Environment` subclass with OpenEnv's
+own app factory (or takes an OpenEnv FastAPI app as is); `openenv_factory(cfg.env.openenv)`, what a run's
+`env: {openenv: ...}` builds, serves it on a free loopback port in this process when asked to (`serve`) and
+stops it when closed or dropped.
 """
 
 from __future__ import annotations
@@ -205,19 +207,22 @@ class OpenEnvEnvironment:
 
     action, observation: the mappings (see the module docstring), as spec strings or callables
     system_prompt:       a system message opening the episode
+    task_prompt:         the task row's prompt comes before the reset observation (False: the observation alone)
     reset_kwargs:        keyword arguments for every reset (the task's columns override them)
     timeout_s:           per message limit (connects give up after min(timeout_s, 10 s))
     """
 
     def __init__(self, url: str, *, action: str | Callable[[str], dict] = "message",
                  observation: str | Callable[[dict], Any] = "json", system_prompt: str | None = None,
-                 reset_kwargs: dict[str, Any] | None = None, timeout_s: float = 60.0) -> None:
+                 task_prompt: bool = True, reset_kwargs: dict[str, Any] | None = None,
+                 timeout_s: float = 60.0) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.url = url.rstrip("/")
         self.to_action = action_mapping(action)
         self.to_text = observation_mapping(observation)
         self.system_prompt = system_prompt
+        self.task_prompt = task_prompt
         self.reset_kwargs = dict(reset_kwargs or {})
         self.timeout_s = timeout_s
         self._client: Any = None
@@ -236,7 +241,8 @@ class OpenEnvEnvironment:
         except Exception as exc:  # noqa: BLE001 - every failure becomes one line naming the server
             raise self._error("reset", exc) from None
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        messages = _joined(system + _prompt_messages(task.get("prompt")) + first)
+        prompt = _prompt_messages(task.get("prompt")) if self.task_prompt else []
+        messages = _joined(system + prompt + first)
         if not messages:
             raise OpenEnvError(f"OpenEnv environment at {self.url}: reset gave nothing to say to the policy (an "
                                "empty observation, no prompt column, no env.openenv.system_prompt)")
@@ -385,7 +391,8 @@ def openenv_factory(cfg: Any, kwargs: dict[str, Any] | None = None, *, timeout_s
         raise ConfigError("env.kwargs: arguments for an environment's constructor; the server at env.openenv.url "
                           "made its own (use env.openenv.reset_kwargs for its reset)")
     mapping = {"action": action_mapping(cfg.action), "observation": observation_mapping(cfg.observation),
-               "system_prompt": cfg.system_prompt, "reset_kwargs": cfg.reset_kwargs, "timeout_s": timeout_s}
+               "system_prompt": cfg.system_prompt, "task_prompt": cfg.task_prompt, "reset_kwargs": cfg.reset_kwargs,
+               "timeout_s": timeout_s}
     if cfg.url is not None:
         return OpenEnvFactory(cfg.url, **mapping)
     from tokenmill.serving import start_in_thread

@@ -251,7 +251,7 @@ def test_served_guess_game_plays_like_the_built_in_one(tiny_model_path):
     from tokenmill.rollout.agent import AgentLimits, AgentLoop
     from tokenmill.types import SamplingParams
 
-    tasks = [{"secret": r["secret"], "high": r["high"]} for r in guess_number_tasks(6, seed=2)]
+    tasks = [dict(r) for r in guess_number_tasks(6, seed=2)]  # prompt "1-7" (left out: the game says it), secret
 
     def rollout(factory, rows):
         engine = HFEngine.from_pretrained(tiny_model_path, seed=4)
@@ -261,14 +261,15 @@ def test_served_guess_game_plays_like_the_built_in_one(tiny_model_path):
 
     from tokenmill.config.openenv import OpenEnvConfig
 
-    cfg = OpenEnvConfig(serve=GUESS, action="message", observation="message", system_prompt="guess")
+    cfg = OpenEnvConfig(serve=GUESS, action="message", observation="message", system_prompt="guess",
+                        task_prompt=False)
     factory = openenv_factory(cfg, {"max_turns": 3}, max_concurrent=64)
     try:
         assert factory.max_sessions == 64
         served = rollout(factory, tasks)
     finally:
         factory.close()
-    local = rollout(GuessNumberEnv, [{**t, "prompt": f"1-{t['high']}"} for t in tasks])
+    local = rollout(GuessNumberEnv, tasks)
     assert len(served) == len(local) == 24
     for a, b in zip(local, served, strict=True):
         assert (a.tokens, a.loss_mask, a.reward, a.row["messages"]) == (b.tokens, b.loss_mask, b.reward,
@@ -351,3 +352,26 @@ def test_without_openenv_installed_the_error_names_the_extra(monkeypatch):
     finally:
         client_class.cache_clear()
     assert str(info.value) == "env.openenv: OpenEnv environments need openenv-core: pip install 'tokenmill[openenv]'"
+
+
+def test_the_example_config_serves_the_example_game(monkeypatch):
+    from tokenmill.config import RLConfig, load_config
+
+    folder = Path(GUESS.rpartition(":")[0]).parent
+    monkeypatch.chdir(folder)  # the config names env.py relative to its folder, as `tokenmill train` runs it
+    cfg = load_config(RLConfig, "config.yaml")
+    factory = openenv_factory(cfg.env.openenv, cfg.env.kwargs, timeout_s=cfg.env.step_timeout_s,
+                              max_concurrent=cfg.env.max_concurrent)
+    async def first_messages():
+        env = factory()
+        try:
+            return await env.reset({"prompt": "1-7", "secret": 2, "high": 7})
+        finally:
+            await env.close()
+
+    try:
+        first = run(first_messages())
+        assert first == [{"role": "system", "content": "guess"}, {"role": "user", "content": "1-7"}]
+        assert factory.max_sessions == cfg.env.max_concurrent == 256
+    finally:
+        factory.close()
