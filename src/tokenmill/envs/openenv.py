@@ -54,7 +54,7 @@ class OpenEnvError(TokenmillError, OSError):
     """An OpenEnv server failed this episode: unreachable, an error of its own, or no answer in time."""
 
 
-class InvalidAction(ValueError):
+class InvalidAction(TokenmillError, ValueError):
     """The policy's reply does not make an action (an action mapping raises it, or ValueError)."""
 
 
