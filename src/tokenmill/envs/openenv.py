@@ -382,6 +382,20 @@ class OpenEnvFactory:
             self._stop()
 
 
+def config_problem(cfg: Any) -> str | None:
+    """What `tokenmill validate` finds wrong with an `env.openenv` section before a run (None: nothing): a
+    missing package, import strings (`serve`, function mappings) that do not resolve."""
+    try:
+        client_class()
+        action_mapping(cfg.action)
+        observation_mapping(cfg.observation)
+        if cfg.serve is not None:
+            resolve(cfg.serve, "env.openenv.serve")
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 def openenv_factory(cfg: Any, kwargs: dict[str, Any] | None = None, *, timeout_s: float = 60.0,
                     max_concurrent: int = 256) -> OpenEnvFactory:
     """The factory for a config's `env.openenv` (an `OpenEnvConfig`); `kwargs` (env.kwargs) go to a served

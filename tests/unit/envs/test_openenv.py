@@ -8,6 +8,7 @@ first observation tells the policy), so a test can check that what tokenmill saw
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import sys
 import time
@@ -339,6 +340,25 @@ def test_env_openenv_in_a_config_is_checked_with_its_field_named():
         openenv_factory(cfg.env.openenv, {"x": 1})
     with pytest.raises(ConfigError, match=r"^env.openenv.observation: cannot import module 'my.mod'"):
         openenv_factory(cfg.env.openenv)
+
+
+def test_validate_reports_what_a_run_would_stumble_on(tmp_path, monkeypatch, capsys, tiny_model_path):
+    from tokenmill.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tasks.jsonl").write_text('{"prompt": "go", "seed": 1}\n')
+    config = tmp_path / "run.yaml"
+    for openenv, problem in (({"serve": "nowhere.py:Env"}, "env.openenv.serve: no such file 'nowhere.py'"),
+                             ({"url": "http://h:1", "observation": "json:dumps"}, None),
+                             ({"url": "http://h:1", "action": "tokenmill.envs.openenv:nothing"},
+                              "env.openenv.action: module 'tokenmill.envs.openenv' has no attribute 'nothing'")):
+        config.write_text(f"model: {{path: {tiny_model_path}}}\ndata: {{path: tasks.jsonl}}\n"
+                          f"env: {{openenv: {json.dumps(openenv)}}}\n")
+        code = main(["validate", str(config)])
+        out = capsys.readouterr()
+        assert code == (2 if problem else 0), out
+        if problem:
+            assert problem in out.err + out.out
 
 
 def test_without_openenv_installed_the_error_names_the_extra(monkeypatch):
