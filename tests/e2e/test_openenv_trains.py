@@ -79,3 +79,26 @@ def test_grpo_trains_on_an_openenv_server(tiny_model_path, tmp_path):
     initial = load_file(next(Path(tiny_model_path).glob("*.safetensors")))
     moved = [name for name, w in trained.items() if not torch.equal(w, initial[name])]
     assert moved and all(torch.isfinite(w).all() for w in trained.values())
+
+
+@pytest.mark.slow
+def test_grpo_on_the_example_openenv_game_raises_the_success_rate(tmp_path, monkeypatch):
+    """examples/openenv_guess/config.yaml as `tokenmill train` runs it (the run serves the OpenEnv game on
+    loopback), from the warm game player that prefers counting up to halving: the held-out success rate
+    rises as on the built-in game (tests/e2e/test_agent_learns.py)."""
+    import tokenmill
+    from tokenmill.recipes import game_warm_start
+
+    torch.set_num_threads(2)
+    warm = game_warm_start(tmp_path / "game", sft_steps=300, say=lambda _: None)
+    monkeypatch.chdir(Path(__file__).parents[2] / "examples" / "openenv_guess")
+    result = tokenmill.train("config.yaml", model__path=str(warm), tracking__output_dir=str(tmp_path / "run"),
+                             tracking__console="none", checkpoint__save_final=False)
+    before, after = result["eval_before"], result["eval_after"]
+    print(f"OpenEnv guess the number, held-out success: greedy {before['eval/accuracy']:.3f} -> "
+          f"{after['eval/accuracy']:.3f}, sampled {before['eval/sampled_accuracy']:.3f} -> "
+          f"{after['eval/sampled_accuracy']:.3f}")
+    assert before["eval/accuracy"] < 0.6
+    assert after["eval/accuracy"] >= before["eval/accuracy"] + 0.3
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["agent/failed_episodes"] == 0 for r in rows if "reward/mean" in r)

@@ -46,8 +46,8 @@ log = logging.getLogger("tokenmill.envs.openenv")
 
 INSTALL = "pip install 'tokenmill[openenv]'"
 _FENCE = re.compile(r"```(?:json)?\s*\n?(.*?)```", re.DOTALL)
-_NOT_RESET_ARGS = ("prompt", "messages")
-_HANGUP_WAIT_S = 5.0  # how long close() waits for the server to end the session and hang up  # task columns that are the conversation, not the environment's
+_NOT_RESET_ARGS = ("prompt", "messages")  # task columns that are the conversation, not the environment's
+_HANGUP_WAIT_S = 5.0  # how long close() waits for the server to end the session and hang up
 
 
 class OpenEnvError(TokenmillError, OSError):
@@ -55,7 +55,7 @@ class OpenEnvError(TokenmillError, OSError):
 
 
 class InvalidAction(TokenmillError, ValueError):
-    """The policy's reply does not make an action (an action mapping raises it, or ValueError)."""
+    """The policy's reply makes no action: what an action mapping raises (any ValueError counts the same)."""
 
 
 class _ServerError(Exception):
@@ -136,12 +136,14 @@ def action_mapping(spec: str | Callable[[str], dict], field: str = "env.openenv.
         return spec
     if spec == "json":
         return parse_json_action
-    if ":" in spec:
-        fn = resolve(spec, field)
-        if not callable(fn):
-            raise ConfigError(f"{field}: {spec!r} names a {type(fn).__name__}, not a function")
-        return fn
-    return functools.partial(_into_field, spec)
+    return _function(spec, field) if ":" in spec else functools.partial(_into_field, spec)
+
+
+def _function(spec: str, field: str) -> Callable[..., Any]:
+    fn = resolve(spec, field)
+    if not callable(fn):
+        raise ConfigError(f"{field}: {spec!r} names a {type(fn).__name__}, not a function")
+    return fn
 
 
 def _into_field(name: str, text: str) -> dict[str, Any]:
@@ -155,12 +157,7 @@ def observation_mapping(spec: str | Callable[[dict], Any],
         return spec
     if spec == "json":
         return _as_json
-    if ":" in spec:
-        fn = resolve(spec, field)
-        if not callable(fn):
-            raise ConfigError(f"{field}: {spec!r} names a {type(fn).__name__}, not a function")
-        return fn
-    return functools.partial(_field_text, spec)
+    return _function(spec, field) if ":" in spec else functools.partial(_field_text, spec)
 
 
 def _as_json(observation: dict[str, Any]) -> str:
@@ -169,7 +166,7 @@ def _as_json(observation: dict[str, Any]) -> str:
 
 def _field_text(name: str, observation: dict[str, Any]) -> str:
     if name not in observation:
-        raise KeyError(f"the observation has no field {name!r} (fields: {', '.join(observation) or 'none'}); "
+        raise LookupError(f"the observation has no field {name!r} (fields: {', '.join(observation) or 'none'}); "
                        "set env.openenv.observation")
     value = observation[name]
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
@@ -259,15 +256,12 @@ class OpenEnvEnvironment:
             return _invalid(str(exc))
         try:
             result = await self._client.step(action)
+            observation = self._observation(result.observation)
         except _ServerError as exc:
             if exc.code == "VALIDATION_ERROR":  # the action does not fit the environment's action schema
                 return _invalid(f"the server rejected the action: {exc}")
             raise self._error("step", exc) from None
-        except Exception as exc:  # noqa: BLE001
-            raise self._error("step", exc) from None
-        try:
-            observation = self._observation(result.observation)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - every failure becomes one line naming the server
             raise self._error("step", exc) from None
         reward = 0.0 if result.reward is None else float(result.reward)
         return StepResult(observation, reward, bool(result.done), {})

@@ -164,8 +164,9 @@ def test_a_reply_that_makes_no_action_ends_the_episode_with_reward_zero(server):
 
 
 def test_a_server_that_is_down_errs_or_hangs_fails_the_episode_in_one_line(server):
-    async def attempt(url: str, task: dict, text: str | None = None, timeout_s: float = 5.0) -> str:
-        env = OpenEnvEnvironment(url, action="text", timeout_s=timeout_s)
+    async def attempt(url: str, task: dict, text: str | None = None, timeout_s: float = 5.0,
+                      observation: str = "json") -> str:
+        env = OpenEnvEnvironment(url, action="text", observation=observation, timeout_s=timeout_s)
         try:
             await env.reset(task)
             await env.step({"content": text})
@@ -180,11 +181,12 @@ def test_a_server_that_is_down_errs_or_hangs_fails_the_episode_in_one_line(serve
     sock = bind("127.0.0.1", 0)  # a port nobody answers on
     down = f"http://127.0.0.1:{sock.getsockname()[1]}"
     sock.close()
-    async def all_four():
+    async def all_of_them():
         return await asyncio.gather(attempt(down, {}), attempt(server.url, {"fail": True}),
-                                    attempt(server.url, {}, "boom"), attempt(server.url, {}, "sleep", timeout_s=0.3))
+                                    attempt(server.url, {}, "boom"), attempt(server.url, {}, "sleep", timeout_s=0.3),
+                                    attempt(server.url, {}, observation="score"))
 
-    errors = run(all_four())
+    errors = run(all_of_them())
     assert all("\n" not in e for e in errors)
     assert errors[0].startswith(f"OpenEnv environment at {down}: reset failed: ConnectionError: Failed to connect")
     assert errors[1] == f"OpenEnv environment at {server.url}: reset failed: server error EXECUTION_ERROR: this task " \
@@ -192,6 +194,8 @@ def test_a_server_that_is_down_errs_or_hangs_fails_the_episode_in_one_line(serve
     assert errors[2] == f"OpenEnv environment at {server.url}: step failed: server error EXECUTION_ERROR: boom went " \
                         "the environment"
     assert errors[3] == f"OpenEnv environment at {server.url}: step failed: no answer within 0.3s"
+    assert errors[4] == (f"OpenEnv environment at {server.url}: reset failed: LookupError: the observation has no "
+                         "field 'score' (fields: reply, total); set env.openenv.observation")
 
 
 def test_a_full_server_says_so(server):
