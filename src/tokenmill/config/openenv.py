@@ -41,7 +41,7 @@ class OpenEnvConfig(Section):
         "go to its constructor) or an OpenEnv FastAPI app ('module:app'), served on a free loopback port for the run.")
     action: str = Field(
         "message", description="How the policy's reply becomes the action: a field name (the reply text goes in "
-        "that field), 'json' (the reply is the action as a JSON object, ```json fences allowed), or "
+        "that field), 'json' (the reply is the action as a JSON object, fenced or not), or "
         "'module:function' (text -> action dict; raise ValueError for an invalid reply). An invalid action ends "
         "the episode with reward 0.")
     observation: str = Field(

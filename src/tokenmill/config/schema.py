@@ -157,7 +157,7 @@ class EnvConfig(Section):
     url: str | None = Field(None, description="A remote environment served by `tokenmill env serve` (http://host:port).")
     token: str | None = Field(None, description="Bearer token for `url` (default: $TOKENMILL_ENV_TOKEN).")
     openenv: OpenEnvConfig | None = Field(None, description="An OpenEnv environment (a server at a URL, or one "
-                                          "this run serves); see tokenmill.config.openenv.")
+                                          "this run serves): text to actions, observations to messages.")
     kwargs: dict = Field(default_factory=dict, description="Keyword arguments for the environment's constructor.")
     max_turns: int = Field(8, ge=1, description="Policy turns per episode.")
     max_episode_tokens: int = Field(
