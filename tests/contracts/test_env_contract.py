@@ -6,7 +6,7 @@ info) and never raises; an episode of nonsense ends within the environment's own
 the same task replays the same episode; `close()` ends it. Methods may be plain or async.
 
 Every entry of `tokenmill.envs.BUILTIN_ENVS` is checked (a new built-in needs no edit here); another
-implementation is one entry in `OTHERS`.
+implementation (a remote environment, an OpenEnv one) is one entry in `OTHERS`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,24 @@ def remote() -> Iterator[tuple[Callable[[], Environment], list[dict]]]:
         server.stop()
 
 
-OTHERS: dict[str, Callable[[], object]] = {"remote": remote}
+@contextmanager
+def openenv() -> Iterator[tuple[Callable[[], Environment], list[dict]]]:
+    """The example OpenEnv game (examples/openenv_guess) served with OpenEnv's app factory on a loopback port,
+    played through `OpenEnvEnvironment` and OpenEnv's client."""
+    from pathlib import Path
+
+    from tokenmill.config.openenv import OpenEnvConfig
+    from tokenmill.envs.openenv import openenv_factory
+
+    game = Path(__file__).parents[2] / "examples" / "openenv_guess" / "env.py"
+    factory = openenv_factory(OpenEnvConfig(serve=f"{game}:GuessEnvironment", observation="message"), max_concurrent=4)
+    try:
+        yield factory, [{"prompt": "Guess my number.", "seed": seed} for seed in (0, 1)]
+    finally:
+        factory.close()
+
+
+OTHERS: dict[str, Callable[[], object]] = {"remote": remote, "openenv": openenv}
 ENVS = {**{name: (lambda name=name: builtin(name)) for name in BUILTIN_ENVS}, **OTHERS}
 
 

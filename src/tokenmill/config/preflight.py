@@ -324,6 +324,10 @@ def _reward_functions(cfg: RLConfig, extra: list[Any], problems: list[str]) -> l
 
 
 def _env_problem(cfg: RLConfig) -> str | None:
+    if cfg.env is not None and cfg.env.openenv is not None:
+        from tokenmill.envs.openenv import config_problem
+
+        return config_problem(cfg.env.openenv)
     if cfg.env is None or cfg.env.name is None:
         return None
     from tokenmill.envs import BUILTIN_ENVS  # names and import strings only (the classes load when used)

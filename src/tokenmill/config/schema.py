@@ -15,6 +15,7 @@ from tokenmill.config.cluster import ClusterConfig
 from tokenmill.config.distill import DistillConfig, check_distill
 from tokenmill.config.health import HealthConfig
 from tokenmill.config.judge import RewardJudgeConfig
+from tokenmill.config.openenv import OpenEnvConfig
 from tokenmill.config.record import RecordConfig
 from tokenmill.config.section import DEVICE, MAX_GROUP, MAX_SEQUENCES, MAX_TOKENS, Section
 
@@ -157,6 +158,8 @@ class EnvConfig(Section):
     )
     url: str | None = Field(None, description="A remote environment served by `tokenmill env serve` (http://host:port).")
     token: str | None = Field(None, description="Bearer token for `url` (default: $TOKENMILL_ENV_TOKEN).")
+    openenv: OpenEnvConfig | None = Field(None, description="An OpenEnv environment (a server at a URL, or one "
+                                          "this run serves): text to actions, observations to messages.")
     kwargs: dict = Field(default_factory=dict, description="Keyword arguments for the environment's constructor.")
     max_turns: int = Field(8, ge=1, description="Policy turns per episode.")
     max_episode_tokens: int = Field(
@@ -171,8 +174,8 @@ class EnvConfig(Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> EnvConfig:
-        if (self.name is None) == (self.url is None):
-            raise ValueError("set exactly one of env.name or env.url")
+        if sum(source is not None for source in (self.name, self.url, self.openenv)) != 1:
+            raise ValueError("set exactly one of env.name, env.url or env.openenv")
         return self
 
 

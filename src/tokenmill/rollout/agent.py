@@ -358,6 +358,12 @@ def build_agent(cfg: Any, engine: Any, tokenizer: Any) -> AgentLoop:
         factory = remote_factory(env.url, token=env.token or os.environ.get("TOKENMILL_ENV_TOKEN"),
                                  timeout_s=env.step_timeout_s)
         tools, parser = None, None
+    elif env.openenv is not None:
+        from tokenmill.envs.openenv import openenv_factory
+
+        factory = openenv_factory(env.openenv, env.kwargs, timeout_s=env.step_timeout_s,
+                                  max_concurrent=env.max_concurrent)
+        tools, parser = None, None
     else:
         from tokenmill.envs import resolve_env
         from tokenmill.envs.tools import HermesToolCallParser
@@ -372,7 +378,9 @@ def build_agent(cfg: Any, engine: Any, tokenizer: Any) -> AgentLoop:
         parser = HermesToolCallParser().parse if registry is not None else None
     if hasattr(engine, "enable_prefix_cache"):
         engine.enable_prefix_cache(int(env.prefix_cache_mb * 2**20 // engine.kv_bytes_per_token()))
+    # a served OpenEnv class may hold fewer sessions (episodes) at once than env.max_concurrent
+    live = min(env.max_concurrent, getattr(factory, "max_sessions", None) or env.max_concurrent)
     limits = AgentLimits(max_turns=env.max_turns, max_episode_tokens=env.max_episode_tokens,
-                         step_timeout_s=env.step_timeout_s, max_concurrent=env.max_concurrent)
+                         step_timeout_s=env.step_timeout_s, max_concurrent=live)
     return AgentLoop(engine, tokenizer, factory, SamplingParams.from_config(cfg.generation), limits,
                      tool_parser=parser, tools=tools)
