@@ -1,0 +1,183 @@
+"""`VerifiersRollout`: the `Rollout` of a verifiers environment (`env: {verifiers: ...}`).
+
+The environment runs its own episodes: `vf.Env.run_episode` plays each task with its agent (its harness, its
+tool servers, its interception of every model call) and scores the trace with the task's rewards and judges.
+Only the model is ours: each episode's client points at tokenmill's proxy endpoint,
+`http://127.0.0.1:PORT/proxy/<episode id>/v1`, served by a continuous-batching engine over the policy's own
+module. The server records every call's exact prompt ids, sampled ids, logprobs and policy version
+(`engines/server/recorder.py`), so the samples are the token ids the engine produced, never a
+re-tokenisation of the conversation; the episode's reward is its traces' rewards.
+
+    >>> actor = VerifiersRollout(env, engine, tokenizer, params)     # doctest: +SKIP
+    >>> groups, info = actor.rollout(rows, version=3)               # params.n episodes per row
+
+A failed episode (the environment raised, a tool server died, scoring failed) is a sample with reward NaN and
+the error in `reward_errors["env"]`, as in the agent loop; the loop drops it like an unscored sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tokenmill.engines.server.recorder import EpisodeError, EpisodeRecorder, RecordedEpisode
+from tokenmill.tracking.stages import stage
+from tokenmill.types import Group, Sample, SamplingParams, StopReason, TokenmillError
+
+log = logging.getLogger("tokenmill.verifiers")
+MODEL_NAME = "policy"
+
+
+@dataclass
+class _Played:
+    """One episode as played: the recorder's token truth, the verifiers episode, or the error that ended it."""
+
+    group: int
+    task: dict[str, Any]
+    recorded: RecordedEpisode | None = None
+    rewards: dict[str, float | None] | None = None
+    reward: float = math.nan
+    error: str | None = None
+
+
+class VerifiersRollout:
+    """Episodes of a loaded verifiers environment (`envs.verifiers_env.LoadedEnv`) against `engine`'s model,
+    `params.n` per row (the GRPO group); rows are `{"task": i, ...}` with `i` an index into its tasks.
+
+    max_concurrent:  episodes in flight at once (the engine batches their calls)
+    timeout_s:       a model call without an answer by then is cancelled (the episode fails)
+    """
+
+    plays_episodes = True  # the held-out evaluation runs episodes (controller.evaluate.evaluate_agent)
+
+    def __init__(self, loaded: Any, engine: Any, tokenizer: Any, params: SamplingParams, *,
+                 max_concurrent: int = 64, timeout_s: float = 600.0, seed: int = 0) -> None:
+        from tokenmill.engines.local.continuous import ContinuousEngine
+        from tokenmill.engines.server.app import create_app
+        from tokenmill.serving import start_in_thread
+
+        model = getattr(engine, "model", None)
+        if model is None:
+            raise TokenmillError("env.verifiers: the engine must hold the policy in this process "
+                                 "(engine.placement colocated or thread)")
+        self.loaded, self.engine, self.tokenizer, self.params = loaded, engine, tokenizer, params
+        self.max_concurrent = max_concurrent
+        self.recorder = EpisodeRecorder(ttl_s=timeout_s)
+        # the serving engine samples from the policy's own module: nothing to sync; it runs only in `rollout`
+        self.serving = ContinuousEngine(model, tokenizer, seed=seed, autocast_dtype=getattr(engine, "autocast_dtype",
+                                                                                             None))
+        app = create_app(self.serving, model_name=MODEL_NAME, recorder=self.recorder, request_timeout_s=timeout_s,
+                         default_max_tokens=params.max_tokens, max_tokens_cap=params.max_tokens)
+        try:
+            self.server, _ = start_in_thread(app, "127.0.0.1", 0)
+        except BaseException:
+            self.serving.close()
+            raise
+        self.url = self.server.url
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------------------------------ the protocol
+    def rollout(
+        self, rows: Sequence[dict[str, Any]], version: int = 0, first_group: int = 0, *,
+        group_size: int | None = None, params: SamplingParams | None = None,
+    ) -> tuple[list[Group], dict[str, float]]:
+        """`group_size` episodes per row (default `params.n`); each sample keeps the version the engine
+        reported for its calls."""
+        g = group_size or self.params.n
+        params = params or self.params
+        model, training = self.serving.model, self.serving.model.training
+        self.serving.version = max(version, int(getattr(self.engine, "version", 0)))
+        model.eval()
+        try:
+            with stage("generate") as t:
+                played = asyncio.run(self._play([(row, i) for i, row in enumerate(rows) for _ in range(g)], params))
+                if t is not None:
+                    t.add_tokens("generate", sum(sum(s.loss_mask) for p in played if p.recorded
+                                                 for s in p.recorded.segments))
+        finally:
+            model.train(training)
+        groups: dict[int, list[Sample]] = {i: [] for i in range(len(rows))}
+        for p in played:
+            groups[p.group] += self._samples(p, first_group + p.group)
+        failed = sum(p.error is not None for p in played)
+        return [Group(first_group + i, tuple(groups[i])) for i in range(len(rows))], {
+            "verifiers/episodes": float(len(played)), "verifiers/failed": float(failed)}
+
+    def close(self) -> None:
+        self.server.stop()
+        self.serving.close()
+
+    # ------------------------------------------------------------------------------------------ episodes
+    async def _play(self, queue: list[tuple[dict[str, Any], int]], params: SamplingParams) -> list[_Played]:
+        env = self.loaded.env
+        gate = asyncio.Semaphore(self.max_concurrent)
+
+        async def one(row: dict[str, Any], group: int) -> _Played:
+            async with gate:
+                return await self._episode(row, group, params)
+
+        async with env.serving():
+            return list(await asyncio.gather(*(one(row, grp) for row, grp in queue)))
+
+    async def _episode(self, row: dict[str, Any], group: int, params: SamplingParams) -> _Played:
+        import verifiers.v1 as vf
+
+        played = _Played(group, dict(row))
+        episode_id = f"vf-{next(self._ids)}"
+        sampling = {"temperature": 0.0 if params.greedy else params.temperature, "top_p": params.top_p,
+                    "max_tokens": params.max_tokens}
+        if params.top_k:
+            sampling["top_k"] = params.top_k
+        ctx = vf.ModelContext(model=MODEL_NAME, sampling=vf.Sampling(**sampling), client=vf.EvalClientConfig(
+            base_url=f"{self.url}/proxy/{episode_id}/v1", api_key_var="TOKENMILL_VERIFIERS_KEY"))
+        try:
+            task = self.loaded.tasks[row["task"]]
+            episode = await self.loaded.env.run_episode(task, ctx)
+        except Exception as exc:  # noqa: BLE001 - an episode that raises outside the env's own boundary
+            episode, played.error = None, f"{type(exc).__name__}: {exc}"
+        if episode is not None:
+            played.error = _episode_error(episode)
+            played.rewards = {name: (r.value if r is not None else None)
+                              for t in episode.traces for name, r in t.rewards.items()}
+            if played.error is None:
+                played.reward = math.fsum(t.reward for t in episode.traces)
+        try:  # the rewards go on the samples; the recorder hands over the episode's token truth
+            played.recorded = self.recorder.finish(episode_id, 0.0)
+        except EpisodeError:  # no call was recorded under this id
+            played.recorded = None
+        if played.recorded is None and played.error is None:
+            played.error = "the episode made no model call"
+        if played.error is not None:
+            log.warning("verifiers episode %s (task %s) failed: %s", episode_id, row.get("task"), played.error)
+        return played
+
+    def _samples(self, p: _Played, group_id: int) -> list[Sample]:
+        task = {k: v for k, v in p.task.items() if k != "prompt"}
+        row = {**p.task, "verifiers": self.loaded.spec}
+        if p.recorded is None or not p.recorded.segments:
+            eos = self.tokenizer.eos_token_id
+            return [Sample(tokens=(eos,), loss_mask=(0,), logprobs=(0.0,), prompt_len=1, prompt=p.task.get("prompt"),
+                           completion="", stop_reason=StopReason.STOP, version=0, group_id=group_id,
+                           reward=math.nan, rewards={"env": None}, reward_errors={"env": p.error or "no calls"},
+                           row=row)]
+        errors = {"env": p.error} if p.error else {}
+        rewards = {"env": None if p.error else p.reward, **(p.rewards or {})}
+        return [replace(s, reward=p.reward, rewards=rewards, reward_errors=errors,
+                        row={**row, **task, "calls": p.recorded.calls})
+                for s in p.recorded.samples(group_id)]
+
+
+def _episode_error(episode: Any) -> str | None:
+    """The episode's first error (its own, or one of its traces'), in one line; None when it went through."""
+    errors = list(episode.errors) + [e for t in episode.traces for e in t.errors]
+    if not errors and episode.ok:
+        return None
+    if not errors:
+        return "the episode did not finish (no error recorded)"
+    first = errors[0]
+    return f"{first.type}: {' '.join(str(first.message).split())[:500]}"
