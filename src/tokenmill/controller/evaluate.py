@@ -122,7 +122,7 @@ def evaluate_player(player: Generator | AgentLoop, rows, cfg) -> dict[str, float
     """A run's held-out evaluation with its evaluator (`RolloutSide.evaluator`): episodes through the agent loop
     (`evaluate_agent`), or greedy samples of the generator scored by its rewards (`evaluate`); accuracy is the
     built-in task's verifier where there is one."""
-    if isinstance(player, AgentLoop):
+    if isinstance(player, AgentLoop) or getattr(player, "plays_episodes", False):  # or a VerifiersRollout
         return evaluate_agent(player, rows, cfg.controller.eval_max_rows)
     return evaluate(player, rows, cfg.controller.eval_max_rows, accuracy_reward=cfg.data.task)
 

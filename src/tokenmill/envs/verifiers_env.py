@@ -170,6 +170,17 @@ def load(spec: str, kwargs: dict[str, Any] | None = None) -> LoadedEnv:
     return LoadedEnv(spec, env, tasks)
 
 
+_LOADED: dict[str, LoadedEnv] = {}
+
+
+def load_cached(spec: str, kwargs: dict[str, Any] | None = None) -> LoadedEnv:
+    """`load`, once per (spec, kwargs) in this process: the run's rows and its rollout index the same tasks."""
+    key = json.dumps([spec, kwargs or {}], sort_keys=True, default=str)
+    if key not in _LOADED:
+        _LOADED[key] = load(spec, kwargs)
+    return _LOADED[key]
+
+
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or "(no message)"
     return f"{type(exc).__name__}: {text[:500]}"

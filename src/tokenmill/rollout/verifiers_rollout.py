@@ -27,7 +27,7 @@ from typing import Any
 
 from tokenmill.engines.server.recorder import EpisodeError, EpisodeRecorder, RecordedEpisode
 from tokenmill.tracking.stages import stage
-from tokenmill.types import Group, Sample, SamplingParams, StopReason, TokenmillError
+from tokenmill.types import ConfigError, Group, Sample, SamplingParams, StopReason
 
 log = logging.getLogger("tokenmill.verifiers")
 MODEL_NAME = "policy"
@@ -41,6 +41,7 @@ class _Played:
     task: dict[str, Any]
     recorded: RecordedEpisode | None = None
     rewards: dict[str, float | None] | None = None
+    metrics: dict[str, float] | None = None
     reward: float = math.nan
     error: str | None = None
 
@@ -63,8 +64,8 @@ class VerifiersRollout:
 
         model = getattr(engine, "model", None)
         if model is None:
-            raise TokenmillError("env.verifiers: the engine must hold the policy in this process "
-                                 "(engine.placement colocated or thread)")
+            raise ConfigError("engine.placement: env.verifiers serves the policy from this process "
+                              "(engine.placement colocated or thread)")
         self.loaded, self.engine, self.tokenizer, self.params = loaded, engine, tokenizer, params
         self.max_concurrent = max_concurrent
         self.recorder = EpisodeRecorder(ttl_s=timeout_s)
@@ -144,6 +145,7 @@ class VerifiersRollout:
             played.error = _episode_error(episode)
             played.rewards = {name: (r.value if r is not None else None)
                               for t in episode.traces for name, r in t.rewards.items()}
+            played.metrics = {name: v for t in episode.traces for name, v in t.metrics.items() if v is not None}
             if played.error is None:
                 played.reward = math.fsum(t.reward for t in episode.traces)
         try:  # the rewards go on the samples; the recorder hands over the episode's token truth
@@ -157,7 +159,6 @@ class VerifiersRollout:
         return played
 
     def _samples(self, p: _Played, group_id: int) -> list[Sample]:
-        task = {k: v for k, v in p.task.items() if k != "prompt"}
         row = {**p.task, "verifiers": self.loaded.spec}
         if p.recorded is None or not p.recorded.segments:
             eos = self.tokenizer.eos_token_id
@@ -167,8 +168,9 @@ class VerifiersRollout:
                            row=row)]
         errors = {"env": p.error} if p.error else {}
         rewards = {"env": None if p.error else p.reward, **(p.rewards or {})}
-        return [replace(s, reward=p.reward, rewards=rewards, reward_errors=errors,
-                        row={**row, **task, "calls": p.recorded.calls})
+        # turns / info: what the agent loop's rows carry, so env/turns and env/<metric> are logged alike
+        row |= {"turns": p.recorded.calls, "info": dict(p.metrics or {})}
+        return [replace(s, reward=p.reward, rewards=rewards, reward_errors=errors, row=row)
                 for s in p.recorded.samples(group_id)]
 
 
@@ -181,3 +183,13 @@ def _episode_error(episode: Any) -> str | None:
         return "the episode did not finish (no error recorded)"
     first = errors[0]
     return f"{first.type}: {' '.join(str(first.message).split())[:500]}"
+
+
+def build_verifiers(cfg: Any, engine: Any, tokenizer: Any) -> VerifiersRollout:
+    """The rollout of an `RLConfig`'s `env.verifiers` over `engine` (the run's, or a producer's placed one)."""
+    from tokenmill.envs.verifiers_env import load_cached
+
+    env = cfg.env
+    return VerifiersRollout(load_cached(env.verifiers, env.kwargs), engine, tokenizer,
+                            SamplingParams.from_config(cfg.generation), max_concurrent=env.max_concurrent,
+                            timeout_s=max(env.step_timeout_s, 1.0) * env.max_turns, seed=cfg.training.seed)
