@@ -324,6 +324,14 @@ def _reward_functions(cfg: RLConfig, extra: list[Any], problems: list[str]) -> l
 
 
 def _env_problem(cfg: RLConfig) -> str | None:
+    if cfg.env is not None and cfg.env.verifiers is not None:  # loaded as the run will (import, taskset, tasks)
+        try:
+            from tokenmill.envs.verifiers_env import load_cached
+
+            load_cached(cfg.env.verifiers, cfg.env.kwargs)
+        except ConfigError as exc:
+            return str(exc)
+        return None
     if cfg.env is None or cfg.env.name is None:
         return None
     from tokenmill.envs import BUILTIN_ENVS  # names and import strings only (the classes load when used)

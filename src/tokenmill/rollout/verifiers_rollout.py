@@ -42,6 +42,7 @@ class _Played:
     recorded: RecordedEpisode | None = None
     rewards: dict[str, float | None] | None = None
     metrics: dict[str, float] | None = None
+    messages: list[dict[str, Any]] | None = None  # the conversation of the episode's last trace
     reward: float = math.nan
     error: str | None = None
 
@@ -146,6 +147,8 @@ class VerifiersRollout:
             played.rewards = {name: (r.value if r is not None else None)
                               for t in episode.traces for name, r in t.rewards.items()}
             played.metrics = {name: v for t in episode.traces for name, v in t.metrics.items() if v is not None}
+            if episode.traces:
+                played.messages = [m.model_dump(mode="json", exclude_none=True) for m in episode.traces[-1].messages]
             if played.error is None:
                 played.reward = math.fsum(t.reward for t in episode.traces)
         try:  # the rewards go on the samples; the recorder hands over the episode's token truth
@@ -169,7 +172,7 @@ class VerifiersRollout:
         errors = {"env": p.error} if p.error else {}
         rewards = {"env": None if p.error else p.reward, **(p.rewards or {})}
         # turns / info: what the agent loop's rows carry, so env/turns and env/<metric> are logged alike
-        row |= {"turns": p.recorded.calls, "info": dict(p.metrics or {})}
+        row |= {"turns": p.recorded.calls, "info": dict(p.metrics or {}), "messages": p.messages or []}
         return [replace(s, reward=p.reward, rewards=rewards, reward_errors=errors, row=row)
                 for s in p.recorded.samples(group_id)]
 
