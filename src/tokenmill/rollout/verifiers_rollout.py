@@ -128,6 +128,7 @@ class VerifiersRollout:
 
     async def _episode(self, row: dict[str, Any], group: int, params: SamplingParams) -> _Played:
         import verifiers.v1 as vf
+        from verifiers.v1.dialects.chat import message_to_wire
 
         played = _Played(group, dict(row))
         episode_id = f"vf-{next(self._ids)}"
@@ -148,7 +149,7 @@ class VerifiersRollout:
                               for t in episode.traces for name, r in t.rewards.items()}
             played.metrics = {name: v for t in episode.traces for name, v in t.metrics.items() if v is not None}
             if episode.traces:
-                played.messages = [m.model_dump(mode="json", exclude_none=True) for m in episode.traces[-1].messages]
+                played.messages = [message_to_wire(m) for m in episode.traces[-1].messages]  # OpenAI's shape
             if played.error is None:
                 played.reward = math.fsum(t.reward for t in episode.traces)
         try:  # the rewards go on the samples; the recorder hands over the episode's token truth
