@@ -53,12 +53,12 @@ def test_rows_and_held_out_tasks_come_from_the_taskset():
 
 
 @pytest.mark.parametrize("spec, kwargs, message", [
-    ("tm_vf_nowhere", {}, "env.verifiers: cannot load 'tm_vf_nowhere': ModuleNotFoundError: taskset "
-                          "'tm_vf_nowhere' not found"),
-    ("tm_vf_broken", {}, "env.verifiers: 'tm_vf_broken' failed while loading its tasks: FileNotFoundError: "
-                         "rows.parquet: no such split 'train'"),
-    ("tm_vf_sum", {"taskset": {"num_taskz": 3}}, "env.kwargs: verifiers environment 'tm_vf_sum' failed to load: "
-                                                  "ValidationError:"),
+    ("tm_vf_nowhere", {}, ("env.verifiers: cannot load 'tm_vf_nowhere': ModuleNotFoundError: taskset "
+                          "'tm_vf_nowhere' not found")),
+    ("tm_vf_broken", {}, ("env.verifiers: 'tm_vf_broken' failed while loading its tasks: FileNotFoundError: "
+                         "rows.parquet: no such split 'train'")),
+    ("tm_vf_sum", {"taskset": {"num_taskz": 3}}, ("env.kwargs: verifiers environment 'tm_vf_sum' failed to load: "
+                                                  "ValidationError:")),
     ("missing.py", {}, "env.verifiers: no such file 'missing.py'"),
 ])
 def test_an_environment_that_fails_to_load_is_named_with_its_own_error(spec, kwargs, message):
