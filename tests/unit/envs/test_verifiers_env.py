@@ -14,7 +14,7 @@ import pytest
 from tokenmill.config import RLConfig, load_config
 from tokenmill.types import ConfigError
 
-ENVS = Path(__file__).parents[1] / "rollout" / "verifiers_envs"
+ENVS = Path(__file__).parents[2] / "verifiers_envs"
 
 
 @pytest.fixture(autouse=True)

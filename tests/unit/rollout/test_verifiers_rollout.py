@@ -1,4 +1,4 @@
-"""verifiers environments played through tokenmill's engine: real verifiers v1 environments (verifiers_envs/),
+"""verifiers environments played through tokenmill's engine: real verifiers v1 environments (tests/verifiers_envs/),
 a real tiny model behind the recording proxy. The samples' token ids are the engine's own (captured from its
 `submit`), they decode to the conversation the environment saw, and the rewards are its rubric's."""
 
@@ -16,7 +16,7 @@ from tokenmill.envs.verifiers_env import load
 from tokenmill.rollout.verifiers_rollout import VerifiersRollout
 from tokenmill.types import SamplingParams
 
-ENVS = Path(__file__).parent / "verifiers_envs"
+ENVS = Path(__file__).parents[2] / "verifiers_envs"
 
 
 @pytest.fixture(autouse=True)
