@@ -68,7 +68,7 @@ def grpo_on_verifiers(warm, out, steps: int = 60, num_eval: int = 200):
         "data": {"num_eval": num_eval},
         "env": {"verifiers": str(env_file), "kwargs": {"taskset": {"num_tasks": 4000}}},
         "generation": {"group_size": 8, "max_tokens": 6, "temperature": 1.0},
-        "training": {"learning_rate": 5e-5, "seed": 0},
+        "training": {"learning_rate": 1e-4, "seed": 0},
         "controller": {"steps": steps, "prompts_per_step": 16, "eval_every": 0, "eval_max_rows": num_eval},
         "tracking": {"output_dir": str(out), "console": "none", "log_every": 10},
         "checkpoint": {"every": 0, "save_final": False},

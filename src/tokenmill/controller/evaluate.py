@@ -137,7 +137,11 @@ def evaluate_config(cfg, engine, tokenizer, rewards, rows) -> dict[str, float]:
     else:
         player = build_generator(cfg, engine, tokenizer, rewards)
         why = "no sample got a reward (each reward failed or returned NaN on every row)"
-    result = evaluate_player(player, rows, cfg)
+    try:
+        result = evaluate_player(player, rows, cfg)
+    finally:
+        if getattr(player, "plays_episodes", False):  # a VerifiersRollout: its server and serving engine
+            player.close()
     nan = [k for k, v in result.items() if isinstance(v, float) and math.isnan(v)]
     if nan:
         raise TokenmillError(f"eval: {', '.join(nan)} is NaN on {result['eval/rows']} rows: {why}")

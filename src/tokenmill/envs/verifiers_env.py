@@ -18,7 +18,9 @@ endpoint, the task's MCP tools called between turns, until a reply without tool 
 
 from __future__ import annotations
 
+import functools
 import json
+import ssl
 import sys
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -27,8 +29,11 @@ from typing import Any
 
 from tokenmill.types import ConfigError
 
+import httpx
+
 try:
     import verifiers.v1 as vf
+    from verifiers.v1.dialects.chat import message_to_wire
     from verifiers.v1.harnesses.utils.mcp import call_mcp, connect_mcp
     from verifiers.v1.runtimes import ProgramResult
 except ImportError as exc:  # the extra is not installed: one line naming it
@@ -60,9 +65,10 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
         messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
         if isinstance(prompt, str):
             messages.append({"role": "user", "content": prompt})
-        else:
-            messages += [m.model_dump(exclude_none=True) for m in prompt or []]
-        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)
+        else:  # a resumed exchange: the conversation so far, in OpenAI's shape
+            messages += [message_to_wire(m) for m in prompt or []]
+        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0,
+                             http_client=httpx.AsyncClient(verify=_tls(), timeout=None))
         async with AsyncExitStack() as stack:
             stack.push_async_callback(client.close)
             servers_cfg = {"mcpServers": {name: {"url": url, "timeout": self.config.tool_timeout}
@@ -79,6 +85,12 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
                     messages.append({"role": "tool", "tool_call_id": call.id, "name": call.function.name,
                                      "content": await _tool_result(servers, dispatch, call)})
         return ProgramResult(exit_code=0, stdout="", stderr="")
+
+
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    """One TLS context for every episode's client (building one reads the CA bundle: ~20 ms each)."""
+    return ssl.create_default_context()
 
 
 async def _tool_result(servers, dispatch, call) -> Any:
@@ -136,16 +148,20 @@ def _taskset_id(spec: str) -> str:
 
 
 def env_config(taskset_id: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The verifiers `[env]` block: `kwargs` (its `taskset` fields, `agent`, `id`...) with the taskset id, the
-    agent's runtime on this machine and, unless the taskset or `agent.harness` names one, our chat harness."""
-    from verifiers.v1.utils.loaders import default_harness_id
+    """The verifiers `[env]` block: `kwargs` (its `taskset` fields, its roles such as `agent`, `id`...) with the
+    taskset id and, for each role of the env, a runtime on this machine and, unless the taskset or the role
+    names one, our chat harness."""
+    from verifiers.v1.utils.loaders import default_harness_id, env_config_type
 
     raw = json.loads(json.dumps(kwargs))  # a deep copy of plain data
     raw["taskset"] = {**raw.get("taskset", {}), "id": taskset_id}
-    agent = raw.setdefault("agent", {})
-    agent.setdefault("runtime", {"type": "subprocess"})
-    if "harness" not in agent and default_harness_id(taskset_id) == "bash":
-        agent["harness"] = {"id": HARNESS_ID}
+    fields = env_config_type(taskset_id, raw.get("id") or "").model_fields
+    roles = [name for name, f in fields.items() if isinstance(f.default, vf.AgentConfig)]
+    for role in roles:
+        seat = raw.setdefault(role, {})
+        seat.setdefault("runtime", {"type": "subprocess"})
+        if "harness" not in seat and fields[role].default.harness is None and default_harness_id(taskset_id) == "bash":
+            seat["harness"] = {"id": HARNESS_ID}
     return raw
 
 

@@ -2,11 +2,12 @@
 
 The environment runs its own episodes: `vf.Env.run_episode` plays each task with its agent (its harness, its
 tool servers, its interception of every model call) and scores the trace with the task's rewards and judges.
-Only the model is ours: each episode's client points at tokenmill's proxy endpoint,
-`http://127.0.0.1:PORT/proxy/<episode id>/v1`, served by a continuous-batching engine over the policy's own
-module. The server records every call's exact prompt ids, sampled ids, logprobs and policy version
-(`engines/server/recorder.py`), so the samples are the token ids the engine produced, never a
-re-tokenisation of the conversation; the episode's reward is its traces' rewards.
+Only the model is ours: the episodes' client points at tokenmill's proxy endpoint,
+`http://127.0.0.1:PORT/verifiers/v1`, served by a continuous-batching engine over the policy's own module;
+the server records every call's exact prompt ids, sampled ids, logprobs and policy version under the trace it
+belongs to (verifiers' `X-Session-ID` header; `engines/server/recorder.py`), so the samples are the token ids
+the engine produced, never a re-tokenisation of the conversation; a trace's reward is its rewards summed with their weights
+(a multi-agent env's seats are traces of their own, each its own samples).
 
     >>> actor = VerifiersRollout(env, engine, tokenizer, params)     # doctest: +SKIP
     >>> groups, info = actor.rollout(rows, version=3)               # params.n episodes per row
@@ -18,14 +19,18 @@ the error in `reward_errors["env"]`, as in the agent loop; the loop drops it lik
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from tokenmill.engines.server.openai_wire import ChatBody
 from tokenmill.engines.server.recorder import EpisodeError, EpisodeRecorder, RecordedEpisode
+from tokenmill.serving import ApiError
 from tokenmill.tracking.stages import stage
 from tokenmill.types import ConfigError, Group, Sample, SamplingParams, StopReason
 
@@ -74,14 +79,14 @@ class VerifiersRollout:
         self.serving = ContinuousEngine(model, tokenizer, seed=seed, autocast_dtype=getattr(engine, "autocast_dtype",
                                                                                              None))
         app = create_app(self.serving, model_name=MODEL_NAME, recorder=self.recorder, request_timeout_s=timeout_s,
-                         default_max_tokens=params.max_tokens, max_tokens_cap=params.max_tokens)
+                         default_max_tokens=params.max_tokens, max_tokens_cap=params.max_tokens,
+                         extra_routers=[_trace_route()])
         try:
             self.server, _ = start_in_thread(app, "127.0.0.1", 0)
         except BaseException:
             self.serving.close()
             raise
         self.url = self.server.url
-        self._ids = itertools.count()
 
     # ------------------------------------------------------------------------------------------ the protocol
     def rollout(
@@ -119,47 +124,50 @@ class VerifiersRollout:
         env = self.loaded.env
         gate = asyncio.Semaphore(self.max_concurrent)
 
-        async def one(row: dict[str, Any], group: int) -> _Played:
+        async def one(row: dict[str, Any], group: int) -> list[_Played]:
             async with gate:
                 return await self._episode(row, group, params)
 
         async with env.serving():
-            return list(await asyncio.gather(*(one(row, grp) for row, grp in queue)))
+            return [p for played in await asyncio.gather(*(one(row, grp) for row, grp in queue)) for p in played]
 
-    async def _episode(self, row: dict[str, Any], group: int, params: SamplingParams) -> _Played:
+    async def _episode(self, row: dict[str, Any], group: int, params: SamplingParams) -> list[_Played]:
+        """The episode of `row`'s task: one `_Played` per trace (one per seat of a multi-agent env)."""
         import verifiers.v1 as vf
-        from verifiers.v1.dialects.chat import message_to_wire
 
-        played = _Played(group, dict(row))
-        episode_id = f"vf-{next(self._ids)}"
         sampling = {"temperature": 0.0 if params.greedy else params.temperature, "top_p": params.top_p,
                     "max_tokens": params.max_tokens}
         if params.top_k:
             sampling["top_k"] = params.top_k
+        # one endpoint for every episode: each call is recorded under its trace (verifiers' X-Session-ID)
         ctx = vf.ModelContext(model=MODEL_NAME, sampling=vf.Sampling(**sampling), client=vf.EvalClientConfig(
-            base_url=f"{self.url}/proxy/{episode_id}/v1", api_key_var="TOKENMILL_VERIFIERS_KEY"))
+            base_url=f"{self.url}/verifiers/v1", api_key_var="TOKENMILL_VERIFIERS_KEY"))
         try:
-            task = self.loaded.tasks[row["task"]]
-            episode = await self.loaded.env.run_episode(task, ctx)
+            episode = await self.loaded.env.run_episode(self.loaded.tasks[row["task"]], ctx)
         except Exception as exc:  # noqa: BLE001 - an episode that raises outside the env's own boundary
-            episode, played.error = None, f"{type(exc).__name__}: {exc}"
-        if episode is not None:
-            played.error = _episode_error(episode)
-            played.rewards = {name: (r.value if r is not None else None)
-                              for t in episode.traces for name, r in t.rewards.items()}
-            played.metrics = {name: v for t in episode.traces for name, v in t.metrics.items() if v is not None}
-            if episode.traces:
-                played.messages = [message_to_wire(m) for m in episode.traces[-1].messages]  # OpenAI's shape
-            if played.error is None:
-                played.reward = math.fsum(t.reward for t in episode.traces)
-        try:  # the rewards go on the samples; the recorder hands over the episode's token truth
-            played.recorded = self.recorder.finish(episode_id, 0.0)
-        except EpisodeError:  # no call was recorded under this id
-            played.recorded = None
-        if played.recorded is None and played.error is None:
-            played.error = "the episode made no model call"
-        if played.error is not None:
-            log.warning("verifiers episode %s (task %s) failed: %s", episode_id, row.get("task"), played.error)
+            return [self._failed(_Played(group, dict(row), error=f"{type(exc).__name__}: {_line(str(exc))}"))]
+        failed = _error(episode.errors) or (None if episode.ok or episode.traces else "the episode ran no agent")
+        if not episode.traces:
+            return [self._failed(_Played(group, dict(row), error=failed))]
+        return [self._played(trace, group, row, failed) for trace in episode.traces]
+
+    def _played(self, trace: Any, group: int, row: dict[str, Any], failed: str | None) -> _Played:
+        from verifiers.v1.dialects.chat import message_to_wire
+
+        played = _Played(group, dict(row), error=failed or _error(trace.errors))
+        played.rewards = {name: (r.value if r is not None else None) for name, r in trace.rewards.items()}
+        played.metrics = {name: v for name, v in trace.metrics.items() if v is not None}
+        played.messages = [message_to_wire(m) for m in trace.messages]  # OpenAI's shape
+        if played.error is None:
+            played.reward = trace.reward
+        try:  # the rewards go on the samples; the recorder hands over the trace's token truth
+            played.recorded = self.recorder.finish(trace.id, 0.0)
+        except EpisodeError:  # no call was recorded under this trace
+            played.error = played.error or "the episode made no model call"
+        return self._failed(played) if played.error else played
+
+    def _failed(self, played: _Played) -> _Played:
+        log.warning("verifiers episode of task %s failed: %s", played.task.get("task"), played.error)
         return played
 
     def _samples(self, p: _Played, group_id: int) -> list[Sample]:
@@ -178,15 +186,29 @@ class VerifiersRollout:
                 for s in p.recorded.samples(group_id)]
 
 
-def _episode_error(episode: Any) -> str | None:
-    """The episode's first error (its own, or one of its traces'), in one line; None when it went through."""
-    errors = list(episode.errors) + [e for t in episode.traces for e in t.errors]
-    if not errors and episode.ok:
-        return None
-    if not errors:
-        return "the episode did not finish (no error recorded)"
-    first = errors[0]
-    return f"{first.type}: {' '.join(str(first.message).split())[:500]}"
+def _error(errors: list[Any]) -> str | None:
+    """The first of verifiers' recorded errors, in one line (None when there is none)."""
+    return f"{errors[0].type}: {_line(str(errors[0].message))}" if errors else None
+
+
+def _line(text: str) -> str:
+    return " ".join(text.split())[:500]
+
+
+def _trace_route() -> APIRouter:
+    """`POST /verifiers/v1/chat/completions`: the proxy's recorded chat route, the episode being the verifiers
+    trace the call belongs to (the X-Session-ID header verifiers' client sends on every call of a rollout)."""
+    router = APIRouter()
+
+    @router.post("/verifiers/v1/chat/completions", response_model=None)
+    async def chat(body: ChatBody, request: Request) -> Any:
+        trace = request.headers.get("x-session-id")
+        if not trace:
+            raise ApiError(400, "X-Session-ID: a verifiers client names the trace of each call; none was sent")
+        answer = await request.app.state.completer.chat(body, request, trace)
+        return JSONResponse(answer) if isinstance(answer, dict) else answer
+
+    return router
 
 
 def build_verifiers(cfg: Any, engine: Any, tokenizer: Any) -> VerifiersRollout:
