@@ -183,3 +183,28 @@ def test_load_builds_the_env_and_one_row_per_task():
     assert env.rows == [{"prompt": "0+1=", "task": 0}, {"prompt": "1+2=", "task": 1}]
     assert type(env.env).__name__ == "SingleAgentEnv"
     assert env.env.config.agent.harness.id == "tokenmill-chat" and env.env.config.agent.runtime.type == "subprocess"
+
+
+def test_a_packaged_multi_agent_env_gives_each_trace_its_own_tokens_and_reward(tiny_model, tokenizer):
+    """verifiers' own `best-of-n` env over a taskset: n attempts per episode, each a trace recorded apart."""
+    env = load("tm_vf_sum", {"id": "best-of-n", "n": 3, "taskset": {"num_tasks": 2}})
+    assert type(env.env).__name__ == "BestOfNEnv"
+    actor = _actor(tiny_model, tokenizer, env, max_tokens=4, n=1)
+    engine = EngineCalls(actor)
+    try:
+        groups, info = actor.rollout(env.rows)
+    finally:
+        actor.close()
+    assert info == {"verifiers/episodes": 6.0, "verifiers/failed": 0.0}  # 2 tasks x 3 traces
+    assert len(engine.calls) == 6
+    for group, task in zip(groups, env.tasks, strict=True):
+        assert len(group.samples) == 3
+        for s in group.samples:
+            [reply] = [list(c.token_ids) for p, f in engine.calls if list(p) == list(s.tokens[: s.prompt_len])
+                       for c in f.result() if list(c.token_ids) == list(s.tokens[s.prompt_len :])]
+            answer = s.row["messages"][1]["content"]
+            assert tokenizer.decode(reply, skip_special_tokens=True) == answer
+            exact, digit = float(answer.strip() == task.data.answer), float(any(c.isdigit() for c in answer))
+            assert s.reward == exact + 0.5 * digit  # this attempt's own rubric, not its siblings'
+        top = max(s.reward for s in group.samples)
+        assert [s.row["info"]["best"] for s in group.samples] == [float(s.reward == top) for s in group.samples]
