@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenmill.types import ConfigError
-
 import httpx
+
+from tokenmill.types import ConfigError
 
 try:
     import verifiers.v1 as vf

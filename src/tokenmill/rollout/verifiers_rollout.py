@@ -6,8 +6,8 @@ Only the model is ours: the episodes' client points at tokenmill's proxy endpoin
 `http://127.0.0.1:PORT/verifiers/v1`, served by a continuous-batching engine over the policy's own module;
 the server records every call's exact prompt ids, sampled ids, logprobs and policy version under the trace it
 belongs to (verifiers' `X-Session-ID` header; `engines/server/recorder.py`), so the samples are the token ids
-the engine produced, never a re-tokenisation of the conversation; a trace's reward is its rewards summed with their weights
-(a multi-agent env's seats are traces of their own, each its own samples).
+the engine produced, never a re-tokenisation of the conversation; a trace's reward is its rewards summed with
+their weights (a multi-agent env's seats are traces of their own, each its own samples).
 
     >>> actor = VerifiersRollout(env, engine, tokenizer, params)     # doctest: +SKIP
     >>> groups, info = actor.rollout(rows, version=3)               # params.n episodes per row
