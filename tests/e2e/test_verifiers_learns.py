@@ -55,7 +55,8 @@ def chat_warm(tmp_path_factory):
     return warm_start(tmp_path_factory.mktemp("chat-warm"), num_eval=200, say=lambda _: None, chat=True)
 
 
-def grpo_on_verifiers(warm, out, steps: int = 60, num_eval: int = 200):
+def grpo_on_verifiers(warm, out, steps: int = 30, num_eval: int = 100, learning_rate: float = 2e-4,
+                      log_every: int = 10):
     """The run and the samples it trained on, each checked against the engine's own sampled ids."""
     from tokenmill.config import RLConfig, load_config
     from tokenmill.controller import build_run, run_rl
@@ -68,9 +69,10 @@ def grpo_on_verifiers(warm, out, steps: int = 60, num_eval: int = 200):
         "data": {"num_eval": num_eval},
         "env": {"verifiers": str(env_file), "kwargs": {"taskset": {"num_tasks": 4000}}},
         "generation": {"group_size": 8, "max_tokens": 6, "temperature": 1.0},
-        "training": {"learning_rate": 1e-4, "seed": 0},
+        "training": {"learning_rate": learning_rate, "seed": 0},
         "controller": {"steps": steps, "prompts_per_step": 16, "eval_every": 0, "eval_max_rows": num_eval},
-        "tracking": {"output_dir": str(out), "console": "none", "log_every": 10},
+        "tracking": {"output_dir": str(out), "console": "plain" if log_every < 10 else "none",
+                     "log_every": log_every},
         "checkpoint": {"every": 0, "save_final": False},
     })
     run = build_run(cfg)
@@ -112,10 +114,10 @@ def test_grpo_on_a_verifiers_environment_raises_held_out_accuracy(chat_warm, tmp
     before, after = result["eval_before"]["eval/accuracy"], result["eval_after"]["eval/accuracy"]
     print(f"verifiers addition: held-out greedy accuracy {before:.3f} -> {after:.3f}; "
           f"{checked} trained samples equal to the engine's ids")
-    assert result["eval_after"]["eval/rows"] == 200
+    assert result["eval_after"]["eval/rows"] == 100
     assert 0.2 < before < 0.8, before
     assert after - before >= 0.10, (before, after)
-    assert checked == 60 * 16 * 8  # every trained sample was the engine's tokens (no episode failed)
+    assert checked == 30 * 16 * 8  # every trained sample was the engine's tokens (no episode failed)
     rewards = [r["reward/mean"] for r in steps]
-    assert sum(rewards[-15:]) > sum(rewards[:15])
+    assert sum(rewards[-10:]) > sum(rewards[:10])
     assert all(r["verifiers/failed"] == 0 for r in steps)
