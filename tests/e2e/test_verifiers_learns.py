@@ -1,7 +1,7 @@
 """GRPO on a verifiers environment learns: the quickstart's addition task wrapped as a verifiers v1 environment
 (its rubric: the exact answer), played by verifiers' own episode logic through tokenmill's recording proxy.
 
-The tiny Llama gets the quickstart's sloppy warm start with its prompts as chat user messages (~60 s), then GRPO
+The tiny Llama gets the quickstart's sloppy warm start with its prompts as chat user messages (~60 s unloaded), then GRPO
 on the environment's tasks; held-out greedy accuracy on tasks the run never trains on rises, and every
 trained sample is the engine's own tokens (each step's samples are compared with what the serving engine
 sampled for the same prompt ids).
@@ -55,7 +55,7 @@ def chat_warm(tmp_path_factory):
     return warm_start(tmp_path_factory.mktemp("chat-warm"), num_eval=200, say=lambda _: None, chat=True)
 
 
-def grpo_on_verifiers(warm, out, steps: int = 30, num_eval: int = 100, learning_rate: float = 2e-4,
+def grpo_on_verifiers(warm, out, steps: int = 150, num_eval: int = 200, learning_rate: float = 5e-5,
                       log_every: int = 10):
     """The run and the samples it trained on, each checked against the engine's own sampled ids."""
     from tokenmill.config import RLConfig, load_config
@@ -114,10 +114,11 @@ def test_grpo_on_a_verifiers_environment_raises_held_out_accuracy(chat_warm, tmp
     before, after = result["eval_before"]["eval/accuracy"], result["eval_after"]["eval/accuracy"]
     print(f"verifiers addition: held-out greedy accuracy {before:.3f} -> {after:.3f}; "
           f"{checked} trained samples equal to the engine's ids")
-    assert result["eval_after"]["eval/rows"] == 100
+    assert result["eval_after"]["eval/rows"] == 200
     assert 0.2 < before < 0.8, before
     assert after - before >= 0.10, (before, after)
-    assert checked == 30 * 16 * 8  # every trained sample was the engine's tokens (no episode failed)
+    # every sample (trained, dynamic sampling's extra draws, evaluated) was the engine's tokens
+    assert checked >= 150 * 16 * 8
     rewards = [r["reward/mean"] for r in steps]
-    assert sum(rewards[-10:]) > sum(rewards[:10])
+    assert sum(rewards[-30:]) > sum(rewards[:30])
     assert all(r["verifiers/failed"] == 0 for r in steps)
