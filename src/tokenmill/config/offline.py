@@ -43,6 +43,12 @@ class SFTConfig(OptimConfig, OfflineConfig):
     )
     micro_batch_tokens: int = Field(8192, ge=16, description="Token budget of one micro-batch (and packed row).")
 
+    @model_validator(mode="after")
+    def _data_source(self) -> SFTConfig:
+        if self.data.task is None and self.data.path is None:  # DataConfig leaves "neither" to its run's config
+            raise ValueError("data: set exactly one of data.task or data.path")
+        return self
+
 
 class PreferenceDataConfig(Section):
     task: Literal["addition"] | None = Field(

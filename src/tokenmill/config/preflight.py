@@ -328,6 +328,14 @@ def _env_problem(cfg: RLConfig) -> str | None:
         from tokenmill.envs.openenv import config_problem
 
         return config_problem(cfg.env.openenv)
+    if cfg.env is not None and cfg.env.verifiers is not None:  # loaded as the run will (import, taskset, tasks)
+        try:
+            from tokenmill.envs.verifiers_env import load_cached
+
+            load_cached(cfg.env.verifiers, cfg.env.kwargs)
+        except ConfigError as exc:
+            return str(exc)
+        return None
     if cfg.env is None or cfg.env.name is None:
         return None
     from tokenmill.envs import BUILTIN_ENVS  # names and import strings only (the classes load when used)

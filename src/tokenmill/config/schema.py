@@ -84,7 +84,7 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
-        if (self.task is None) == (self.path is None):
+        if self.task is not None and self.path is not None:  # neither: RLConfig allows it for env.verifiers
             raise ValueError("set exactly one of data.task or data.path")
         if self.eval_path is not None and self.path is None:
             raise ValueError("data.eval_path is for a dataset given by data.path (a built-in task makes its own "
@@ -157,6 +157,12 @@ class EnvConfig(Section):
         "'module:Class' or 'path/to/file.py:Class' (reset(task) -> messages, step(message) -> StepResult, close())."
     )
     url: str | None = Field(None, description="A remote environment served by `tokenmill env serve` (http://host:port).")
+    verifiers: str | None = Field(
+        None, description="A verifiers (v1) environment: an installed taskset id, or a .py file exporting a "
+        "`vf.Taskset` through `__all__`; it plays its own episodes (its harness, tools and rewards) against the "
+        "policy through the recording proxy, and its tasks are the rows. `kwargs` is its verifiers `[env]` block "
+        "(`taskset` fields, `agent`, `id`). Needs `pip install tokenmill[verifiers]`."
+    )
     token: str | None = Field(None, description="Bearer token for `url` (default: $TOKENMILL_ENV_TOKEN).")
     openenv: OpenEnvConfig | None = Field(None, description="An OpenEnv environment (a server at a URL, or one "
                                           "this run serves): text to actions, observations to messages.")
@@ -174,8 +180,8 @@ class EnvConfig(Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> EnvConfig:
-        if sum(source is not None for source in (self.name, self.url, self.openenv)) != 1:
-            raise ValueError("set exactly one of env.name, env.url or env.openenv")
+        if sum(source is not None for source in (self.name, self.url, self.openenv, self.verifiers)) != 1:
+            raise ValueError("set exactly one of env.name, env.url, env.openenv or env.verifiers")
         return self
 
 
@@ -481,6 +487,7 @@ class RLConfig(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RLConfig:
+        _check_data_source(self)
         seqs = self.sequences_per_step
         if self.algorithm.mini_batches > seqs:
             raise ValueError(
@@ -516,6 +523,16 @@ class RLConfig(Section):
                 f"below generation.max_tokens ({self.generation.max_tokens})"
             )
         return self
+
+
+def _check_data_source(cfg: RLConfig) -> None:
+    """The rows come from data.task or data.path, or from the verifiers environment's taskset (then neither)."""
+    data, verifiers = cfg.data, cfg.env is not None and cfg.env.verifiers is not None
+    if verifiers and (data.task is not None or data.path is not None):
+        raise ValueError("data: env.verifiers brings its tasks as the rows; leave data.task and data.path unset "
+                         "(data.num_eval still holds tasks out for evaluation)")
+    if not verifiers and data.task is None and data.path is None:
+        raise ValueError("data: set exactly one of data.task or data.path")
 
 
 def _check_async(cfg: RLConfig) -> None:

@@ -88,6 +88,8 @@ class Run:
     def close(self) -> None:
         gc.unfreeze()
         self.rollout.rewards.close()
+        if getattr(self.rollout.evaluator, "plays_episodes", False):  # a VerifiersRollout: its server and engine
+            self.rollout.evaluator.close()
         self.logger.close()
         if self.trainer.teacher is not None:
             self.trainer.teacher.close()

@@ -122,7 +122,7 @@ def evaluate_player(player: Generator | AgentLoop, rows, cfg) -> dict[str, float
     """A run's held-out evaluation with its evaluator (`RolloutSide.evaluator`): episodes through the agent loop
     (`evaluate_agent`), or greedy samples of the generator scored by its rewards (`evaluate`); accuracy is the
     built-in task's verifier where there is one."""
-    if isinstance(player, AgentLoop):
+    if isinstance(player, AgentLoop) or getattr(player, "plays_episodes", False):  # or a VerifiersRollout
         return evaluate_agent(player, rows, cfg.controller.eval_max_rows)
     return evaluate(player, rows, cfg.controller.eval_max_rows, accuracy_reward=cfg.data.task)
 
@@ -137,7 +137,11 @@ def evaluate_config(cfg, engine, tokenizer, rewards, rows) -> dict[str, float]:
     else:
         player = build_generator(cfg, engine, tokenizer, rewards)
         why = "no sample got a reward (each reward failed or returned NaN on every row)"
-    result = evaluate_player(player, rows, cfg)
+    try:
+        result = evaluate_player(player, rows, cfg)
+    finally:
+        if getattr(player, "plays_episodes", False):  # a VerifiersRollout: its server and serving engine
+            player.close()
     nan = [k for k, v in result.items() if isinstance(v, float) and math.isnan(v)]
     if nan:
         raise TokenmillError(f"eval: {', '.join(nan)} is NaN on {result['eval/rows']} rows: {why}")

@@ -16,6 +16,12 @@ def build_datasets(cfg: Any, dataset=None):
     from tokenmill.data.registry import task_splits
 
     data = cfg.data
+    if dataset is None and cfg.env is not None and cfg.env.verifiers is not None:  # the taskset's tasks
+        from tokenmill.envs.verifiers_env import load_cached
+
+        rows, held = split_held_out(load_cached(cfg.env.verifiers, cfg.env.kwargs).rows, data.num_eval or 0,
+                                    seed=cfg.training.seed)
+        return rows, held, None
     if dataset is None and data.task is not None:  # a row task brings its verifier; an env task's episodes are the reward
         return task_splits(data.task, data.num_train, data.held_out_rows, seed=cfg.training.seed, **data.task_kwargs)
     if dataset is None:

@@ -18,9 +18,11 @@ MODEL = {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 
 def warm_start(
     output_dir: str | Path, *, sft_steps: int = 700, slip: float = 0.6, num_eval: int = 1000, seed: int = 0,
-    say: Callable[[str], None] = print,
+    say: Callable[[str], None] = print, chat: bool = False,
 ) -> Path:
-    """Build the tiny model and give it the sloppy teacher's supervised warm start; return the warm folder."""
+    """Build the tiny model and give it the sloppy teacher's supervised warm start; return the warm folder.
+    `chat`: each prompt is a user message under the chat template (for agent programs that speak the chat API,
+    e.g. a verifiers environment) instead of plain text."""
     from tokenmill.config.schema import ModelConfig
     from tokenmill.data.registry import task_splits
     from tokenmill.recipes.tiny import build_tiny_model
@@ -32,6 +34,8 @@ def warm_start(
     base = build_tiny_model(out / "base", seed=seed, **MODEL)
     say(f"[1/3] built a tiny Llama ({MODEL}) and a character tokenizer in {base}")
     train_rows, _, _ = task_splits("addition", 20000, num_eval, seed=seed, slip=slip)
+    if chat:
+        train_rows = train_rows.map(lambda r: {"prompt": [{"role": "user", "content": r["prompt"]}]})
     model, tok = load_policy(ModelConfig(path=base), resolve_device("cpu"))
     losses = run_sft(model, tok, train_rows, steps=sft_steps, batch_size=64, learning_rate=1e-3, seed=seed,
                      output_dir=out / "warm")

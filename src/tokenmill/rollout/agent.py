@@ -352,6 +352,10 @@ def build_agent(cfg: Any, engine: Any, tokenizer: Any) -> AgentLoop:
     limits; an environment that exposes `tools` (a registry) gets their specs in the chat template and its
     calls parsed."""
     env = cfg.env
+    if env.verifiers is not None:  # a verifiers environment plays its own episodes (rollout/verifiers_rollout.py)
+        from tokenmill.rollout.verifiers_rollout import build_verifiers
+
+        return build_verifiers(cfg, engine, tokenizer)
     if env.url is not None:
         from tokenmill.envs.remote import remote_factory
 

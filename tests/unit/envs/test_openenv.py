@@ -328,7 +328,7 @@ def test_env_openenv_in_a_config_is_checked_with_its_field_named():
             load_config(RLConfig, {**base, "env": env})
         return str(info.value)
 
-    assert "set exactly one of env.name, env.url or env.openenv" in problem(
+    assert "set exactly one of env.name, env.url, env.openenv or env.verifiers" in problem(
         {"name": "guess_number", "openenv": {"url": "http://127.0.0.1:1"}})
     assert "set exactly one of env.openenv.url (a running server) or env.openenv.serve" in problem(
         {"openenv": {"url": "http://127.0.0.1:1", "serve": GUESS}})
