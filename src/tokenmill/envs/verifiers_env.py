@@ -131,18 +131,10 @@ def _taskset_id(spec: str) -> str:
     """The taskset id of `spec`: an installed package / module name, or a `.py` file (imported under its stem)."""
     if not spec.endswith(".py"):
         return spec
-    import importlib.util
+    from tokenmill.config.imports import load_file
 
-    path = Path(spec)
-    if not path.is_file():
-        raise ConfigError(f"env.verifiers: no such file {spec!r}")
-    name = path.stem.replace("-", "_").lower()
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 - the file's own error, in one line
-        raise ConfigError(f"env.verifiers: cannot import {spec!r}: {type(exc).__name__}: {exc}") from None
+    name = Path(spec).stem.replace("-", "_").lower()
+    module = load_file(spec, "env.verifiers")
     _register(name, module)
     return name
 

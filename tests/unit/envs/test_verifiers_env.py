@@ -75,7 +75,7 @@ def test_a_file_that_raises_on_import_is_named(tmp_path):
 
     bad = tmp_path / "bad_env.py"
     bad.write_text("raise ImportError('needs the gpu-only package')\n")
-    with pytest.raises(ConfigError, match=r"^env.verifiers: cannot import '.*bad_env.py': ImportError: needs"):
+    with pytest.raises(ConfigError, match=r"^env.verifiers: cannot load '.*bad_env.py': ImportError: needs"):
         load(str(bad))
 
 
