@@ -252,6 +252,11 @@ def _rewards(cfg: RLConfig, codes: list[RewardCode], task_reward: Any,
             name = rc.name or rc.function.rpartition(":")[2]
             built.append(FunctionReward(fn, name=name, weight=rc.weight, timeout_s=rc.timeout_s,
                                         isolation=rc.isolation))
+        elif rc.type == "builtin":
+            from tokenmill.rewards.builtin import builtin_reward
+
+            built.append(FunctionReward(builtin_reward(rc), name=rc.name or rc.builtin, weight=rc.weight,
+                                        timeout_s=rc.batch_timeout_s))
         else:
             built.append(TimedModelReward(rc, i, model_timeout_s))
         infos.append(_info(built[-1].name, rc.weight, "config"))
