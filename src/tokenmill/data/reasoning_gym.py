@@ -11,8 +11,8 @@ trains on exactly what reasoning-gym users evaluate. `data.task_kwargs` holds th
     system_prompt  the system message of chat prompts (default: one that asks for the answer format)
     datasets       reasoning_gym:mix only: a list of {name, weight, kwargs}, sampled by weight
 
-Held-out rows are generated with `seed + HELD_OUT_SEED_OFFSET`, and a training row whose question is also a
-held-out one is skipped, so no held-out question is ever trained on. The reward logs what it extracted from
+Held-out rows are generated with `seed + HELD_OUT_SEED_OFFSET` (distinct questions), and a training row whose
+question is also a held-out one is skipped, so no held-out question is ever trained on. The reward logs what it extracted from
 each completion (`log_extra("extracted_answer", ...)`), so a sample that scored 0 shows why.
 
     >>> train, held, reward = splits("reasoning_gym:chain_sum", 4, 2, seed=0, max_terms=2)   # doctest: +SKIP
@@ -203,11 +203,12 @@ def _row(spec: GymSpec, src: int, seed: int, idx: int, entry: dict[str, Any]) ->
             "rg_index": idx}
 
 
-def generate_rows(spec: GymSpec, n: int, seed: int, exclude: set[str] | None = None,
-                  scorer: GymScorer | None = None) -> list[dict[str, Any]]:
+def generate_rows(spec: GymSpec, n: int, seed: int, exclude: set[str] | None = None, *, distinct: bool = False,
+                  scorer: GymScorer | None = None, field_name: str = "data.num_train") -> list[dict[str, Any]]:
     """`n` rows, each drawn from a source picked by weight (a stream of its own, seeded by `seed`); a row whose
-    question is in `exclude` is skipped. `scorer` keeps the generated entries so it need not regenerate them."""
-    banned = exclude or set()
+    question is in `exclude` (or, with `distinct`, already drawn) is skipped. `scorer` keeps the generated
+    entries so that it need not regenerate them."""
+    banned = set(exclude or ())
     pick = random.Random(seed)
     weights = [s.weight for s in spec.sources]
     cap = max(n * TRIES_PER_ROW, 1000)
@@ -217,15 +218,20 @@ def generate_rows(spec: GymSpec, n: int, seed: int, exclude: set[str] | None = N
     rows: list[dict[str, Any]] = []
     tries = 0
     while len(rows) < n:
-        if tries >= cap:
-            raise ConfigError(f"data.num_train: {spec.task} made only {len(rows)} training questions outside the "
-                              f"held-out ones in {cap} tries; lower data.num_eval or widen data.task_kwargs")
-        tries += 1
+        # the source first, then its next usable question: a skipped question does not shift the mixture's shares
         j = pick.choices(range(len(weights)), weights=weights)[0] if len(weights) > 1 else 0
-        idx, nexts[j] = nexts[j], nexts[j] + 1
-        entry = datasets[j][idx]
-        if str(entry["question"]) in banned:
-            continue
+        while True:
+            if tries >= cap:
+                raise ConfigError(f"{field_name}: {spec.task} made only {len(rows)} usable questions in {cap} "
+                                  "tries (held-out questions are distinct and never trained on); lower "
+                                  "data.num_eval or widen data.task_kwargs")
+            tries += 1
+            idx, nexts[j] = nexts[j], nexts[j] + 1
+            entry = datasets[j][idx]
+            if str(entry["question"]) not in banned:
+                break
+        if distinct:
+            banned.add(str(entry["question"]))
         if scorer is not None:
             scorer.remember(j, seeds[j], idx, entry)
         rows.append(_row(spec, j, seeds[j], idx, entry))
@@ -240,7 +246,8 @@ def splits(task: str, num_train: int, num_eval: int, seed: int = 0, **kwargs: An
 
     spec = parse_spec(task, kwargs)
     scorer = GymScorer(spec)
-    held_rows = generate_rows(spec, num_eval, seed + HELD_OUT_SEED_OFFSET, scorer=scorer) if num_eval else []
+    held_rows = generate_rows(spec, num_eval, seed + HELD_OUT_SEED_OFFSET, distinct=True, scorer=scorer,
+                              field_name="data.num_eval") if num_eval else []
     exclude = {r["question"] for r in held_rows}
     train = Dataset.from_list(generate_rows(spec, num_train, seed, exclude=exclude, scorer=scorer))
     return train, Dataset.from_list(held_rows) if held_rows else None, scorer
