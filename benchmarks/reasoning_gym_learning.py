@@ -2,13 +2,13 @@
 `score_answer` as the reward, held-out greedy accuracy before and after.
 
     python benchmarks/reasoning_gym_learning.py                  # every task (~10 min on 1 thread)
-    python benchmarks/reasoning_gym_learning.py --only spell_backward
+    python benchmarks/reasoning_gym_learning.py --only simple_equations
 
 Each task is a `data.task: reasoning_gym:<name>` run with `answer_format: last_line` (the completion is the
 answer), chosen so that questions and answers are short strings of the quickstart tokenizer's characters. As
 in the quickstart, the warm start learns from a sloppy teacher (`SLIPS`): basic_arithmetic's forgets the carry,
-spell_backward's copies the word instead of reversing it, each in `--slip` of the rows; the mixture draws both
-tasks by weight, each with its own slip. GRPO must then prefer the right answer, which only the reward knows.
+simple_equations' adds the term it should subtract (x + 12 = 13 -> 25), each in `--slip` of the rows; the
+mixture draws both tasks by weight, each with its own slip. GRPO must then prefer the right answer, which only the reward knows.
 Held-out rows come from the registry's held-out seed and none of their questions is trained on. Results go
 to benchmarks/results/reasoning_gym_learning.json.
 """
@@ -24,15 +24,17 @@ from typing import Any
 
 import torch
 
-ARITHMETIC = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+"],
+# two-digit operands: a space of 8,100 questions, so that 500 held-out ones leave nearly all of it to train on
+ARITHMETIC = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2, "operators": ["+"],
               "allow_parentheses": False, "allow_negation": False}
-SPELLING = {"min_word_len": 3, "max_word_len": 5}
+EQUATIONS = {"min_terms": 2, "max_terms": 2, "min_value": 1, "max_value": 50, "operators": ["+"],
+             "operators_weights": [1.0]}
 TASKS: dict[str, dict[str, Any]] = {
     "basic_arithmetic": {"task": "reasoning_gym:basic_arithmetic", "kwargs": ARITHMETIC, "max_tokens": 5},
-    "spell_backward": {"task": "reasoning_gym:spell_backward", "kwargs": SPELLING, "max_tokens": 7},
-    "mix": {"task": "reasoning_gym:mix", "max_tokens": 7, "kwargs": {"datasets": [
+    "simple_equations": {"task": "reasoning_gym:simple_equations", "kwargs": EQUATIONS, "max_tokens": 4},
+    "mix": {"task": "reasoning_gym:mix", "max_tokens": 5, "kwargs": {"datasets": [
         {"name": "basic_arithmetic", "weight": 1.0, "kwargs": ARITHMETIC},
-        {"name": "spell_backward", "weight": 1.0, "kwargs": SPELLING}]}},
+        {"name": "simple_equations", "weight": 1.0, "kwargs": EQUATIONS}]}},
 }
 
 
@@ -43,20 +45,24 @@ def _forgot_carry(row: dict[str, Any]) -> str:
     return str(forgot_carry(a, b))
 
 
-def _unreversed(row: dict[str, Any]) -> str:
-    return row["question"].rpartition(" ")[2]  # the word as given: copied, not spelled backward
+def _added(row: dict[str, Any]) -> str:
+    """'Solve for h: h + 12 = 13' -> 25: the term moved across without its sign changed."""
+    lhs, _, rhs = row["question"].rpartition(": ")[2].partition(" = ")
+    return str(int(rhs) + int(lhs.rpartition(" + ")[2]))
 
 
-SLIPS = {"basic_arithmetic": _forgot_carry, "spell_backward": _unreversed}
+SLIPS = {"basic_arithmetic": _forgot_carry, "simple_equations": _added}
 
 
 def sloppy(rows, slip: float, seed: int):
     """The rows with the teacher's completion: the task's slip in a share `slip` of them, else the answer."""
     import random
 
+    from datasets import Dataset
+
     rng = random.Random(seed)
-    return rows.map(lambda row: {"completion": SLIPS[row["rg_task"]](row) if rng.random() < slip
-                                 else row["completion"]})
+    return Dataset.from_list([{"prompt": row["prompt"], "completion": SLIPS[row["rg_task"]](row)
+                               if rng.random() < slip else row["completion"]} for row in rows])
 
 
 def warm_start(work: Path, spec: dict[str, Any], *, sft_steps: int, slip: float, seed: int) -> Path:
