@@ -2,13 +2,13 @@
 `score_answer` as the reward, held-out greedy accuracy before and after.
 
     python benchmarks/reasoning_gym_learning.py                  # every task (~10 min on 1 thread)
-    python benchmarks/reasoning_gym_learning.py --only simple_equations
+    python benchmarks/reasoning_gym_learning.py --only spell_backward   # one task; the file keeps the others
 
 Each task is a `data.task: reasoning_gym:<name>` run with `answer_format: last_line` (the completion is the
 answer), chosen so that questions and answers are short strings of the quickstart tokenizer's characters. As
 in the quickstart, the warm start learns from a sloppy teacher (`SLIPS`): basic_arithmetic's forgets the carry,
-simple_equations' adds the term it should subtract (x + 12 = 13 -> 25), each in `--slip` of the rows; the
-mixture draws both tasks by weight, each with its own slip. GRPO must then prefer the right answer, which only the reward knows.
+spell_backward's copies the word instead of reversing it, each in `--slip` of the rows; the mixture draws both
+tasks by weight, each with its own slip. GRPO must then prefer the right answer, which only the reward knows.
 Held-out rows come from the registry's held-out seed and none of their questions is trained on. Results go
 to benchmarks/results/reasoning_gym_learning.json.
 """
@@ -27,14 +27,16 @@ import torch
 # two-digit operands: a space of 8,100 questions, so that 500 held-out ones leave nearly all of it to train on
 ARITHMETIC = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2, "operators": ["+"],
               "allow_parentheses": False, "allow_negation": False}
-EQUATIONS = {"min_terms": 2, "max_terms": 2, "min_value": 1, "max_value": 50, "operators": ["+"],
-             "operators_weights": [1.0]}
+SPELLING = {"min_word_len": 3, "max_word_len": 5}
+# per task: its settings, the completion budget, warm-start and GRPO steps (spelling's prompts are 3x longer)
 TASKS: dict[str, dict[str, Any]] = {
-    "basic_arithmetic": {"task": "reasoning_gym:basic_arithmetic", "kwargs": ARITHMETIC, "max_tokens": 5},
-    "simple_equations": {"task": "reasoning_gym:simple_equations", "kwargs": EQUATIONS, "max_tokens": 4},
-    "mix": {"task": "reasoning_gym:mix", "max_tokens": 5, "kwargs": {"datasets": [
+    "basic_arithmetic": {"task": "reasoning_gym:basic_arithmetic", "kwargs": ARITHMETIC, "max_tokens": 5,
+                         "sft_steps": 1200, "steps": 200},
+    "spell_backward": {"task": "reasoning_gym:spell_backward", "kwargs": SPELLING, "max_tokens": 7,
+                       "sft_steps": 500, "steps": 120},
+    "mix": {"task": "reasoning_gym:mix", "max_tokens": 7, "sft_steps": 800, "steps": 150, "kwargs": {"datasets": [
         {"name": "basic_arithmetic", "weight": 1.0, "kwargs": ARITHMETIC},
-        {"name": "simple_equations", "weight": 1.0, "kwargs": EQUATIONS}]}},
+        {"name": "spell_backward", "weight": 1.0, "kwargs": SPELLING}]}},
 }
 
 
@@ -45,13 +47,11 @@ def _forgot_carry(row: dict[str, Any]) -> str:
     return str(forgot_carry(a, b))
 
 
-def _added(row: dict[str, Any]) -> str:
-    """'Solve for h: h + 12 = 13' -> 25: the term moved across without its sign changed."""
-    lhs, _, rhs = row["question"].rpartition(": ")[2].partition(" = ")
-    return str(int(rhs) + int(lhs.rpartition(" + ")[2]))
+def _unreversed(row: dict[str, Any]) -> str:
+    return row["question"].rpartition(" ")[2]  # the word as given: copied, not spelled backward
 
 
-SLIPS = {"basic_arithmetic": _forgot_carry, "simple_equations": _added}
+SLIPS = {"basic_arithmetic": _forgot_carry, "spell_backward": _unreversed}
 
 
 def sloppy(rows, slip: float, seed: int):
@@ -88,15 +88,17 @@ def run_task(name: str, work: Path, args) -> dict[str, Any]:
 
     spec = TASKS[name]
     start = time.time()
-    warm = warm_start(work / name, spec, sft_steps=args.sft_steps, slip=args.slip, seed=args.seed)
-    result = grpo(warm, work / name / "grpo", steps=args.steps, num_eval=args.num_eval, eval_every=0,
+    sft_steps, steps = args.sft_steps or spec["sft_steps"], args.steps or spec["steps"]
+    warm = warm_start(work / name, spec, sft_steps=sft_steps, slip=args.slip, seed=args.seed)
+    result = grpo(warm, work / name / "grpo", steps=steps, learning_rate=args.lr, num_eval=args.num_eval,
+                  eval_every=0,
                   console="none", seed=args.seed, say=lambda _: None, **{
                       "data.task": spec["task"], "data.task_kwargs": {"answer_format": "last_line", **spec["kwargs"]},
                       "generation.max_tokens": spec["max_tokens"]})
     before, after = result["eval_before"]["eval/accuracy"], result["eval_after"]["eval/accuracy"]
     row = {"task": spec["task"], "task_kwargs": spec["kwargs"], "metric": "held-out greedy accuracy",
            "before": round(before, 3), "after": round(after, 3), "gain_points": round(100 * (after - before), 1),
-           "num_eval": args.num_eval, "steps": args.steps, "sft_steps": args.sft_steps, "slip": args.slip,
+           "num_eval": args.num_eval, "steps": steps, "lr": args.lr, "sft_steps": sft_steps, "slip": args.slip,
            "seconds": round(time.time() - start)}
     print(f"{name:18s} held-out accuracy {before:.3f} -> {after:.3f} ({row['gain_points']:+.1f} points, "
           f"{row['seconds']} s)", flush=True)
@@ -106,8 +108,9 @@ def run_task(name: str, work: Path, args) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default=",".join(TASKS), help=f"comma-separated tasks of {', '.join(TASKS)}")
-    p.add_argument("--steps", type=int, default=200, help="GRPO steps (16 prompts x 8 samples)")
-    p.add_argument("--sft-steps", type=int, default=700, help="warm-start steps")
+    p.add_argument("--steps", type=int, default=0, help="GRPO steps of 16 prompts x 8 samples (0: the task's)")
+    p.add_argument("--lr", type=float, default=1e-4, help="GRPO learning rate")
+    p.add_argument("--sft-steps", type=int, default=0, help="warm-start steps (0: the task's)")
     p.add_argument("--slip", type=float, default=0.6, help="share of the warm start's rows with the teacher's slip")
     p.add_argument("--num-eval", type=int, default=500, help="held-out problems")
     p.add_argument("--seed", type=int, default=0)
@@ -123,6 +126,8 @@ def main() -> None:
         rows = [run_task(name, Path(tmp), args) for name in names]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    kept = json.loads(out.read_text())["rows"] if out.exists() else []  # the other tasks' last results
+    rows = [r for r in kept if r["task"] not in {row["task"] for row in rows}] + rows
     out.write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1) + "\n")
     print(f"results in {out}")
 

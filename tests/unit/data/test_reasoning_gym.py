@@ -51,22 +51,22 @@ def test_config_takes_a_task_its_generator_settings_and_the_answer_options():
 
 
 @pytest.mark.parametrize(("task", "kwargs", "message"), [
-    ("reasoning_gym:chain_summ", {}, "data.task: 'reasoning_gym:chain_summ' is not a reasoning-gym task; did you "
-     "mean reasoning_gym:chain_sum"),
-    ("reasoning_gym:chain_sum", {"max_term": 3}, "data.task_kwargs.max_term: not a setting of reasoning-gym's "
-     "chain_sum (ChainSumConfig); did you mean max_terms"),
+    ("reasoning_gym:chain_summ", {}, ("data.task: 'reasoning_gym:chain_summ' is not a reasoning-gym task; did you "
+     "mean reasoning_gym:chain_sum")),
+    ("reasoning_gym:chain_sum", {"max_term": 3}, ("data.task_kwargs.max_term: not a setting of reasoning-gym's "
+     "chain_sum (ChainSumConfig); did you mean max_terms")),
     ("reasoning_gym:chain_sum", {"seed": 3}, "data.task_kwargs.seed: set by tokenmill (training.seed"),
-    ("reasoning_gym:chain_sum", {"min_terms": 4, "max_terms": 2}, "data.task_kwargs: reasoning-gym's chain_sum "
-     "rejects these settings: max_terms must be >= min_terms"),
-    ("reasoning_gym:chain_sum", {"answer_format": "boxed"}, "data.task_kwargs.answer_format: Input should be "
-     "'tag' or 'last_line'"),
+    ("reasoning_gym:chain_sum", {"min_terms": 4, "max_terms": 2}, ("data.task_kwargs: reasoning-gym's chain_sum "
+     "rejects these settings: max_terms must be >= min_terms")),
+    ("reasoning_gym:chain_sum", {"answer_format": "boxed"}, ("data.task_kwargs.answer_format: Input should be "
+     "'tag' or 'last_line'")),
     ("reasoning_gym:chain_sum", {"datasets": []}, "data.task_kwargs.datasets: only for reasoning_gym:mix"),
     ("reasoning_gym:mix", {}, "data.task_kwargs.datasets: reasoning_gym:mix needs a list of {name, weight, kwargs}"),
     ("reasoning_gym:mix", {"datasets": [{"name": "chain_sum", "weight": 0}]},
      "data.task_kwargs.datasets.0.weight: Input should be greater than 0"),
     ("reasoning_gym:mix", {"datasets": [{"name": "chain_sum"}, {"name": "spel_backward"}]},
-     "data.task_kwargs.datasets.1.name: 'spel_backward' is not a reasoning-gym task; did you mean "
-     "reasoning_gym:spell_backward?"),
+     ("data.task_kwargs.datasets.1.name: 'spel_backward' is not a reasoning-gym task; did you mean "
+     "reasoning_gym:spell_backward?")),
     ("reasoning_gym:mix", {"datasets": [{"name": "chain_sum", "kwargs": {"max_digit": 1}}]},
      "data.task_kwargs.datasets.0.kwargs.max_digit: not a setting of reasoning-gym's chain_sum"),
     ("reasoning_gym:mix", {"max_terms": 2, "datasets": [{"name": "chain_sum"}]},
