@@ -35,7 +35,7 @@ TASKS: dict[str, dict[str, Any]] = {
                          "sft_steps": 1200, "steps": 200, "lr": 1e-4},
     "spell_backward": {"task": "reasoning_gym:spell_backward", "kwargs": SPELLING, "max_tokens": 7,
                        "sft_steps": 500, "steps": 120, "lr": 1e-4},
-    "mix": {"task": "reasoning_gym:mix", "max_tokens": 7, "sft_steps": 800, "steps": 250, "lr": 2e-4, "kwargs": {"datasets": [
+    "mix": {"task": "reasoning_gym:mix", "max_tokens": 7, "sft_steps": 800, "steps": 350, "lr": 2e-4, "kwargs": {"datasets": [
         {"name": "basic_arithmetic", "weight": 1.0, "kwargs": ARITHMETIC},
         {"name": "spell_backward", "weight": 1.0, "kwargs": SPELLING}]}},
 }
