@@ -229,7 +229,7 @@ ALLOWED_LAZY_EDGES = {
     # import `config.imports.resolve` (envs) and the environments (data) at import time, so config imports
     # them late, inside the validator, and only for the registries' names (no environment class is loaded).
     ("tokenmill.config", "tokenmill.envs"): "config/preflight.py `_env_problem`: `envs.BUILTIN_ENVS`, names only",
-    ("tokenmill.config", "tokenmill.data"): "config/schema.py `DataConfig`: `data.registry.task_names`",
+    ("tokenmill.config", "tokenmill.data"): "config/schema.py `DataConfig`: `data.registry.task_problem`",
 }
 
 

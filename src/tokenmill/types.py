@@ -78,10 +78,12 @@ class PromptLogprobs:
 
 @dataclass(frozen=True)
 class RewardResult:
-    """One reward function's score for one sample; `value is None` means abstained or failed."""
+    """One reward function's score for one sample; `value is None` means abstained or failed. `extra`: what the
+    function logged for this sample through TRL's `log_extra(column, values)` (e.g. the answer it extracted)."""
 
     value: float | None
     error: str | None = None
+    extra: dict[str, Any] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ class Sample:
                 for PPO with a critic; empty otherwise
     token_versions: the policy version of each completion token when a completion spans weight updates
                 (partial rollouts); `version` is then the oldest. Empty: every token is from `version`
+    extras:     what the reward functions logged for this sample with `log_extra` (column -> value)
     """
 
     tokens: tuple[int, ...]
@@ -119,6 +122,7 @@ class Sample:
     values: tuple[float, ...] = ()
     row: dict[str, Any] = field(default_factory=dict)
     token_versions: tuple[int, ...] = ()
+    extras: dict[str, Any] = field(default_factory=dict)
 
     @property
     def completion_len(self) -> int:

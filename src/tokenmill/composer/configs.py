@@ -180,8 +180,9 @@ def _rl_models(cfg: RLConfig, device: str) -> list[dict[str, Any]]:
     critic_why = ("PPO: a value model for GAE advantages" if critic_on
                   else f"off: {algo.advantage} estimates advantages from the group's rewards, no value model")
     fns = [r for r in cfg.rewards if isinstance(r, RewardFunctionConfig)]
-    models = [r for r in cfg.rewards if not isinstance(r, RewardFunctionConfig)]
-    names = ([cfg.data.task] if cfg.data.task else []) + [r.name or r.function for r in fns]
+    models = [r for r in cfg.rewards if r.type == "model"]
+    builtins = [r.name or r.builtin for r in cfg.rewards if r.type == "builtin"]
+    names = ([cfg.data.task] if cfg.data.task else []) + [r.name or r.function for r in fns] + builtins
     reward_on = bool(names or models or cfg.env is not None)
     if models:
         reward_why, reward_device = f"reward model(s) on the policy's device; functions: {len(names)}", device

@@ -254,6 +254,11 @@ def _rewards(cfg: RLConfig, codes: list[RewardCode], task_reward: Any,
                                         isolation=rc.isolation))
         elif rc.type == "judge":  # its requests are bounded by its own timeout and retries
             built.append(judge_reward(rc, i, cfg.tracking.output_dir))
+        elif rc.type == "builtin":
+            from tokenmill.rewards.builtin import builtin_reward
+
+            built.append(FunctionReward(builtin_reward(rc), name=rc.name or rc.builtin, weight=rc.weight,
+                                        timeout_s=rc.batch_timeout_s))
         else:
             built.append(TimedModelReward(rc, i, model_timeout_s))
         infos.append(_info(built[-1].name, rc.weight, "config"))

@@ -16,7 +16,7 @@ from tokenmill.types import ConfigError
 
 C = TypeVar("C", bound=BaseModel)
 MAX_PROBLEMS = 20  # lines of one error message (a list of 1,000 bad items is not 1,000 lines)
-TAGS = {"function", "model"}
+TAGS = {"function", "model", "builtin", "judge"}
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
@@ -105,7 +105,8 @@ def format_validation_error(err: ValidationError, schema: type[BaseModel] | None
         if e["type"] == "extra_forbidden":  # a typo: the names it may have meant, not the value it was given
             msg, shown = unknown_key_message(schema, tuple(e["loc"]), got), ""
         named = FIELD_PREFIX.match(msg)
-        if not loc and named:  # a cross-field check names the field it blames: `section.field: ...`
+        # a cross-field check names the field it blames (`section.field: ...`), in its section or above it
+        if named and (not loc or named.group(1).startswith(f"{loc}.")):
             loc, msg = named.group(1), msg[named.end() :]
         lines.append(f"{loc or 'config'}: {msg}{shown}")
     if len(errors) > MAX_PROBLEMS:

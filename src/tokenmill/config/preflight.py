@@ -12,6 +12,7 @@ device from its config.json (no weights read, no memory taken) to learn its modu
 from __future__ import annotations
 
 import csv
+import importlib.util
 import inspect
 import json
 import re
@@ -295,6 +296,18 @@ def _in_memory_columns(dataset: Any) -> list[str] | None:
 # ----------------------------------------------------------------------------------------------- the run
 
 
+def _reads_column(name: str, column: str) -> Callable[..., Any]:
+    """A stand-in with the signature of a builtin reward that reads `column` (for the column check)."""
+    def reads(**kwargs: Any) -> None:
+        return None
+
+    kinds = inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD
+    reads.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(column, kinds[0]), inspect.Parameter("kwargs", kinds[1])])
+    reads.__name__ = name
+    return reads
+
+
 def _reward_functions(cfg: RLConfig, extra: list[Any], problems: list[str]) -> list[tuple[str, Any, bool]]:
     found = []
     for i, rc in enumerate(cfg.rewards):
@@ -311,6 +324,11 @@ def _reward_functions(cfg: RLConfig, extra: list[Any], problems: list[str]) -> l
                 problems.append(f"rewards.{i}.function: {_q(rc.function)} is not callable")
             else:
                 found.append((f"rewards.{i}.function", fn, rc.per_sample))
+        elif rc.type == "builtin":
+            if importlib.util.find_spec(rc.builtin) is None:  # the builtin is named after its package
+                problems.append(f"rewards.{i}.builtin: {rc.builtin} needs the {rc.builtin.replace('_', '-')} "
+                                "package: pip install tokenmill[tasks]")
+            found.append((f"rewards.{i}.column", _reads_column(rc.builtin, rc.column), False))
         elif isinstance(rc, RewardModelConfig):
             problem = model_folder_problem(rc.path, f"rewards.{i}.path", "reward model")
             if problem is None and _kind(rc.path) == "missing":

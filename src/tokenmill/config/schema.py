@@ -54,7 +54,8 @@ class DataConfig(Section):
     task: str | None = Field(
         None, description="Built-in task, one of `tokenmill.data.registry.task_names()`: a row task such as "
         "'addition' brings its rows and verifier; an environment's task such as 'guess_number' is scored by its "
-        "episodes."
+        "episodes; 'reasoning_gym:<name>' (or 'reasoning_gym:mix') is a reasoning-gym generator scored by its own "
+        "score_answer (needs tokenmill[tasks])."
     )
     path: str | None = Field(
         None, description="Dataset: a local json/jsonl/parquet/csv file or folder, or a `datasets` hub name."
@@ -92,11 +93,11 @@ class DataConfig(Section):
         if self.eval_path is not None and self.num_eval:
             raise ValueError("set one of data.eval_path or data.num_eval (held-out rows come from a file or are "
                              "split off data.path, not both)")
-        from tokenmill.data.registry import task_names  # the one task registry (imported late: no cycle)
+        from tokenmill.data.registry import task_problem  # the one task registry (imported late: no cycle)
 
-        tasks = task_names()
-        if self.task is not None and self.task not in tasks:
-            raise ValueError(f"data.task must be one of {', '.join(tasks)}; got {self.task!r}")
+        problem = task_problem(self.task, self.task_kwargs) if self.task is not None else None
+        if problem:
+            raise ValueError(problem)
         return self
 
 
@@ -136,15 +137,36 @@ class RewardModelConfig(Section):
     batch_size: int = Field(32, ge=1, description="Sequences scored per forward pass.")
 
 
+class RewardBuiltinConfig(Section):
+    """A reward shipped with tokenmill (`tokenmill.rewards.builtin`): `{builtin: math_verify}`."""
+
+    type: Literal["builtin"] = "builtin"
+    builtin: Literal["math_verify"] = Field(
+        ..., description="math_verify: the completion's answer (LaTeX, \\boxed{}, plain) equals the row's `column` "
+        "by math-verify (needs tokenmill[tasks])."
+    )
+    name: str | None = Field(None, description="Name used in metrics; defaults to the builtin's name.")
+    column: str = Field("answer", min_length=1, description="Dataset column holding the reference answer.")
+    weight: float = Field(1.0, description="Weight in the total reward.")
+    timeout_s: int = Field(5, ge=1, le=300, description="math-verify's own limit per sample, in whole seconds, for "
+                           "parsing and for verifying: a pathological expression scores 0, the batch goes on.")
+    batch_timeout_s: float = Field(120.0, gt=0, description="Seconds one batched call may take before it fails.")
+
+
 def _reward_kind(value: object) -> str:
-    if isinstance(value, dict):  # `type` may be left out: a `path` and no `function` means a reward model
-        return str(value.get("type", "model" if "path" in value and "function" not in value else "function"))
+    if isinstance(value, dict):  # `type` may be left out: `builtin`, or a `path` and no `function` (a model)
+        if "type" in value:
+            return str(value["type"])
+        if "builtin" in value:
+            return "builtin"
+        return "model" if "path" in value and "function" not in value else "function"
     return str(getattr(value, "type", "function"))
 
 
 RewardConfig = Annotated[
     Annotated[RewardFunctionConfig, Tag("function")] | Annotated[RewardModelConfig, Tag("model")]
-    | Annotated[RewardJudgeConfig, Tag("judge")],
+    | Annotated[RewardJudgeConfig, Tag("judge")]
+    | Annotated[RewardBuiltinConfig, Tag("builtin")],
     Discriminator(_reward_kind),
 ]
 

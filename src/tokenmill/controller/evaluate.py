@@ -60,11 +60,12 @@ def rollout_metrics(groups: list[Group], accuracy_reward: str | None = None) -> 
 
 def sample_records(groups, k: int) -> list[dict[str, Any]]:
     """The first `k` samples of a step as JSON records (samples.jsonl). `advantage` is the one the sample
-    trained with (with a critic: the mean of its per-token advantages over the trained tokens)."""
+    trained with (with a critic: the mean of its per-token advantages over the trained tokens); `extras`, where
+    a reward logged any, what it logged for the sample (`log_extra`: an extracted answer, say)."""
     picked = [s for g in groups for s in g.samples][:k]
     return [
         {"prompt": s.prompt, "completion": s.completion, "reward": s.reward, "rewards": s.rewards,
-         "advantage": _advantage(s), "stop": s.stop_reason.value}
+         "advantage": _advantage(s), "stop": s.stop_reason.value} | ({"extras": s.extras} if s.extras else {})
         for s in picked
     ]
 

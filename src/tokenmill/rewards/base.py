@@ -31,7 +31,7 @@ import functools
 import inspect
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from tokenmill.rewards.isolation import CallFailed, CallTimeout, make_caller
@@ -288,7 +288,16 @@ class FunctionReward:
             self._singly(kwargs, list(range(n)), n, results)
         else:
             self._narrow(kwargs, list(range(n)), n, results)
-        return [r if r is not None else RewardResult(None, "not scored") for r in results]
+        done = [r if r is not None else RewardResult(None, "not scored") for r in results]
+        return self._with_extras(done)
+
+    def _with_extras(self, results: list[RewardResult]) -> list[RewardResult]:
+        """Each result with what the function logged for its sample (`log_extra` columns of one value per
+        sample; a column whose length does not match the batch, after a narrowed-down failure, is left out)."""
+        columns = {k: v for k, v in self.last_log.extra.items() if len(v) == len(results)}
+        if not columns:
+            return results
+        return [replace(r, extra={k: v[i] for k, v in columns.items()}) for i, r in enumerate(results)]
 
     def _attempt(self, kwargs: dict[str, Any], size: int) -> list[RewardResult] | _Failed:
         """One call on `size` samples: their results, or why the call as a whole failed."""

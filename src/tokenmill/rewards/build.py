@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.rewards.base import FunctionReward
+from tokenmill.rewards.builtin import builtin_reward
 from tokenmill.rewards.model import ModelReward
 from tokenmill.rewards.set import RewardSet
 from tokenmill.types import ConfigError
@@ -56,10 +57,9 @@ def judge_reward(rc: Any, i: int, output_dir: str) -> Any:
         raise ConfigError(f"rewards.{i}.{exc}") from None
 
 
-def _is_function(rc: Any) -> bool:
-    from tokenmill.config.schema import RewardFunctionConfig
-
-    return isinstance(rc, RewardFunctionConfig)
+def _kind(rc: Any) -> str:
+    """'function', 'model' or 'builtin': which of RewardConfig's union members `rc` is."""
+    return rc.type
 
 
 def build_rewards(cfg: Any, extra: list[Callable[..., Any]] | None = None, task_reward=None) -> RewardSet:
@@ -68,15 +68,18 @@ def build_rewards(cfg: Any, extra: list[Callable[..., Any]] | None = None, task_
     if task_reward is not None:
         rewards.append(FunctionReward(task_reward, name=cfg.data.task, weight=cfg.data.task_reward_weight))
     for i, rc in enumerate(cfg.rewards):
-        if _is_function(rc):
+        if _kind(rc) == "function":
             rewards.append(
                 FunctionReward(
                     _reward_function(rc, i), name=rc.name, weight=rc.weight, timeout_s=rc.timeout_s,
                     per_sample=rc.per_sample, isolation=rc.isolation,
                 )
             )
-        elif getattr(rc, "type", None) == "judge":
+        elif _kind(rc) == "judge":
             rewards.append(judge_reward(rc, i, cfg.tracking.output_dir))
+        elif _kind(rc) == "builtin":  # math-verify's own timeouts are signal alarms: a forked worker's main thread
+            rewards.append(FunctionReward(builtin_reward(rc), name=rc.name or rc.builtin, weight=rc.weight,
+                                          timeout_s=rc.batch_timeout_s, isolation="process"))
         else:
             path = _reward_model_path(rc, i)
             rewards.append(ModelReward(path, name=rc.name, weight=rc.weight, batch_size=rc.batch_size))

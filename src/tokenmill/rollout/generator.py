@@ -108,6 +108,7 @@ class Generator:
                         rewards={name: r.value for name, r in detail.items()},
                         reward_errors={name: r.error for name, r in detail.items() if r.error},
                         row=row,
+                        extras={k: v for r in detail.values() if r.extra for k, v in r.extra.items()},
                     )
                 )
                 k += 1
