@@ -39,8 +39,8 @@ def test_a_judge_reward_is_built_from_its_config(tmp_path, monkeypatch):
     ({"rubric": "r", "url": "127.0.0.1:8000"}, "url must start with http"),
     ({"rubric": "r", "score_range": [5, 1]}, "score_range must be [low, high]"),
     ({"rubric": "r", "score_pattern": "Score: \\d+"}, "score_pattern needs a group"),
-    ({"rubric": "r", "mode": "elo"}, "rewards.0.judge.mode"),
-    ({"rubric": "r", "concurrency": 0}, "rewards.0.judge.concurrency"),
+    ({"rubric": "r", "mode": "elo"}, "rewards.0.mode"),
+    ({"rubric": "r", "concurrency": 0}, "rewards.0.concurrency"),
 ])
 def test_bad_judge_configs_are_refused_naming_the_field(tmp_path, judge, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
