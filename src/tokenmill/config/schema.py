@@ -334,6 +334,23 @@ class ControllerConfig(Section):
     )
     eval_every: int = Field(0, ge=0, description="Greedy held-out evaluation every N steps (0 = start/end only).")
     eval_max_rows: int = Field(1000, ge=1, description="Held-out rows used per evaluation.")
+    eval_samples: int = Field(
+        0, ge=0, le=MAX_GROUP, description="Sampled held-out evaluation beside the greedy one: n samples per "
+        "held-out row at eval_temperature, reported as eval/pass@k, eval/maj@k (each k of eval_k) and "
+        "eval/avg@n (0 = greedy only; see docs/evaluation.md)."
+    )
+    eval_k: list[int] = Field(
+        default_factory=list, description="The k of eval/pass@k and eval/maj@k, each 1..eval_samples "
+        "(empty: 1 and eval_samples)."
+    )
+    eval_temperature: float | None = Field(
+        None, gt=0.0, le=10.0, description="Sampling temperature of the sampled evaluation (unset: "
+        "generation.temperature)."
+    )
+    eval_answer: str | None = Field(
+        None, description="maj@k's answer extraction: strip, boxed (the last \\boxed{...}), last_number, or "
+        "an import string of fn(text) -> str | None (unset: the task's own, else strip)."
+    )
     max_steps_per_run: int = Field(
         0, ge=0, description="Stop (with a checkpoint) after this many steps in one invocation; resume later "
         "with checkpoint.resume (0 = run to the end). For time-sliced jobs."
@@ -355,6 +372,24 @@ class ControllerConfig(Section):
         600.0, gt=0, description="Async: seconds the trainer waits for the next rollout batch before it fails "
         "naming the producer."
     )
+
+    @model_validator(mode="after")
+    def _eval_k(self) -> ControllerConfig:
+        if self.eval_k and not self.eval_samples:
+            raise ValueError("controller.eval_k: needs controller.eval_samples (the n samples per row pass@k "
+                             "and maj@k are estimated from)")
+        bad = [k for k in self.eval_k if not 1 <= k <= self.eval_samples]
+        if bad:
+            raise ValueError(f"controller.eval_k: {bad} outside 1..controller.eval_samples "
+                             f"({self.eval_samples}): pass@k needs at least k samples per row")
+        return self
+
+    @property
+    def eval_ks(self) -> list[int]:
+        """The k the sampled evaluation reports: `eval_k`, or 1 and `eval_samples` (none without samples)."""
+        if not self.eval_samples:
+            return []
+        return sorted(set(self.eval_k or [1, self.eval_samples]))
 
 
 class EngineConfig(Section):
