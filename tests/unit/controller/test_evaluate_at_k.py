@@ -98,8 +98,10 @@ def test_a_run_logs_them_and_trains_as_without_them(tmp_path, tiny_model_path):
     assert {"eval/pass@1", "eval/maj@1", "eval/maj@4", "eval/avg@4", "eval/avg_reward@4"} <= evals[0].keys()
     assert all(r["eval/pass@1"] <= r["eval/pass@4"] for r in evals)
     # the evaluation samples from a stream of its own: training saw the very same samples and losses
-    steps = lambda log: [(r["reward/mean"], r["loss"], r["grad_norm"]) for r in log if "reward/mean" in r]  # noqa: E731
-    assert steps(rows) == steps(logged) and len(steps(rows)) == 2
+    def trained(log):
+        return [(r["reward/mean"], r["loss"], r["grad_norm"]) for r in log if "reward/mean" in r]
+
+    assert trained(rows) == trained(logged) and len(trained(rows)) == 2
     assert sampled["eval_after"]["eval/accuracy"] == plain["eval_after"]["eval/accuracy"]
 
 
