@@ -89,11 +89,7 @@ def evaluate(
     whose `accuracy_reward` (a built-in task's verifier) scores 1.0, or whose total does when none is named."""
     params = replace(generator.params, n=1, greedy=True)
     rows = [rows[i] for i in range(min(len(rows), max_rows))]
-    samples = []
-    for start in range(0, len(rows), chunk):
-        part = rows[start : start + chunk]
-        prompt_ids, completions = generator.sample(part, params)
-        samples += [s for g in generator.score(part, prompt_ids, completions, version=0) for s in g.samples]
+    samples = [s for g in scored_groups(generator, rows, params, chunk) for s in g.samples]
     totals = [s.reward for s in samples]
     valid = [t for t in totals if not math.isnan(t)]
     out = {"eval/reward_mean": statistics.fmean(valid) if valid else math.nan}
@@ -104,6 +100,16 @@ def evaluate(
     out["eval/accuracy"] = sum(h is not None and h >= ACCURACY_THRESHOLD for h in hits) / max(1, len(samples))
     out["eval/rows"] = len(samples)
     return out
+
+
+def scored_groups(generator: Generator, rows: list, params, chunk: int = 256) -> list[Group]:
+    """`params.n` samples of each row, scored by the generator's rewards, `chunk` rows per engine batch."""
+    groups: list[Group] = []
+    for start in range(0, len(rows), chunk):
+        part = rows[start : start + chunk]
+        prompt_ids, completions = generator.sample(part, params)
+        groups += generator.score(part, prompt_ids, completions, version=0)
+    return groups
 
 
 def evaluate_agent(agent, rows, max_rows: int) -> dict[str, float]:
@@ -153,11 +159,7 @@ def evaluate_at_k(player: Generator | AgentLoop, rows, cfg) -> dict[str, float]:
     if isinstance(player, AgentLoop):
         groups, _ = player.rollout(rows, group_size=c.eval_samples, params=params)
     else:
-        groups = []
-        for start in range(0, len(rows), 256):
-            part = rows[start : start + 256]
-            prompt_ids, completions = player.sample(part, params)
-            groups += player.score(part, prompt_ids, completions, version=0)
+        groups = scored_groups(player, rows, params)
     extract = answer_extractor(c.eval_answer, cfg.data.task)
     return at_k_metrics(groups, c.eval_ks, lambda s: _success(s, cfg.data.task), extract)
 
