@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tokenmill.envs.metrics import episode_info
 from tokenmill.types import ConfigError, Group, Sample
 
 Extractor = Callable[[str], "str | None"]
@@ -113,8 +114,9 @@ def answer_extractor(spec: str | None, task: str | None = None) -> Extractor:
 
 
 def final_text(sample: Sample) -> str:
-    """What a sample answered: an episode's last assistant message, else the completion."""
-    messages = (sample.row or {}).get("messages") if isinstance(sample.row, dict) else None
+    """What a sample answered: an agent-loop episode's last assistant message, else the completion (a dataset's
+    own `messages` column is not an answer)."""
+    messages = sample.row.get("messages") if episode_info(sample) is not None else None
     if messages:
         said = [m.get("content") or "" for m in messages if m.get("role") == "assistant"]
         if said:

@@ -68,8 +68,8 @@ def test_answer_extractions():
         answer_extractor("tokenmill.controller.at_k:nope")
 
 
-def _sample(text: str, reward: float, messages=None) -> Sample:
-    row = {"messages": messages} if messages else {}
+def _sample(text: str, reward: float, messages=None, episode: bool = True) -> Sample:
+    row = {"messages": messages, **({"turns": 2, "info": {}} if episode else {})} if messages else {}
     return Sample(tokens=(1, 2), loss_mask=(0, 1), logprobs=(0.0, -1.0), prompt_len=1, prompt="p",
                   completion=text, stop_reason=StopReason.STOP, reward=reward, row=row)
 
@@ -101,3 +101,4 @@ def test_an_episode_votes_with_its_last_assistant_message():
                 {"role": "user", "content": "higher"}, {"role": "assistant", "content": " 6"}]
     assert final_text(_sample("4<|end|>6<|end|>", 1.0, messages)) == " 6"
     assert final_text(_sample("plain", 1.0)) == "plain"
+    assert final_text(_sample("mine", 1.0, messages, episode=False)) == "mine"  # a dataset's column: not an answer
