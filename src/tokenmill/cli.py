@@ -137,8 +137,9 @@ def cmd_preference(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """Greedy held-out evaluation of `model.path` as a run of the config evaluates: an `env:` config's
-    episodes through the agent loop, else samples scored by its rewards. A NaN result exits non-zero."""
+    """The held-out evaluation of `model.path` a run of the config does, with the same numbers: an `env:`
+    config's episodes through the agent loop, else samples scored by its rewards; greedy, plus pass@k, maj@k
+    and avg@n with `controller.eval_samples`. A NaN result exits non-zero."""
     from tokenmill.config.preflight import check_run
     from tokenmill.controller.evaluate import evaluate_config
     from tokenmill.data.build import build_datasets
@@ -344,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn, text in [
         ("train", cmd_train, "run RL from a YAML config"),
         ("sft", cmd_sft, "supervised fine-tuning from a YAML config"),
-        ("eval", cmd_eval, "greedy evaluation of a model on a config's data"),
+        ("eval", cmd_eval, "held-out evaluation of a model (greedy; pass@k, maj@k)"),
         ("validate", cmd_validate, "check a config without loading anything"),
         ("plan", cmd_plan, "print where a config's trainer ranks and engines run (starts nothing)"),
         ("preference", cmd_preference, "DPO / IPO / SimPO or a reward model on preference pairs"),

@@ -1,5 +1,6 @@
-"""`tokenmill eval`: a config's held-out evaluation from the command line, as a run of it evaluates; a NaN
-result is an error with its reason, never a number printed with exit 0."""
+"""`tokenmill eval`: a config's held-out evaluation from the command line, as a run of it evaluates (the same
+numbers for the same weights and rows, sampled ones included); a NaN result is an error with its reason, never
+a number printed with exit 0."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 import yaml
 
 from tokenmill.cli import main
+from tokenmill.envs.base import StepResult
 
 HOT_COLD = '''
 from tokenmill.envs.base import StepResult
@@ -67,3 +69,45 @@ def test_a_nan_result_is_an_error_with_its_reason(tmp_path, tiny_model_path, cap
     line = captured.err.strip()
     assert "\n" not in line and line.startswith("tokenmill: eval: eval/reward_mean")
     assert "NaN on 4 rows: no sample got a reward" in line
+
+
+class EvenReply:
+    """Solved by a reply whose first character has an even code point, three tries: the samples of an
+    untrained tiny model solve some held-out episodes and fail others."""
+
+    def reset(self, task):
+        self.turns = 0
+        return [{"role": "user", "content": task["prompt"]}]
+
+    def step(self, message):
+        self.turns += 1
+        text = message.get("content") or ""
+        if text and ord(text[0]) % 2 == 0:
+            return StepResult([], 1.0, True, {"solved": True})
+        return StepResult([{"role": "user", "content": "again"}], 0.0, self.turns >= 3)
+
+
+def test_eval_of_a_trained_env_checkpoint_gives_the_runs_held_out_numbers(tmp_path, tiny_model_path, capsys):
+    import tokenmill
+
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"say {w}"}) + "\n" for w in "abcdefghijkl"))
+    tokenmill.train({
+        "model": {"path": tiny_model_path, "device": "cpu"}, "data": {"path": str(tmp_path / "rows.jsonl"),
+                                                                      "num_eval": 8},
+        "env": {"name": f"{__name__}:EvenReply", "max_turns": 3, "max_episode_tokens": 96},
+        "generation": {"group_size": 2, "max_tokens": 3}, "training": {"learning_rate": 1e-3},
+        "controller": {"steps": 2, "prompts_per_step": 2, "eval_samples": 3},
+        "tracking": {"output_dir": str(tmp_path / "run"), "console": "none"}, "checkpoint": {"every": 0},
+    })
+    logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    before, after = ({k: v for k, v in r.items() if k.startswith("eval/")} for r in logged if "eval/rows" in r)
+    capsys.readouterr()
+    config = str(tmp_path / "run" / "config.yaml")  # the run's resolved config, as written beside it
+    assert main(["eval", config, "--model.path", str(tmp_path / "run" / "final")]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == after  # every number, sampled ones too
+    assert main(["eval", config, "--model.path", tiny_model_path]) == 0  # the weights the run started from
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == before
+    # not a tie of empty numbers: sampled episodes are solved and failed
+    assert 0 < after["eval/sampled_accuracy"] < 1 and 0 < after["eval/pass@1"] < after["eval/pass@3"] <= 1
+    print(before, after)
+    assert after["eval/rows"] == 8 and after != before

@@ -13,8 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tokenmill.composer.schema_ui import fixed_values, schema_for
 from tokenmill.config.load import format_validation_error
 from tokenmill.config.modes import EXTRA_KEYS, MODES, infer_mode
+from tokenmill.config.rewards import RewardFunctionConfig
 from tokenmill.config.safe_yaml import load_yaml_text
-from tokenmill.config.schema import RewardFunctionConfig, RLConfig
+from tokenmill.config.schema import RLConfig
 from tokenmill.types import ConfigError
 
 

@@ -20,7 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenmill.composer.configs import RewardCode
-from tokenmill.config.schema import RewardFunctionConfig, RewardModelConfig, RLConfig
+from tokenmill.config.rewards import RewardFunctionConfig, RewardModelConfig
+from tokenmill.config.schema import RLConfig
 from tokenmill.types import ConfigError, RewardResult, TokenmillError
 
 MAX_PROMPTS = 16

@@ -1,8 +1,13 @@
 """Configuration: pydantic schema, YAML loading, dotted CLI overrides, readable errors."""
 
-from tokenmill.config.judge import RewardJudgeConfig
 from tokenmill.config.load import format_validation_error, load_config, parse_overrides
 from tokenmill.config.offline import OfflineConfig, PreferenceConfig, SFTConfig
+from tokenmill.config.rewards import (
+    RewardBuiltinConfig,
+    RewardFunctionConfig,
+    RewardJudgeConfig,
+    RewardModelConfig,
+)
 from tokenmill.config.schema import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -13,9 +18,6 @@ from tokenmill.config.schema import (
     GenerationConfig,
     ModelConfig,
     OptimConfig,
-    RewardBuiltinConfig,
-    RewardFunctionConfig,
-    RewardModelConfig,
     RLConfig,
     TrackingConfig,
     TrainingConfig,

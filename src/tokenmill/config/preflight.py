@@ -22,7 +22,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from tokenmill.config.imports import resolve
-from tokenmill.config.schema import ModelConfig, RewardFunctionConfig, RewardModelConfig, RLConfig
+from tokenmill.config.rewards import RewardFunctionConfig, RewardModelConfig
+from tokenmill.config.schema import ModelConfig, RLConfig
 from tokenmill.types import ConfigError
 
 DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")

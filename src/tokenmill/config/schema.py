@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from tokenmill.config.cluster import ClusterConfig
 from tokenmill.config.distill import DistillConfig, check_distill
 from tokenmill.config.health import HealthConfig
-from tokenmill.config.judge import RewardJudgeConfig
 from tokenmill.config.openenv import OpenEnvConfig
 from tokenmill.config.record import RecordConfig
+from tokenmill.config.rewards import RewardConfig
 from tokenmill.config.section import DEVICE, MAX_GROUP, MAX_SEQUENCES, MAX_TOKENS, Section
 
 UnitFloat = Annotated[float, Field(ge=0.0, lt=1.0)]
@@ -108,67 +108,6 @@ class GenerationConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, le=MAX_TOKENS, description="Keep only the k most likely tokens (0 = off).")
     stop: list[str] = Field(default_factory=list, description="Stop strings; text is cut before them.")
-
-
-class RewardFunctionConfig(Section):
-    type: Literal["function"] = "function"
-    name: str | None = Field(None, description="Name used in metrics; defaults to the function's name.")
-    function: str = Field(
-        ..., description="Import string 'module:attr' or 'path/to/file.py:attr' of a reward function, called "
-        "as TRL's GRPOTrainer calls it: fn(prompts=, completions=, completion_ids=, <columns>=, trainer_state=)."
-    )
-    weight: float = Field(1.0, description="Weight in the total reward.")
-    timeout_s: float = Field(10.0, gt=0, description="Seconds one batched call may take before it fails.")
-    per_sample: bool = Field(
-        False, description="The function scores one sample: fn(prompt, completion, **row) -> float."
-    )
-    isolation: Literal["process", "thread"] = Field(
-        "process",
-        description="process: run in a forked worker that is killed on timeout; thread: in this process "
-        "(needed if the function uses torch; a hung call is abandoned, not killed).",
-    )
-
-
-class RewardModelConfig(Section):
-    type: Literal["model"] = "model"
-    name: str | None = Field(None, description="Name used in metrics; defaults to the folder's name.")
-    path: str = Field(..., description="Folder of an AutoModelForSequenceClassification with one label.")
-    weight: float = Field(1.0, description="Weight in the total reward.")
-    batch_size: int = Field(32, ge=1, description="Sequences scored per forward pass.")
-
-
-class RewardBuiltinConfig(Section):
-    """A reward shipped with tokenmill (`tokenmill.rewards.builtin`): `{builtin: math_verify}`."""
-
-    type: Literal["builtin"] = "builtin"
-    builtin: Literal["math_verify"] = Field(
-        ..., description="math_verify: the completion's answer (LaTeX, \\boxed{}, plain) equals the row's `column` "
-        "by math-verify (needs tokenmill[tasks])."
-    )
-    name: str | None = Field(None, description="Name used in metrics; defaults to the builtin's name.")
-    column: str = Field("answer", min_length=1, description="Dataset column holding the reference answer.")
-    weight: float = Field(1.0, description="Weight in the total reward.")
-    timeout_s: int = Field(5, ge=1, le=300, description="math-verify's own limit per sample, in whole seconds, for "
-                           "parsing and for verifying: a pathological expression scores 0, the batch goes on.")
-    batch_timeout_s: float = Field(120.0, gt=0, description="Seconds one batched call may take before it fails.")
-
-
-def _reward_kind(value: object) -> str:
-    if isinstance(value, dict):  # `type` may be left out: `builtin`, or a `path` and no `function` (a model)
-        if "type" in value:
-            return str(value["type"])
-        if "builtin" in value:
-            return "builtin"
-        return "model" if "path" in value and "function" not in value else "function"
-    return str(getattr(value, "type", "function"))
-
-
-RewardConfig = Annotated[
-    Annotated[RewardFunctionConfig, Tag("function")] | Annotated[RewardModelConfig, Tag("model")]
-    | Annotated[RewardJudgeConfig, Tag("judge")]
-    | Annotated[RewardBuiltinConfig, Tag("builtin")],
-    Discriminator(_reward_kind),
-]
 
 
 class EnvConfig(Section):
@@ -367,6 +306,23 @@ class ControllerConfig(Section):
     )
     eval_every: int = Field(0, ge=0, description="Greedy held-out evaluation every N steps (0 = start/end only).")
     eval_max_rows: int = Field(1000, ge=1, description="Held-out rows used per evaluation.")
+    eval_samples: int = Field(
+        0, ge=0, le=MAX_GROUP, description="Sampled held-out evaluation beside the greedy one: n samples per "
+        "held-out row at eval_temperature, reported as eval/pass@k, eval/maj@k (each k of eval_k) and "
+        "eval/avg@n (0 = greedy only; see docs/evaluation.md)."
+    )
+    eval_k: list[int] = Field(
+        default_factory=list, description="The k of eval/pass@k and eval/maj@k, each 1..eval_samples "
+        "(empty: 1 and eval_samples)."
+    )
+    eval_temperature: float | None = Field(
+        None, gt=0.0, le=10.0, description="Sampling temperature of the sampled evaluation (unset: "
+        "generation.temperature)."
+    )
+    eval_answer: str | None = Field(
+        None, description="maj@k's answer extraction: strip, boxed (the last \\boxed{...}), last_number, or "
+        "an import string of fn(text) -> str | None (unset: the task's own, else strip)."
+    )
     max_steps_per_run: int = Field(
         0, ge=0, description="Stop (with a checkpoint) after this many steps in one invocation; resume later "
         "with checkpoint.resume (0 = run to the end). For time-sliced jobs."
@@ -388,6 +344,24 @@ class ControllerConfig(Section):
         600.0, gt=0, description="Async: seconds the trainer waits for the next rollout batch before it fails "
         "naming the producer."
     )
+
+    @model_validator(mode="after")
+    def _eval_k(self) -> ControllerConfig:
+        if self.eval_k and not self.eval_samples:
+            raise ValueError("controller.eval_k: needs controller.eval_samples (the n samples per row pass@k "
+                             "and maj@k are estimated from)")
+        bad = [k for k in self.eval_k if not 1 <= k <= self.eval_samples]
+        if bad:
+            raise ValueError(f"controller.eval_k: {bad} outside 1..controller.eval_samples "
+                             f"({self.eval_samples}): pass@k needs at least k samples per row")
+        return self
+
+    @property
+    def eval_ks(self) -> list[int]:
+        """The k the sampled evaluation reports: `eval_k`, or 1 and `eval_samples` (none without samples)."""
+        if not self.eval_samples:
+            return []
+        return sorted(set(self.eval_k or [1, self.eval_samples]))
 
 
 class EngineConfig(Section):

@@ -5,15 +5,21 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
+import torch
+
+from tokenmill.controller.at_k import answer_extractor, at_k_metrics
 from tokenmill.envs.metrics import episode_metrics, succeeded
 from tokenmill.rollout.agent import AgentLoop, build_agent
 from tokenmill.rollout.generator import Generator, build_generator
 from tokenmill.types import Group, Sample, StopReason, TokenmillError
 
 ACCURACY_THRESHOLD = 1.0 - 1e-6  # a task reward of 1.0 means "solved"
+EVAL_SEED_OFFSET = 20_000  # evaluation samples from training.seed + this: a stream of its own
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -84,11 +90,7 @@ def evaluate(
     whose `accuracy_reward` (a built-in task's verifier) scores 1.0, or whose total does when none is named."""
     params = replace(generator.params, n=1, greedy=True)
     rows = [rows[i] for i in range(min(len(rows), max_rows))]
-    samples = []
-    for start in range(0, len(rows), chunk):
-        part = rows[start : start + chunk]
-        prompt_ids, completions = generator.sample(part, params)
-        samples += [s for g in generator.score(part, prompt_ids, completions, version=0) for s in g.samples]
+    samples = [s for g in scored_groups(generator, rows, params, chunk) for s in g.samples]
     totals = [s.reward for s in samples]
     valid = [t for t in totals if not math.isnan(t)]
     out = {"eval/reward_mean": statistics.fmean(valid) if valid else math.nan}
@@ -99,6 +101,16 @@ def evaluate(
     out["eval/accuracy"] = sum(h is not None and h >= ACCURACY_THRESHOLD for h in hits) / max(1, len(samples))
     out["eval/rows"] = len(samples)
     return out
+
+
+def scored_groups(generator: Generator, rows: list, params, chunk: int = 256) -> list[Group]:
+    """`params.n` samples of each row, scored by the generator's rewards, `chunk` rows per engine batch."""
+    groups: list[Group] = []
+    for start in range(0, len(rows), chunk):
+        part = rows[start : start + chunk]
+        prompt_ids, completions = generator.sample(part, params)
+        groups += generator.score(part, prompt_ids, completions, version=0)
+    return groups
 
 
 def evaluate_agent(agent, rows, max_rows: int) -> dict[str, float]:
@@ -119,13 +131,60 @@ def evaluate_agent(agent, rows, max_rows: int) -> dict[str, float]:
     return out
 
 
+def _plays_episodes(player) -> bool:
+    """The agent loop, or a rollout that plays its own episodes (a verifiers environment's)."""
+    return isinstance(player, AgentLoop) or getattr(player, "plays_episodes", False)
+
+
 def evaluate_player(player: Generator | AgentLoop, rows, cfg) -> dict[str, float]:
     """A run's held-out evaluation with its evaluator (`RolloutSide.evaluator`): episodes through the agent loop
     (`evaluate_agent`), or greedy samples of the generator scored by its rewards (`evaluate`); accuracy is the
-    built-in task's verifier where there is one."""
-    if isinstance(player, AgentLoop) or getattr(player, "plays_episodes", False):  # or a VerifiersRollout
-        return evaluate_agent(player, rows, cfg.controller.eval_max_rows)
-    return evaluate(player, rows, cfg.controller.eval_max_rows, accuracy_reward=cfg.data.task)
+    built-in task's verifier where there is one. With `controller.eval_samples`, the sampled metrics too
+    (`evaluate_at_k`). Whatever samples draws from its own seeded stream (`pinned_sampling`), so the numbers
+    depend on the weights and the rows only: `tokenmill eval` of a checkpoint gives the run's."""
+    seed = cfg.training.seed + EVAL_SEED_OFFSET
+    if _plays_episodes(player):
+        with pinned_sampling(getattr(player, "engine", None), seed):
+            out = evaluate_agent(player, rows, cfg.controller.eval_max_rows)
+    else:
+        out = evaluate(player, rows, cfg.controller.eval_max_rows, accuracy_reward=cfg.data.task)
+    if cfg.controller.eval_samples:
+        with pinned_sampling(getattr(player, "engine", None), seed + 1):
+            out |= evaluate_at_k(player, rows, cfg)
+    return out
+
+
+def evaluate_at_k(player: Generator | AgentLoop, rows, cfg) -> dict[str, float]:
+    """`controller.eval_samples` samples (episodes) per held-out row at `controller.eval_temperature`:
+    eval/pass@k, eval/maj@k, eval/avg@n (`controller.at_k`). Correct means what greedy accuracy counts: the
+    task's verifier scoring 1.0, else the environment's `solved`, else a total reward of 1.0."""
+    c = cfg.controller
+    rows = [rows[i] for i in range(min(len(rows), c.eval_max_rows))]
+    temperature = cfg.generation.temperature if c.eval_temperature is None else c.eval_temperature
+    params = replace(player.params, n=c.eval_samples, greedy=False, temperature=temperature)
+    if _plays_episodes(player):
+        groups, _ = player.rollout(rows, group_size=c.eval_samples, params=params)
+    else:
+        groups = scored_groups(player, rows, params)
+    extract = answer_extractor(c.eval_answer, cfg.data.task)
+    return at_k_metrics(groups, c.eval_ks, lambda s: _success(s, cfg.data.task), extract)
+
+
+@contextmanager
+def pinned_sampling(engine, seed: int) -> Iterator[None]:
+    """Sample from a stream seeded with `seed` inside, and give the engine its own stream back after: an
+    evaluation neither depends on nor moves the training's sampling. Engines that sample elsewhere (servers)
+    are left as they are."""
+    rng = getattr(engine, "generator", None)
+    if not isinstance(rng, torch.Generator):
+        yield
+        return
+    saved = rng.get_state()
+    rng.manual_seed(seed)
+    try:
+        yield
+    finally:
+        rng.set_state(saved)
 
 
 def evaluate_config(cfg, engine, tokenizer, rewards, rows) -> dict[str, float]:

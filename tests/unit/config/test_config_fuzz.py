@@ -26,6 +26,7 @@ from pydantic import BaseModel
 
 from tokenmill.cli import main
 from tokenmill.config import schema as S
+from tokenmill.config.rewards import RewardFunctionConfig
 from tokenmill.config.section import MAX_INT
 
 # every section of an RL config, with a minimal valid body (dotted path -> model, body)
@@ -36,7 +37,7 @@ SECTIONS: dict[str, tuple[type[BaseModel], dict[str, Any]]] = {
     "data": (S.DataConfig, {"task": "addition"}),
     "env": (S.EnvConfig, {"name": "guess_number"}),
     "generation": (S.GenerationConfig, {}),
-    "rewards.0": (S.RewardFunctionConfig, {"function": "tokenmill.data.tasks:addition_reward"}),
+    "rewards.0": (RewardFunctionConfig, {"function": "tokenmill.data.tasks:addition_reward"}),
     "algorithm": (S.AlgorithmConfig, {}),
     "critic": (S.CriticConfig, {}),
     "critic.lora": (S.LoRAConfig, {}),

@@ -11,7 +11,7 @@ import tokenmill
 from tokenmill.cli import main
 from tokenmill.composer.configs import import_yaml, validate
 from tokenmill.config import RLConfig, SFTConfig
-from tokenmill.config.schema import RewardModelConfig
+from tokenmill.config.rewards import RewardModelConfig
 from tokenmill.config.suggest import fields_at, flag_hints, unknown_key_message
 from tokenmill.types import ConfigError
 
