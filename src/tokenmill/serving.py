@@ -388,12 +388,13 @@ def wait_for_port(proc: subprocess.Popen, *, timeout_s: float, log: BinaryIO | N
 
 
 def _config(app: ASGIApp, graceful_timeout_s: float, limits: ConnectionLimits | None,
-            http: type[asyncio.Protocol] | None = None) -> uvicorn.Config:
+            http: type[asyncio.Protocol] | None = None, websockets: bool = False) -> uvicorn.Config:
     """uvicorn's settings for our servers: its HTTP protocol (`http`, default httptools where installed, else
-    h11) under `limits` (default `ConnectionLimits()`), and no WebSocket upgrade (no server of ours has a
-    WebSocket route)."""
+    h11) under `limits` (default `ConnectionLimits()`), and no WebSocket upgrade unless `websockets` (no server
+    of ours has a WebSocket route; an OpenEnv environment served for a run does)."""
     protocol = limited_protocol(http or AutoHTTPProtocol, limits or ConnectionLimits())
-    return uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, http=protocol, ws="none",
+    return uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, http=protocol,
+                          ws="auto" if websockets else "none",
                           timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=graceful_timeout_s)
 
 
@@ -429,11 +430,13 @@ class BackgroundServer(uvicorn.Server):
 def start_in_thread(app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, graceful_timeout_s: float = 1.0,
                     startup_timeout_s: float = 10.0,
                     limits: ConnectionLimits | None = None,
-                    http: type[asyncio.Protocol] | None = None) -> tuple[BackgroundServer, threading.Thread]:
+                    http: type[asyncio.Protocol] | None = None,
+                    websockets: bool = False) -> tuple[BackgroundServer, threading.Thread]:
     """Run `app` in a daemon thread and return once it accepts connections. Port 0 picks a free port:
     read it from `server.port` (or `server.url`). `limits`: read timeout and connection cap (defaults);
-    `http`: uvicorn's HTTP protocol class (default: httptools where installed, else h11)."""
-    config = _config(app, graceful_timeout_s, limits, http)
+    `http`: uvicorn's HTTP protocol class (default: httptools where installed, else h11); `websockets`:
+    accept WebSocket upgrades (off by default)."""
+    config = _config(app, graceful_timeout_s, limits, http, websockets)
     sock = bind(host, port)
     server = BackgroundServer(config, sock)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="tokenmill-server", daemon=True)

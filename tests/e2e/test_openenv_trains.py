@@ -52,7 +52,8 @@ class Digits(Environment[WriteAction, WriteObservation, State]):
 def test_grpo_trains_on_an_openenv_server(tiny_model_path, tmp_path):
     import tokenmill
 
-    server, _ = start_in_thread(create_fastapi_app(Digits, WriteAction, WriteObservation, max_concurrent_envs=16))
+    server, _ = start_in_thread(create_fastapi_app(Digits, WriteAction, WriteObservation, max_concurrent_envs=16),
+                                websockets=True)
     cfg = {
         "model": {"path": tiny_model_path, "device": "cpu"},
         "data": {"path": "unused.jsonl", "num_eval": 0},

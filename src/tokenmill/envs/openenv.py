@@ -406,6 +406,6 @@ def openenv_factory(cfg: Any, kwargs: dict[str, Any] | None = None, *, timeout_s
     from tokenmill.serving import start_in_thread
 
     app, sessions = openenv_app(cfg.serve, kwargs, max_sessions=max_concurrent)
-    server, _ = start_in_thread(app)
+    server, _ = start_in_thread(app, websockets=True)  # OpenEnv's sessions are WebSocket connections
     log.info("serving %s at %s (%s sessions at once)", cfg.serve, server.url, sessions or "?")
     return OpenEnvFactory(server.url, server=server, max_sessions=sessions, **mapping)

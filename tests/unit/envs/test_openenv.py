@@ -89,7 +89,8 @@ def session_of(messages: list[dict]) -> str:
 
 @pytest.fixture(scope="module")
 def server():
-    srv, thread = start_in_thread(create_fastapi_app(Ledger, LedgerAction, LedgerObservation, max_concurrent_envs=64))
+    srv, thread = start_in_thread(create_fastapi_app(Ledger, LedgerAction, LedgerObservation, max_concurrent_envs=64),
+                                  websockets=True)
     yield srv
     srv.stop()
     assert not thread.is_alive()
@@ -199,7 +200,8 @@ def test_a_server_that_is_down_errs_or_hangs_fails_the_episode_in_one_line(serve
 
 
 def test_a_full_server_says_so(server):
-    one, _ = start_in_thread(create_fastapi_app(Ledger, LedgerAction, LedgerObservation, max_concurrent_envs=1))
+    one, _ = start_in_thread(create_fastapi_app(Ledger, LedgerAction, LedgerObservation, max_concurrent_envs=1),
+                             websockets=True)
 
     async def two_at_once():
         first, second = OpenEnvEnvironment(one.url), OpenEnvEnvironment(one.url)
