@@ -38,3 +38,17 @@ def echo_judge_path(tmp_path_factory) -> str:
     from tokenmill.testing.judge import train_echo_judge
 
     return train_echo_judge(tmp_path_factory.mktemp("echo-judge") / "model")
+
+
+@pytest.fixture(scope="module")
+def echo_judge(echo_judge_path):
+    """The base URL (`.../v1`) of `tokenmill serve`'s app over a judge that replies with the last character."""
+    from tokenmill.engines.local.continuous import ContinuousEngine
+    from tokenmill.engines.server.app import create_app
+    from tokenmill.serving import start_in_thread
+
+    engine = ContinuousEngine.from_pretrained(echo_judge_path, max_batch=64)
+    server, _ = start_in_thread(create_app(engine, model_name="echo"))
+    yield server.url + "/v1"
+    server.stop()
+    engine.close()

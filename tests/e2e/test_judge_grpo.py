@@ -8,7 +8,6 @@ import asyncio
 import json
 import math
 
-import pytest
 import torch
 
 import tokenmill
@@ -19,23 +18,10 @@ async def digit_share(completions, **_):
     return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
 
 
-@pytest.fixture
-def judge_url(echo_judge_path):
-    from tokenmill.engines.local.continuous import ContinuousEngine
-    from tokenmill.engines.server.app import create_app
-    from tokenmill.serving import start_in_thread
-
-    engine = ContinuousEngine.from_pretrained(echo_judge_path, max_batch=64)
-    server, _ = start_in_thread(create_app(engine, model_name="echo"))
-    yield server.url + "/v1"
-    server.stop()
-    engine.close()
-
-
-def test_async_grpo_with_a_judge_reward_runs_end_to_end(tiny_model_path, judge_url, tmp_path):
+def test_async_grpo_with_a_judge_reward_runs_end_to_end(tiny_model_path, echo_judge, tmp_path):
     torch.set_num_threads(1)
     out = tmp_path / "run"
-    judge = {"type": "judge", "url": judge_url, "model": "echo", "prompt": "{completion}", "score_pattern": r"(\d)",
+    judge = {"type": "judge", "url": echo_judge, "model": "echo", "prompt": "{completion}", "score_pattern": r"(\d)",
              "score_range": [0, 9], "cache": "disk", "concurrency": 4}
     result = tokenmill.train({
         "model": {"path": tiny_model_path},

@@ -12,23 +12,9 @@ import httpx
 import pytest
 
 from tokenmill.rewards.judge import JudgeReward, parse_score, parse_winner, prompt_groups
-from tokenmill.serving import start_in_thread
 from tokenmill.testing.judge import ScriptedJudge
 from tokenmill.tracking import events
 from tokenmill.types import RewardResult
-
-
-@pytest.fixture(scope="module")
-def echo_judge(echo_judge_path):
-    """The base URL (`.../v1`) of `tokenmill serve`'s app over a judge that replies with the last character."""
-    from tokenmill.engines.local.continuous import ContinuousEngine
-    from tokenmill.engines.server.app import create_app
-
-    engine = ContinuousEngine.from_pretrained(echo_judge_path, max_batch=64)
-    server, _ = start_in_thread(create_app(engine, model_name="echo"))
-    yield server.url + "/v1"
-    server.stop()
-    engine.close()
 
 
 def values(results: list[RewardResult]) -> list[float | None]:
