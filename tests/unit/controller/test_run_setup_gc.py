@@ -25,7 +25,9 @@ def test_setup_objects_are_frozen_until_the_run_closes(tiny_model_path, tmp_path
         tracked = len(gc.get_objects())
         assert tracked < frozen / 5, (tracked, frozen)  # a full collection now walks only these
         gc.collect()
-        assert gc.get_freeze_count() == frozen  # collections leave the frozen objects alone
+        # collections leave the frozen objects alone (an unfreeze would empty the count); a frozen object whose
+        # last reference another thread drops meanwhile (a server or loop an earlier test left) still leaves it
+        assert 0 <= frozen - gc.get_freeze_count() < 100, (frozen, gc.get_freeze_count())
     finally:
         run.close()
     assert gc.get_freeze_count() == 0
