@@ -241,7 +241,7 @@ def _rewards(cfg: RLConfig, codes: list[RewardCode], task_reward: Any,
     config's functions are resolved in their workers and reward models are timed) and a description of each.
     A code reward with a syntax error is described, with its error, but not run."""
     from tokenmill.rewards.base import FunctionReward
-    from tokenmill.rewards.build import build_rewards, judge_reward
+    from tokenmill.rewards.build import build_rewards, builtin_function_reward, judge_reward
 
     infos: list[dict[str, Any]] = []
     if task_reward is not None:
@@ -256,10 +256,7 @@ def _rewards(cfg: RLConfig, codes: list[RewardCode], task_reward: Any,
         elif rc.type == "judge":  # its requests are bounded by its own timeout and retries
             built.append(judge_reward(rc, i, cfg.tracking.output_dir))
         elif rc.type == "builtin":
-            from tokenmill.rewards.builtin import builtin_reward
-
-            built.append(FunctionReward(builtin_reward(rc), name=rc.name or rc.builtin, weight=rc.weight,
-                                        timeout_s=rc.batch_timeout_s))
+            built.append(builtin_function_reward(rc))
         else:
             built.append(TimedModelReward(rc, i, model_timeout_s))
         infos.append(_info(built[-1].name, rc.weight, "config"))

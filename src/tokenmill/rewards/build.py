@@ -57,9 +57,11 @@ def judge_reward(rc: Any, i: int, output_dir: str) -> Any:
         raise ConfigError(f"rewards.{i}.{exc}") from None
 
 
-def _kind(rc: Any) -> str:
-    """'function', 'model' or 'builtin': which of RewardConfig's union members `rc` is."""
-    return rc.type
+def builtin_function_reward(rc: Any) -> FunctionReward:
+    """A `{builtin: ...}` reward (tokenmill.rewards.builtin) in a forked worker: math-verify's own timeouts are
+    signal alarms, which work only in a process's main thread."""
+    return FunctionReward(builtin_reward(rc), name=rc.name or rc.builtin, weight=rc.weight,
+                          timeout_s=rc.batch_timeout_s, isolation="process")
 
 
 def build_rewards(cfg: Any, extra: list[Callable[..., Any]] | None = None, task_reward=None) -> RewardSet:
@@ -68,18 +70,17 @@ def build_rewards(cfg: Any, extra: list[Callable[..., Any]] | None = None, task_
     if task_reward is not None:
         rewards.append(FunctionReward(task_reward, name=cfg.data.task, weight=cfg.data.task_reward_weight))
     for i, rc in enumerate(cfg.rewards):
-        if _kind(rc) == "function":
+        if rc.type == "function":
             rewards.append(
                 FunctionReward(
                     _reward_function(rc, i), name=rc.name, weight=rc.weight, timeout_s=rc.timeout_s,
                     per_sample=rc.per_sample, isolation=rc.isolation,
                 )
             )
-        elif _kind(rc) == "judge":
+        elif rc.type == "judge":
             rewards.append(judge_reward(rc, i, cfg.tracking.output_dir))
-        elif _kind(rc) == "builtin":  # math-verify's own timeouts are signal alarms: a forked worker's main thread
-            rewards.append(FunctionReward(builtin_reward(rc), name=rc.name or rc.builtin, weight=rc.weight,
-                                          timeout_s=rc.batch_timeout_s, isolation="process"))
+        elif rc.type == "builtin":
+            rewards.append(builtin_function_reward(rc))
         else:
             path = _reward_model_path(rc, i)
             rewards.append(ModelReward(path, name=rc.name, weight=rc.weight, batch_size=rc.batch_size))
