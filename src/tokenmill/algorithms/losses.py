@@ -181,12 +181,25 @@ def sft_loss(
 
 
 # ------------------------------------------------------------------------------------ off-policy correction
-OFF_POLICY = ("tis", "mis", "seq_tis", "seq_mis", "decoupled")
+OFF_POLICY = ("tis", "mis", "seq_tis", "seq_mis", "decoupled", "icepop", "binary_kl")
+
+
+def binary_kl(p_logprobs: torch.Tensor, q_logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(Bernoulli(p) || Bernoulli(q)) of each token, from its logprob under p and under q.
+
+    D = p log(p / q) + (1 - p) log((1 - p) / (1 - q)): the divergence of the two policies restricted to the
+    one question "this token or another one?". Unlike the log-ratio it is small for a rare token whose tiny
+    probability moved by a large factor, and large for a likely token whose probability moved a lot.
+    Computed in float64; 0 where p == q, +inf where q is 1 and p is not.
+    """
+    lp, lq = p_logprobs.double(), q_logprobs.double()
+    p, not_p, not_q = torch.exp(lp), -torch.expm1(lp), -torch.expm1(lq)
+    return p * (lp - lq) + torch.xlogy(not_p, not_p) - torch.xlogy(not_p, not_q)
 
 
 def behaviour_weights(
     prox_logprobs_B_T: torch.Tensor, behaviour_logprobs_B_T: torch.Tensor, mode: str, cap: float,
-    mask_B_T: torch.Tensor | None = None,
+    mask_B_T: torch.Tensor | None = None, ratio_band: tuple[float, float] = (0.5, 5.0), kl_band: float = 0.05,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token importance weight from the behaviour policy (the sampler that produced the tokens, possibly
     several versions old, possibly another precision or kernel) to the proximal policy (the trainer's weights
@@ -198,6 +211,8 @@ def behaviour_weights(
     seq_tis:    min(W, C) on every token of the row
     seq_mis:    W if 1/C <= W <= C else 0 on every token of the row (the whole sequence dropped)
     decoupled:  w_t if w_t <= C else 0            (AReaL's `behav_imp_weight_cap`: such tokens are dropped)
+    icepop:     w_t if low <= w_t <= high else 0  (a ratio band of its own, `ratio_band = (low, high)`)
+    binary_kl:  w_t if binary_kl(behaviour_t, prox_t) <= kl_band else 0   (a band on the binary KL)
     mask_B_T marks the trained tokens a sequence ratio is taken over (default: all). Returns (the weight to
     apply, detached; the raw w_t, or W for the sequence modes, detached).
     """
@@ -214,6 +229,12 @@ def behaviour_weights(
         return torch.where((raw_B_T >= 1.0 / cap) & (raw_B_T <= cap), raw_B_T, zero), raw_B_T
     if mode == "decoupled":
         return torch.where(raw_B_T <= cap, raw_B_T, zero), raw_B_T
+    if mode == "icepop":
+        low, high = ratio_band
+        return torch.where((raw_B_T >= low) & (raw_B_T <= high), raw_B_T, zero), raw_B_T
+    if mode == "binary_kl":
+        inside_B_T = binary_kl(behaviour_logprobs_B_T.detach(), prox_logprobs_B_T.detach()) <= kl_band
+        return torch.where(inside_B_T, raw_B_T, zero), raw_B_T
     raise ValueError(f"unknown off-policy correction {mode!r} (expected one of {', '.join(OFF_POLICY)})")
 
 
@@ -225,6 +246,8 @@ def off_policy_loss(
     behaviour_logprobs_B_T: torch.Tensor,
     weights_B_T: torch.Tensor,
     is_cap: float = 2.0,
+    ratio_band: tuple[float, float] = (0.5, 5.0),
+    kl_band: float = 0.05,
     **kwargs: object,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A policy loss corrected for samples drawn by an older policy (asynchronous training).
@@ -244,13 +267,21 @@ def off_policy_loss(
     decoupled:  c_t = pi_prox / pi_behaviour, tokens above C dropped: decoupled PPO (Hilton et al. 2022,
                 "Batch size-invariance for policy optimization"), as in AReaL (Fu et al. 2025, "AReaL: A
                 Large-Scale Asynchronous Reinforcement Learning System for Language Reasoning").
+    icepop:     c_t = pi_prox / pi_behaviour, tokens outside [low, high] dropped (IcePop, Ling Team 2025,
+                "Every Step Evolves": a band of its own, e.g. [0.5, 5], not tied to the cap; prime-rl's
+                token masking by ratio is the same band).
+    binary_kl:  c_t = pi_prox / pi_behaviour, tokens whose binary KL (`binary_kl`) exceeds `kl_band` dropped:
+                the band is on how far the token's probability moved, not by what factor (DPPO's binary
+                divergence trust region; prime-rl masks by its total-variation sibling, |p - q|).
     A KL term of the base loss is weighted by c_t as well (an importance-sampled estimate). Metrics: the base
-    loss's (weighted by c_t), plus `is_weight_mean` (raw w_t, or W) and `is_capped_fraction` (tokens whose
-    weight was capped or dropped), summed with `weights_B_T`.
+    loss's (weighted by c_t), plus `is_weight_mean` (raw w_t, or W), `is_capped_fraction` (tokens whose
+    weight was capped or dropped) and `is_masked_fraction` (tokens dropped), summed with `weights_B_T`.
     """
-    c_B_T, raw_B_T = behaviour_weights(old_logprobs_B_T, behaviour_logprobs_B_T, mode, is_cap, weights_B_T > 0)
+    c_B_T, raw_B_T = behaviour_weights(old_logprobs_B_T, behaviour_logprobs_B_T, mode, is_cap, weights_B_T > 0,
+                                       ratio_band, kl_band)
     loss, metrics = base(logprobs_B_T, old_logprobs_B_T=old_logprobs_B_T, weights_B_T=weights_B_T * c_B_T,
                          **kwargs)
     metrics["is_weight_mean"] = (raw_B_T * weights_B_T).sum()
     metrics["is_capped_fraction"] = ((c_B_T != raw_B_T).to(weights_B_T.dtype) * weights_B_T).sum()
+    metrics["is_masked_fraction"] = (((c_B_T == 0) & (raw_B_T != 0)).to(weights_B_T.dtype) * weights_B_T).sum()
     return loss, metrics

@@ -201,16 +201,30 @@ class AlgorithmConfig(Section):
         description="Do not run forward/backward on samples whose advantage is 0 (identical gradient when "
         "kl_coef is 0; their tokens still count in the loss normaliser).",
     )
-    off_policy: Literal["none", "tis", "mis", "seq_tis", "seq_mis", "decoupled"] = Field(
+    off_policy: Literal["none", "tis", "mis", "seq_tis", "seq_mis", "decoupled", "icepop", "binary_kl"] = Field(
         "none", description="Correction for samples the trainer would not have drawn (stale in async training, "
         "or an engine that differs from the trainer): none (PPO ratio against the sampler's logprobs); the others "
         "clip against the trainer's recomputed logprobs and weigh each token by w = pi_trainer / pi_sampler: "
         "tis min(w, is_cap); mis w, tokens outside [1/is_cap, is_cap] dropped; seq_tis / seq_mis the same with "
-        "one ratio per sequence (the product of its tokens'); decoupled (AReaL) w, tokens above is_cap dropped. "
+        "one ratio per sequence (the product of its tokens'); decoupled (AReaL) w, tokens above is_cap dropped; "
+        "icepop w, tokens outside [mask_low, mask_high] dropped; binary_kl w, tokens whose binary KL between "
+        "sampler and trainer exceeds mask_kl dropped. "
         "Each costs one extra no-grad forward per step (docs/health.md)."
     )
     is_cap: float = Field(
         2.0, ge=1.0, description="Cap C of the behaviour importance weight (algorithm.off_policy other than none)."
+    )
+    mask_low: float = Field(
+        0.5, gt=0.0, le=1.0, description="off_policy icepop: tokens whose w = pi_trainer / pi_sampler is below "
+        "this are dropped from the loss."
+    )
+    mask_high: float = Field(
+        5.0, ge=1.0, description="off_policy icepop: tokens whose w = pi_trainer / pi_sampler is above this are "
+        "dropped from the loss."
+    )
+    mask_kl: float = Field(
+        0.05, gt=0.0, description="off_policy binary_kl: tokens whose KL(Bernoulli(p_sampler) || "
+        "Bernoulli(p_trainer)) of the sampled token exceeds this are dropped from the loss."
     )
 
 

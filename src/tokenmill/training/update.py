@@ -21,7 +21,7 @@ from tokenmill.training.batch import Batch, collate
 from tokenmill.types import Sample
 
 MEAN_METRICS = {"entropy", "clip_fraction", "ratio_mean", "kl", "is_weight_mean", "is_capped_fraction",
-                "distill/reverse_kl"}
+                "is_masked_fraction", "distill/reverse_kl"}
 
 
 def _batch_loss(name: str, algo: AlgorithmConfig):
@@ -40,6 +40,7 @@ def _batch_loss(name: str, algo: AlgorithmConfig):
         }
         if batch.behaviour_logprobs_B_T is not None:  # old = the trainer's recomputed logprobs (off_policy)
             return off_policy_loss(fn, algo.off_policy, logprobs_B_T, is_cap=algo.is_cap,
+                                   ratio_band=(algo.mask_low, algo.mask_high), kl_band=algo.mask_kl,
                                    behaviour_logprobs_B_T=batch.behaviour_logprobs_B_T, **kwargs)
         return fn(logprobs_B_T, **kwargs)
 

@@ -153,3 +153,80 @@ def test_policy_update_recomputes_the_proximal_policy_and_weighs_tokens(tiny_mod
     # without a correction the stale sampler logprobs are the PPO anchor: ratio 2 is clipped, no gradient on A>0
     naive, m = _grad_norm(tiny_model_path, stale)
     assert m["clip_fraction"] > 0.4 and naive != pytest.approx(on_policy, rel=1e-2)
+
+
+# ------------------------------------------------------------------------------------ masks: ratio band, binary KL
+def test_binary_kl_by_hand():
+    from tokenmill.algorithms.losses import binary_kl
+
+    _, prox, behaviour, _, _ = _inputs()
+    # KL(Bern(p_behaviour) || Bern(p_prox)) = p ln(p/q) + (1-p) ln((1-p)/(1-q))
+    by_hand = [0.0, 0.2 * math.log(0.5) + 0.8 * math.log(0.8 / 0.6), 0.6 * math.log(2.0) + 0.4 * math.log(0.4 / 0.7),
+               0.05 * math.log(0.25) + 0.95 * math.log(0.95 / 0.8)]
+    torch.testing.assert_close(binary_kl(behaviour, prox), torch.tensor([by_hand], dtype=F64))
+    assert by_hand[1] == pytest.approx(0.091516, abs=1e-6) and by_hand[2] == pytest.approx(0.192042, abs=1e-6)
+    assert by_hand[3] == pytest.approx(0.093943, abs=1e-6)
+    # a certain token under q but not under p is infinitely far; equal probabilities are 0 apart
+    edge = binary_kl(torch.log(torch.tensor([0.5, 1.0], dtype=F64)), torch.log(torch.tensor([1.0, 1.0], dtype=F64)))
+    assert edge[0].item() == math.inf and edge[1].item() == 0.0
+
+
+def test_ratio_band_and_binary_kl_masks_match_by_hand():
+    _, prox, behaviour, _, _ = _inputs()  # w = [1, 2, 0.5, 4]
+    icepop, raw = behaviour_weights(prox, behaviour, "icepop", cap=2.0, ratio_band=(0.6, 3.0))
+    torch.testing.assert_close(raw, torch.tensor([[1.0, 2.0, 0.5, 4.0]], dtype=F64))
+    torch.testing.assert_close(icepop, torch.tensor([[1.0, 2.0, 0.0, 0.0]], dtype=F64))
+    wide, _ = behaviour_weights(prox, behaviour, "icepop", cap=2.0, ratio_band=(0.4, 5.0))  # the cap plays no part
+    torch.testing.assert_close(wide, raw)
+    # binary KL per token: 0, 0.0915, 0.1920, 0.0939: a band of 0.1 keeps t3 (ratio 4, rare token) and drops t2
+    # (ratio 0.5, a likely token that lost half its probability); the ratio band does the opposite
+    kl, _ = behaviour_weights(prox, behaviour, "binary_kl", cap=2.0, kl_band=0.1)
+    torch.testing.assert_close(kl, torch.tensor([[1.0, 2.0, 0.0, 4.0]], dtype=F64))
+    kl, _ = behaviour_weights(prox, behaviour, "binary_kl", cap=2.0, kl_band=0.092)
+    torch.testing.assert_close(kl, torch.tensor([[1.0, 2.0, 0.0, 0.0]], dtype=F64))
+
+
+@pytest.mark.parametrize("mode, band, c, masked", [
+    ("icepop", {"ratio_band": (0.6, 3.0)}, [0.0, 2.0, 0.0, 0.0], 0.5),
+    ("binary_kl", {"kl_band": 0.1}, [0.0, 2.0, 0.0, 4.0], 0.25),
+])
+def test_mask_loss_gradient_and_mask_fraction(mode, band, c, masked):
+    logprobs, prox, behaviour, adv, w = _inputs()
+    loss, metrics = off_policy_loss(ppo_clip_loss, mode, logprobs, old_logprobs_B_T=prox,
+                                    behaviour_logprobs_B_T=behaviour, weights_B_T=w, advantages=adv, **band)
+    assert loss.item() == pytest.approx(sum(WEIGHTS[t] * c[t] * PPO[t] for t in range(4)), abs=1e-12)
+    loss.backward()
+    ratios = [p / q for p, q in zip(CURRENT, PROX, strict=True)]
+    grad = [0.0, 0.0, -ratios[2] * WEIGHTS[2] * c[2], -ratios[3] * WEIGHTS[3] * c[3]]
+    torch.testing.assert_close(logprobs.grad, torch.tensor([grad], dtype=F64), rtol=0, atol=1e-12)
+    # the share of the trained tokens' weight that was dropped (t2 weighs 0.25, t3 0.25)
+    assert metrics["is_masked_fraction"].item() == pytest.approx(masked)
+    assert metrics["is_capped_fraction"].item() == pytest.approx(masked)
+
+
+def test_masks_through_policy_update(tiny_model_path, tiny_model):
+    backend = LocalBackend(tiny_model, learning_rate=1e-3, total_steps=1)
+    exact, _ = with_trainer_logprobs(_samples(), backend, pad_id=0)
+    on_policy, m = _grad_norm(tiny_model_path, exact, off_policy="icepop")
+    assert m["is_masked_fraction"] == 0.0
+    # every token with w = 2: inside [0.5, 5] it doubles the gradient, above mask_high 1.5 it is dropped
+    stale = [s.with_(logprobs=tuple(lp - math.log(2) if m else 0.0 for lp, m in zip(s.logprobs, s.loss_mask,
+                                                                                   strict=True))) for s in exact]
+    doubled, m = _grad_norm(tiny_model_path, stale, off_policy="icepop")
+    assert doubled == pytest.approx(2 * on_policy, rel=1e-3) and m["is_masked_fraction"] == 0.0
+    dropped, m = _grad_norm(tiny_model_path, stale, off_policy="icepop", mask_high=1.5)
+    assert dropped == 0.0 and m["is_masked_fraction"] == pytest.approx(1.0)
+    kept, m = _grad_norm(tiny_model_path, stale, off_policy="binary_kl", mask_kl=10.0)
+    assert kept == pytest.approx(2 * on_policy, rel=1e-3) and m["is_masked_fraction"] == 0.0
+    dropped, m = _grad_norm(tiny_model_path, stale, off_policy="binary_kl", mask_kl=1e-6)
+    assert dropped == 0.0 and m["is_masked_fraction"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("field, value", [("mask_low", 1.5), ("mask_low", 0.0), ("mask_high", 0.9), ("mask_kl", 0.0)])
+def test_mask_bands_are_validated_by_field(field, value):
+    from tokenmill.config import RLConfig, load_config
+    from tokenmill.types import ConfigError
+
+    tree = {"model": {"path": "m"}, "data": {"task": "addition"}, "algorithm": {"off_policy": "icepop", field: value}}
+    with pytest.raises(ConfigError, match=f"algorithm.{field}"):
+        load_config(RLConfig, tree)
