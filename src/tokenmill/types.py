@@ -52,12 +52,18 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Completion:
-    """What an engine returns for one request: sampled token ids and their logprobs."""
+    """What an engine returns for one request: sampled token ids and their logprobs.
+
+    routes: where the engine records a mixture-of-experts model's routing (`engines.local.routing`), the
+            expert indices (layers x top_k, -1: not recorded) of the prompt's tokens then the sampled ones,
+            one tuple per token; empty otherwise
+    """
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     stop_reason: StopReason
     text: str = ""
+    routes: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,9 @@ class Sample:
     token_versions: the policy version of each completion token when a completion spans weight updates
                 (partial rollouts); `version` is then the oldest. Empty: every token is from `version`
     extras:     what the reward functions logged for this sample with `log_extra` (column -> value)
+    routes:     a mixture-of-experts policy's expert indices per token as the engine routed it (layers x
+                top_k each, -1 where not recorded), replayed by the trainer (`training.router_replay`);
+                empty when not recorded
     """
 
     tokens: tuple[int, ...]
@@ -123,6 +132,7 @@ class Sample:
     row: dict[str, Any] = field(default_factory=dict)
     token_versions: tuple[int, ...] = ()
     extras: dict[str, Any] = field(default_factory=dict)
+    routes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def completion_len(self) -> int:

@@ -47,6 +47,7 @@ CHECKS = {
     "pack_sequences": lambda b, m, s: b.pack_sequences == s.pack_sequences,
     "track_entropy": lambda b, m, s: b.track_entropy == s.track_entropy,
     "distill": lambda b, m, s: b.distill_teacher is not None and b.distill_coef == s.distill.kl_coef,
+    "router_replay": lambda b, m, s: b.router_replay == s.router_replay,
 }
 
 
@@ -65,7 +66,7 @@ def spec(teacher_path):
         lr_schedule="linear", max_grad_norm=0.5, micro_batch_tokens=96, temperature=0.7,
         autocast_dtype=torch.bfloat16, share_prompts=False, logits_chunk_mib=2, fast_forward=False,
         pack_sequences=True, track_entropy=False,
-        distill=DistillConfig(teacher={"path": teacher_path}, kl_coef=0.3),
+        distill=DistillConfig(teacher={"path": teacher_path}, kl_coef=0.3), router_replay="r3",
     )
 
 

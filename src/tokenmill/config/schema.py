@@ -14,6 +14,7 @@ from pydantic.fields import FieldInfo
 from tokenmill.config.cluster import ClusterConfig
 from tokenmill.config.distill import DistillConfig, check_distill
 from tokenmill.config.health import HealthConfig
+from tokenmill.config.moe import check_router_replay
 from tokenmill.config.openenv import OpenEnvConfig
 from tokenmill.config.record import RecordConfig
 from tokenmill.config.rewards import RewardConfig
@@ -311,6 +312,13 @@ class TrainingConfig(OptimConfig):
         "shard of it (FSDP2) on its share of each step's prompt groups and samples its share of the prompts; "
         "launch with torchrun (see docs/scale-out.md)."
     )
+    router_replay: Literal["off", "r2", "r3"] = Field(
+        "off", description="Mixture-of-experts policies: route each token in the trainer to the experts it went "
+        "to before instead of choosing again. r3: the experts the engine chose while sampling, replayed in every "
+        "trainer pass (single-turn rollouts on an in-process engine: engine.placement colocated or thread); r2: "
+        "the trainer's own choice in a no-grad pass before the update, replayed in the update's passes "
+        "(docs/health.md). off for a dense model."
+    )
 
 
 class ControllerConfig(Section):
@@ -524,6 +532,7 @@ class RLConfig(Section):
                                                  or self.critic.lora.rank > 0):
             raise ValueError("training.backend: fsdp2 runs with engine.placement colocated (each rank samples "
                              "its share of the prompts), without proxy and without critic.lora")
+        check_router_replay(self)
         if self.proxy is not None and (self.engine.placement != "colocated" or self.controller.max_staleness):
             raise ValueError("proxy: proxy mode serves the policy itself (the agent plays while the trainer trains, "
                              "one version behind); leave engine.placement colocated and controller.max_staleness 0")

@@ -25,6 +25,7 @@ from tokenmill.data.build import build_datasets
 from tokenmill.data.prompts import PromptSource
 from tokenmill.engines.base import InferenceEngine
 from tokenmill.engines.local.hf import HFEngine
+from tokenmill.engines.local.routing import moe_routers
 from tokenmill.rewards.build import build_rewards
 from tokenmill.rewards.set import RewardSet
 from tokenmill.rollout.agent import AgentLoop, build_agent
@@ -34,6 +35,7 @@ from tokenmill.rollout.record import ReplayEngine
 from tokenmill.tracking.logger import MetricsLogger
 from tokenmill.training.model import autocast_dtype, load_policy, resolve_device
 from tokenmill.training.teacher import build_teacher
+from tokenmill.types import ConfigError
 
 
 @dataclass
@@ -121,6 +123,9 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     device = resolve_device(cfg.model.device)
     amp = autocast_dtype(cfg.model, device)
     model, tokenizer = load_policy(cfg.model, device)
+    if cfg.training.router_replay != "off" and not moe_routers(model):
+        raise ConfigError(f"training.router_replay: {cfg.model.path} has no mixture-of-experts router to replay; "
+                          "set it to off")
     # colocated, in-process: the engine samples from the trainer's own module, so weight sync is free
     # (fsdp2: each rank's engine samples from a full copy, refreshed from the shards after every update)
     if cfg.record.replay is not None:  # trains on recorded rollouts: nothing generates, nothing evaluates
@@ -131,6 +136,8 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
             fast_decode=cfg.engine.fast_decode, cuda_graphs=cfg.engine.cuda_graphs,
             compile_step=cfg.engine.compile_step,
             max_batch_tokens=cfg.engine.max_batch_tokens)
+        if cfg.training.router_replay == "r3":  # the experts it picks, replayed by the trainer
+            engine.record_routing(True)
     teacher = build_teacher(cfg.distillation, model, tokenizer, device, autocast_dtype=amp)
     trainer = build_trainer(cfg, model, device, amp, teacher, ray_group=trainer_group)
     generator = build_generator(cfg, engine, tokenizer, reward_set)

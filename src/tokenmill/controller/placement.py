@@ -187,6 +187,8 @@ def build_placement(run) -> Placement:
         # one sampling stream: what a checkpoint saves (the run's engine's) is what the producer draws from
         copied.generator = engine.generator
         copied.version = engine.version
+        if cfg.training.router_replay == "r3":
+            copied.record_routing(True)
         chunk = cfg.controller.partial_chunk_tokens if cfg.controller.partial_rollouts else 0
         return ThreadPlacement(copied, partial_chunk=chunk)
     if place == "worker":

@@ -82,6 +82,10 @@ def build_tiny_model(
     if not tie_word_embeddings:  # the head starts as the embedding (as a tied model's), then trains apart
         with torch.no_grad():
             model.lm_head.weight.copy_(model.get_input_embeddings().weight)
+    return _save(model, tok, path)
+
+
+def _save(model, tok, path: str | Path) -> str:
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     path = Path(path)
@@ -89,3 +93,47 @@ def build_tiny_model(
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
+
+
+def build_tiny_moe_model(
+    path: str | Path,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_experts: int = 8,
+    top_k: int = 2,
+    expert_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_positions: int = 512,
+    seed: int = 0,
+    init_std: float = 0.1,
+) -> str:
+    """Write a random-init Qwen3-MoE causal LM (every layer a mixture of `num_experts` experts, `top_k` per
+    token, top-k weights renormalised) and the character tokenizer to `path`; return the path. `init_std`
+    (transformers' 0.02 by default) is larger so that experts differ enough for a routing flip to show in
+    the logits, as in a trained MoE."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    tok = build_tokenizer()
+    config = Qwen3MoeConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        moe_intermediate_size=expert_size,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        initializer_range=init_std,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    return _save(AutoModelForCausalLM.from_config(config, dtype=torch.float32), tok, path)

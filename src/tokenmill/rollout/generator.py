@@ -109,6 +109,7 @@ class Generator:
                         reward_errors={name: r.error for name, r in detail.items() if r.error},
                         row=row,
                         extras={k: v for r in detail.values() if r.extra for k, v in r.extra.items()},
+                        routes=c.routes,
                     )
                 )
                 k += 1

@@ -5,6 +5,6 @@ Production code never imports this package: the built-in tasks live in `tokenmil
 quickstart recipes in `tokenmill.recipes`.
 """
 
-from tokenmill.recipes.tiny import build_tiny_model, build_tokenizer
+from tokenmill.recipes.tiny import build_tiny_model, build_tiny_moe_model, build_tokenizer
 
-__all__ = ["build_tiny_model", "build_tokenizer"]
+__all__ = ["build_tiny_model", "build_tiny_moe_model", "build_tokenizer"]

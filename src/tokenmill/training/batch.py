@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from tokenmill.training.router_replay import routes_tensor
 from tokenmill.types import Sample
 
 
@@ -33,6 +34,9 @@ class Batch:
     # float: the sampler's logprobs when old_logprobs_B_T holds the trainer's recomputed ones (off-policy
     # correction, algorithm.off_policy); None otherwise
     behaviour_logprobs_B_T: torch.Tensor | None = None
+    # long: a mixture-of-experts policy's recorded expert indices per token (layers x top_k, -1 where not
+    # recorded), replayed by the trainer (`training.router_replay`); None when no sample carries any
+    routes_B_T_R: torch.Tensor | None = None
 
     @property
     def advantages(self) -> torch.Tensor:
@@ -68,7 +72,7 @@ class Batch:
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 value = value[index]
-                if value.dim() == 2:
+                if value.dim() >= 2:
                     value = value[:, :width]
             cut[f.name] = value
         return Batch(**cut)
@@ -118,5 +122,6 @@ def collate(samples: Sequence[Sample], weights: Sequence[float], pad_id: int) ->
         advantages_B=torch.tensor([s.advantage for s in picked], dtype=torch.float32),
         prompt_lens_B=torch.tensor([s.prompt_len for s in picked], dtype=torch.long),
         sample_index_B=torch.tensor(order, dtype=torch.long),
+        routes_B_T_R=routes_tensor(picked, width) if any(s.routes for s in picked) else None,
         **per_token,
     )

@@ -12,6 +12,7 @@ from tokenmill.training.base import BatchLoss
 from tokenmill.training.batch import Batch
 from tokenmill.training.logprobs import DEFAULT_CHUNK_MIB, sequence_token_stats, token_entropy, token_logprobs
 from tokenmill.training.packing import micro_packs, packed_token_stats, prompt_segments, sequence_segments
+from tokenmill.training.router_replay import replaying, trainer_routes
 
 # token_logprobs / token_entropy (the full-logits path) are imported from here too
 __all__ = ["LocalBackend", "ReferenceModel", "batch_logprobs", "micro_token_stats", "packing_segments",
@@ -41,6 +42,7 @@ def micro_token_stats(
     autocast_dtype: torch.dtype | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_MIB << 20,
     teacher: Any = None,
+    replay: bool = False,
 ) -> Iterator[tuple[torch.Tensor, ...]]:
     """Per micro-batch: (its rows in `batch`, the micro-batch on the model's device, its token logprobs, its
     token entropies or None). Groups sharing a prompt are packed (`training.packing`; only completion tokens
@@ -49,10 +51,15 @@ def micro_token_stats(
     of at most `chunk_bytes` of fp32 logits (`training.logprobs`; 0 = the model's full logits). With a
     `teacher` each tuple has a fifth tensor: the reverse KL to it per token (`logprobs.reverse_kl`): a module
     (its whole distribution), or an object whose `top(input_ids_B_T, lengths_B)` gives its top-k ids and
-    logprobs `[B, T, K]` (`training.teacher.TopKTeacher`: the bucketed KL, on padded rows, never packed)."""
+    logprobs `[B, T, K]` (`training.teacher.TopKTeacher`: the bucketed KL, on padded rows, never packed).
+    With `replay` and recorded routes (`batch.routes_B_T_R`), a mixture-of-experts model routes each token as
+    recorded (`training.router_replay`; padded rows, never packed), until the caller asks for the next tuple
+    (so a backward through a recomputed forward routes the same)."""
     device = next(model.parameters()).device
     top_k = teacher is not None and not isinstance(teacher, torch.nn.Module)
-    segments = None if top_k else packing_segments(batch, share_prompts=share_prompts, pack_sequences=pack_sequences)
+    routed = replay and batch.routes_B_T_R is not None
+    segments = None if top_k or routed else packing_segments(batch, share_prompts=share_prompts,
+                                                                 pack_sequences=pack_sequences)
     if segments is not None:
         for micro, packed in micro_packs(batch, token_budget, segments):
             micro = micro.to(device)
@@ -66,13 +73,15 @@ def micro_token_stats(
     for micro in batch.micro_batches(token_budget):
         micro = micro.to(device)
         taught = tuple(t.to(device) for t in teacher.top(micro.input_ids_B_T, micro.lengths_B)) if top_k else teacher
-        stats = sequence_token_stats(
-            model, micro.input_ids_B_T, lengths_B=micro.lengths_B, temperature=temperature, chunk_bytes=chunk_bytes,
-            entropy=entropy, entropy_grad=entropy_grad, autocast_dtype=autocast_dtype, teacher=taught,
-        )
         rows = torch.arange(start, start + micro.size)
         start += micro.size
-        yield rows, micro, *stats
+        with replaying(model, micro.routes_B_T_R if routed else None):
+            stats = sequence_token_stats(
+                model, micro.input_ids_B_T, lengths_B=micro.lengths_B, temperature=temperature,
+                chunk_bytes=chunk_bytes, entropy=entropy, entropy_grad=entropy_grad, autocast_dtype=autocast_dtype,
+                teacher=taught,
+            )
+            yield rows, micro, *stats
 
 
 @torch.no_grad()
@@ -85,14 +94,15 @@ def batch_logprobs(
     share_prompts: bool = True,
     autocast_dtype: torch.dtype | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_MIB << 20,
+    replay: bool = False,
 ) -> torch.Tensor:
     """Logprobs of the tokens of `batch` under `model`, micro-batched, on the CPU, aligned with the batch.
     With shared prompts (and `share_prompts`) the groups are packed and only completion tokens get a value
-    (prompt positions stay 0; no loss weight falls there)."""
+    (prompt positions stay 0; no loss weight falls there). `replay`: route as recorded (`micro_token_stats`)."""
     out = torch.zeros_like(batch.old_logprobs_B_T)
     for rows, _, lp, _ in micro_token_stats(model, batch, temperature=temperature, token_budget=token_budget,
                                             share_prompts=share_prompts, autocast_dtype=autocast_dtype,
-                                            chunk_bytes=chunk_bytes):
+                                            chunk_bytes=chunk_bytes, replay=replay):
         out[rows, : lp.shape[1]] = lp.float().cpu()
     return out
 
@@ -181,8 +191,10 @@ class LocalBackend:
         logits_chunk_mib: float = DEFAULT_CHUNK_MIB,
         distill_teacher: Any = None,
         distill_coef: float = 1.0,
+        router_replay: str = "off",
     ) -> None:
         self.model = model
+        self.router_replay = router_replay  # off | r2 | r3 (`training.router_replay`)
         self.distill_teacher, self.distill_coef = distill_teacher, distill_coef
         self.chunk_bytes = int(logits_chunk_mib * 2**20)  # 0: the model's full logits
         self.device = next(model.parameters()).device
@@ -215,6 +227,7 @@ class LocalBackend:
             share_prompts=self.share_prompts, pack_sequences=self.pack_sequences,
             entropy=self.track_entropy or bonus, entropy_grad=bonus,
             autocast_dtype=self.autocast_dtype, chunk_bytes=self.chunk_bytes, teacher=self.distill_teacher,
+            replay=self.router_replay != "off",
         )
         for _, micro, logprobs_B_T, ent, *kl in stats:
             loss, metrics = loss_fn(logprobs_B_T, micro)
@@ -238,7 +251,19 @@ class LocalBackend:
         return batch_logprobs(
             self.model, batch, temperature=self.temperature, token_budget=self.micro_batch_tokens,
             share_prompts=self.share_prompts, autocast_dtype=self.autocast_dtype, chunk_bytes=self.chunk_bytes,
+            replay=self.router_replay != "off",
         )
+
+    @torch.no_grad()
+    def record_routes(self, batch: Batch) -> torch.Tensor:
+        """`[B, T, R]`: the expert indices the model routes each token of `batch` to now (a no-grad pass in
+        eval mode, micro-batched; router replay r2 records them before the update)."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return trainer_routes(self.model, batch, self.micro_batch_tokens, self.autocast_dtype)
+        finally:
+            self.model.train(was_training)
 
     def optim_step(self) -> dict[str, float]:
         """Apply the accumulated gradients (clipped to `max_grad_norm`); report their norm and the learning rate

@@ -45,6 +45,7 @@ class TrainerSpec:
     fast_forward: bool = True
     pack_sequences: bool = False  # whole sequences side by side in a row (SFT) instead of shared-prompt packing
     track_entropy: bool = True  # report each micro-batch's token entropy (RL's metric; offline runs skip it)
+    router_replay: str = "off"  # off | r2 | r3: route MoE tokens as recorded (`training.router_replay`)
     # on-policy distillation's full reverse KL in the loss
     distill: Any = None  # config.distill.DistillConfig or None
 
@@ -62,7 +63,7 @@ class TrainerSpec:
             lr_schedule=tr.lr_schedule, max_grad_norm=tr.max_grad_norm, micro_batch_tokens=tr.micro_batch_tokens,
             temperature=cfg.generation.temperature, autocast_dtype=autocast_dtype, share_prompts=tr.share_prompts,
             logits_chunk_mib=tr.logprob_chunk_mib if tr.chunked_logprobs else 0, fast_forward=tr.fast_forward,
-            distill=cfg.distillation if full_kl(cfg) else None,
+            distill=cfg.distillation if full_kl(cfg) else None, router_replay=tr.router_replay,
         )
 
     def backend_kwargs(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from tokenmill.algorithms.losses import LOSSES, off_policy_loss
 from tokenmill.config.schema import AlgorithmConfig
 from tokenmill.training.base import TrainBackend
 from tokenmill.training.batch import Batch, collate
+from tokenmill.training.router_replay import with_trainer_routes
 from tokenmill.types import Sample
 
 MEAN_METRICS = {"entropy", "clip_fraction", "ratio_mean", "kl", "is_weight_mean", "is_capped_fraction",
@@ -130,6 +131,8 @@ def policy_update(
     # full reverse KL (a backend whose loss carries the teacher: `teacher_in_loss`)
     skip_zero = (algo.skip_zero_advantage and reference is None and algo.entropy_coef == 0
                  and not getattr(backend, "teacher_in_loss", False))
+    if getattr(backend, "router_replay", "off") == "r2":  # the experts of the weights before the update
+        samples = with_trainer_routes(samples, backend, pad_id)
     behaviour = None
     if algo.off_policy != "none":  # clip against the trainer's own logprobs; weigh by trainer / sampler
         samples, behaviour = with_trainer_logprobs(samples, backend, pad_id, watch)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -108,6 +109,22 @@ class HFEngine:
                                 or graphs_blocker(self.device))
         self._graphed = (GraphedDecode(self._fast, compile=compile_step) if self.cuda_graphs_off is None
                          else None)
+        self._routing = None  # a RoutingRecorder while `record_routing(True)`
+
+    def record_routing(self, on: bool = True) -> None:
+        """Record a mixture-of-experts model's expert choice for every token it reads (`Completion.routes`),
+        for router replay in the trainer. Recording reads the routers through forward hooks, so it decodes
+        with the transformers forward (no fast step, no CUDA graph) and without the prefix cache."""
+        from tokenmill.engines.local.routing import RoutingRecorder
+
+        if self._routing is not None:
+            self._routing.close()
+            self._routing = None
+        if on:
+            self._routing = RoutingRecorder(self.model)
+            self._routing.active = False  # only while generating: the module may be the trainer's
+            self._fast = self._graphed = self.prefix_cache = None
+            self.fast_decode_off = self.cuda_graphs_off = "recording the MoE routing"
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of key/value state one token takes in the cache (all layers)."""
@@ -179,6 +196,8 @@ class HFEngine:
             return []
         was_training = self.model.training
         self.model.eval()
+        if self._routing is not None:
+            self._routing.active = True
         try:
             with torch.inference_mode(), self._autocast():
                 rows = []
@@ -186,6 +205,9 @@ class HFEngine:
                     rows += self._decode(prompts[start:stop], params)
         finally:
             self.model.train(was_training)
+            if self._routing is not None:
+                self._routing.active = False
+                self._routing.discard()
             if self._graphed is not None:  # its recording reads this call's buffers (and autocast's copies)
                 self._graphed.reset()
         n = params.n
@@ -267,6 +289,7 @@ class HFEngine:
     def _decode(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         n = params.n
         logits_B_V, cache, mask_B_L, next_pos_B = self._prefill(prompts, extra=params.max_tokens, repeat=n)
+        routes = self._prompt_routes(prompts, n) if self._routing is not None else None
         if not isinstance(cache, StaticKV):  # the transformers prefill (the fast one is a StaticKV already)
             if self._fast is not None and not has_forward_hooks(self.model):  # buffers for the whole completion
                 cache = StaticKV.from_dynamic(cache, extra=params.max_tokens, repeat=n)
@@ -309,9 +332,23 @@ class HFEngine:
                 padded = not bool(mask_B_L.all())
             mask_B_L = torch.cat([mask_B_L, mask_B_L.new_ones((len(live), 1))], dim=1)
             logits_B_V = self._step(tok_B, next_pos_B, mask_B_L if padded else None, cache)
+            if routes is not None:  # the routing of the token each live row just read
+                for seq, r in zip(live, self._routing.take().tolist(), strict=True):
+                    routes[seq].append(tuple(r))
             next_pos_B = next_pos_B + 1
         texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
-        return [self._completion(tokens[i], logps[i], reasons[i], texts[i], params) for i in range(total)]
+        out = [self._completion(tokens[i], logps[i], reasons[i], texts[i], params) for i in range(total)]
+        if routes is None:
+            return out
+        return [replace(c, routes=_fit_routes(r, len(prompts[i // n]) + len(c.token_ids)))
+                for i, (c, r) in enumerate(zip(out, routes, strict=True))]
+
+    def _prompt_routes(self, prompts: list[list[int]], n: int) -> list[list[tuple[int, ...]]]:
+        """Each of the `n` rows per prompt starts with its prompt's routing from the (left-padded) prefill."""
+        width = max(len(p) for p in prompts)
+        taken = self._routing.take()
+        per_P_L = taken.view(len(prompts), width, taken.shape[-1]).tolist()
+        return [[tuple(r) for r in per_P_L[i][width - len(p):]] for i, p in enumerate(prompts) for _ in range(n)]
 
     def _step(self, tok_B: torch.Tensor, pos_B: torch.Tensor, mask_B_K: torch.Tensor | None, cache) -> torch.Tensor:
         """One decode step: each row's next-token logits `[B, V]`; `mask_B_K` (None: no padding) covers the cached
@@ -356,3 +393,9 @@ class HFEngine:
             if cut >= 0:
                 text = text[:cut]
         return Completion(tuple(token_ids), tuple(logprobs), reason or StopReason.LENGTH, text)
+
+
+def _fit_routes(routes: list[tuple[int, ...]], length: int) -> tuple[tuple[int, ...], ...]:
+    """`routes` cut or padded (with -1: the last sampled token is never read) to the sequence's `length`."""
+    missing = (-1,) * len(routes[0]) if routes else ()
+    return tuple(routes[:length]) + (missing,) * (length - len(routes))
