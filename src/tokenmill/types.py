@@ -111,6 +111,8 @@ class Sample:
     routes:     a mixture-of-experts policy's expert indices per token as the engine routed it (layers x
                 top_k each, -1 where not recorded), replayed by the trainer (`training.router_replay`);
                 empty when not recorded
+    episode:    a step-wise agent sample (`env.stepwise`): one model call of the episode with this number; the
+                calls of one episode share its return and its advantage. -1: the sample is a whole trajectory
     """
 
     tokens: tuple[int, ...]
@@ -133,6 +135,7 @@ class Sample:
     token_versions: tuple[int, ...] = ()
     extras: dict[str, Any] = field(default_factory=dict)
     routes: tuple[tuple[int, ...], ...] = ()
+    episode: int = -1
 
     @property
     def completion_len(self) -> int:

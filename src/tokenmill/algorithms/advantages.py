@@ -74,18 +74,35 @@ def reinforce_pp_advantages(rewards_G: torch.Tensor, eps: float = 1e-4, **_: obj
     return torch.where(valid, (centred - mean) / (std + eps), torch.zeros_like(r))
 
 
+def episode_columns(group: Group) -> tuple[list[float], list[int]]:
+    """The group's rewards as an estimator sees them, and the column of each sample: one column per sample, but
+    one per episode for the model calls of a step-wise episode (`Sample.episode`), which share its return; so
+    a long episode counts once in the group's mean and std, not once per call."""
+    columns: dict[object, int] = {}
+    rewards, index = [], []
+    for k, s in enumerate(group.samples):
+        key = ("episode", s.episode) if s.episode >= 0 else ("sample", k)
+        if key not in columns:
+            columns[key] = len(rewards)
+            rewards.append(s.reward)
+        index.append(columns[key])
+    return rewards, index
+
+
 def assign_advantages(groups: list[Group], name: str, **kwargs: object) -> list[Group]:
     """Apply the estimator `name` to all groups at once, as one `[N, G]` tensor (NaN-padded where groups
-    differ in size; NaN is "left out" for every estimator); return groups whose samples carry `advantage`."""
+    differ in size; NaN is "left out" for every estimator); return groups whose samples carry `advantage`.
+    A step-wise episode's calls are one column (`episode_columns`) and each gets the episode's advantage."""
     if not groups:
         return []
     fn = ADVANTAGES[name]
-    width = max(len(g.samples) for g in groups)
+    columns = [episode_columns(g) for g in groups]
+    width = max(len(rewards) for rewards, _ in columns)
     rewards_N_G = torch.full((len(groups), width), float("nan"), dtype=torch.float64)
-    for i, g in enumerate(groups):
-        rewards_N_G[i, : len(g.samples)] = torch.tensor(g.rewards_G, dtype=torch.float64)
+    for i, (rewards, _) in enumerate(columns):
+        rewards_N_G[i, : len(rewards)] = torch.tensor(rewards, dtype=torch.float64)
     adv_N_G = fn(rewards_N_G, **kwargs).tolist()
     return [
-        Group(g.group_id, tuple(s.with_(advantage=a) for s, a in zip(g.samples, adv, strict=False)))
-        for g, adv in zip(groups, adv_N_G, strict=True)
+        Group(g.group_id, tuple(s.with_(advantage=adv[c]) for s, c in zip(g.samples, index, strict=True)))
+        for g, adv, (_, index) in zip(groups, adv_N_G, columns, strict=True)
     ]

@@ -135,6 +135,9 @@ class EnvConfig(Section):
     )
     step_timeout_s: float = Field(30.0, gt=0, description="Seconds a reset / step / close may take; then the episode fails.")
     max_concurrent: int = Field(256, ge=1, description="Live episodes at once (the engine's batch is at most this).")
+    stepwise: bool = Field(False, description="One sample per model call (the conversation as the policy saw it, "
+        "which the env may rewrite: StepResult.history), each with the episode's return and its per-episode "
+        "group advantage, instead of one sequence per episode; max_episode_tokens bounds each call's context.")
     prefix_cache_mb: float = Field(
         512.0, ge=0, description="Engine memory for the key/value states of earlier turns, so that a turn reads only "
         "its new tokens (0 = off: every turn re-reads its whole history)."

@@ -31,12 +31,17 @@ class StepResult:
     reward:      this turn's reward (summed over the episode)
     done:        the episode is over (success, failure or the environment's own turn limit)
     info:        anything JSON-serialisable, logged with the trajectory (e.g. {"solved": True})
+    history:     None (the default): the observation is appended to the conversation. A message list: the
+                 conversation so far is replaced by it, then the observation appended (a harness that strips
+                 earlier turns, summarises or resets its context); trained step-wise (`env.stepwise`), since
+                 one token sequence can no longer hold what the policy saw
     """
 
     observation: list[Message] = field(default_factory=list)
     reward: float = 0.0
     done: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+    history: list[Message] | None = None
 
 
 @runtime_checkable

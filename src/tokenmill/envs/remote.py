@@ -110,12 +110,14 @@ class RemoteEnvironment:
                 self._open = False
             raise
         observation, reward, done, info = (data.get(k) for k in ("observation", "reward", "done", "info"))
+        history = data.get("history")
         if (not _is_messages(observation, allow_empty=True) or isinstance(reward, bool)
-                or not isinstance(reward, int | float) or not isinstance(done, bool) or not isinstance(info, dict)):
+                or not isinstance(reward, int | float) or not isinstance(done, bool) or not isinstance(info, dict)
+                or (history is not None and not _is_messages(history, allow_empty=True))):
             raise self._error("step", f"malformed answer from the server: {_preview(data)}")
         if done:
             self._open = False  # the server closed it
-        return StepResult(observation=observation, reward=float(reward), done=done, info=info)
+        return StepResult(observation=observation, reward=float(reward), done=done, info=info, history=history)
 
     async def close(self) -> None:
         try:

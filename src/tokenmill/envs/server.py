@@ -7,7 +7,7 @@ returns. The protocol mirrors `Environment` one to one:
 
     GET    /health                  -> {"status": "ok", "episodes": n}
     POST   /episodes                {"task": {...}}     -> {"episode_id": id, "observation": [messages]}
-    POST   /episodes/{id}/step      {"message": {...}}  -> {"observation", "reward", "done", "info"}
+    POST   /episodes/{id}/step      {"message": {...}}  -> {"observation", "reward", "done", "info"[, "history"]}
     DELETE /episodes/{id}           -> {"episode_id": id, "closed": true}
 
 Every error is JSON in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}` (the one shape of
@@ -148,12 +148,15 @@ def _step_payload(result: StepResult) -> dict[str, Any]:
     reward = float(result.reward)
     if not math.isfinite(reward):
         raise ValueError(f"step() reward must be a finite number, got {reward!r}")
-    return {
+    payload = {
         "observation": _jsonable(result.observation),
         "reward": reward,
         "done": bool(result.done),
         "info": _jsonable(result.info),
     }
+    if result.history is not None:  # a rewritten conversation (step-wise training); absent otherwise
+        payload["history"] = _jsonable(result.history)
+    return payload
 
 
 def _error(status: int, message: str) -> JSONResponse:

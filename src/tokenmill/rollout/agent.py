@@ -94,6 +94,7 @@ class AgentEpisode:
     prompt_len: int = 0
     turns: int = 0
     turn_rewards: list[float] = field(default_factory=list)
+    calls: list[tuple[tuple[int, ...], Completion]] = field(default_factory=list)  # step-wise: (prompt ids, turn)
     info: dict[str, Any] = field(default_factory=dict)
     stop: StopReason = StopReason.STOP
     error: str | None = None
@@ -155,8 +156,12 @@ class AgentLoop:
         limits: AgentLimits = AgentLimits(),
         tool_parser: Callable[[str], Any] | None = None,
         tools: list[dict] | None = None,
+        stepwise: bool = False,
     ) -> None:
         self.engine = engine
+        # one sample per model call, its prompt the chat template's rendering of the conversation as it stands
+        # (which may have been rewritten), instead of one token sequence per episode
+        self.stepwise = stepwise
         self.tokenizer = tokenizer
         self.env_factory = env_factory
         self.params = params
@@ -180,7 +185,9 @@ class AgentLoop:
                 t.add_tokens("generate", sum(sum(ep.mask) for ep in episodes))
         groups: dict[int, list[Sample]] = {}
         for ep in episodes:
-            groups.setdefault(ep.group, []).append(self.to_sample(ep, version, first_group))
+            samples = self.step_samples(ep, version, first_group) if self.stepwise and ep.calls else \
+                [self.to_sample(ep, version, first_group)]
+            groups.setdefault(ep.group, []).extend(samples)
         out = [Group(first_group + i, tuple(groups[i])) for i in range(len(rows))]
         return out, self.stats.report(self.limits.max_concurrent)
 
@@ -286,6 +293,8 @@ class AgentLoop:
 
     async def _step(self, ep: AgentEpisode, turn: Completion) -> None:
         ep.turns += 1
+        if self.stepwise:
+            ep.calls.append((tuple(ep.tokens), turn))
         ep.tokens += turn.token_ids
         ep.mask += [1] * len(turn.token_ids)
         ep.logprobs += turn.logprobs
@@ -312,18 +321,39 @@ class AgentLoop:
             ep.done, ep.stop = True, StopReason.LENGTH
             ep.info["turn_limit"] = True
             return
+        if not self._next_context(ep, result, truncated):
+            return
+        if len(ep.tokens) >= self.limits.max_episode_tokens:
+            ep.done, ep.stop = True, StopReason.LENGTH
+            ep.info["token_limit"] = True
+
+    def _next_context(self, ep: AgentEpisode, result: Any, truncated: bool) -> bool:
+        """Extend the episode with the observation: its template tokens after the turn (one growing sequence),
+        or step-wise the whole conversation rendered again (the history as the environment may have rewritten
+        it). False when the episode failed here."""
+        if self.stepwise:
+            ep.messages = [*(ep.messages if result.history is None else result.history), *result.observation]
+            try:
+                ep.tokens = self.format.prompt(ep.messages)
+            except Exception as exc:  # noqa: BLE001 - a message the template cannot render fails the episode
+                self._fail(ep, "chat template", exc)
+                return False
+            ep.mask, ep.logprobs = [0] * len(ep.tokens), [0.0] * len(ep.tokens)
+            return True
+        if result.history is not None:
+            self._fail(ep, "step", ValueError("the environment rewrote the history (StepResult.history); one "
+                                              "token sequence cannot hold that: set env.stepwise: true"))
+            return False
         try:
             delta = self.format.after_turn(ep.messages, result.observation, ended_with_eos=not truncated)
         except ChatTemplateError as exc:
             self._fail(ep, "chat template", exc)
-            return
+            return False
         ep.messages += result.observation
         ep.tokens += delta
         ep.mask += [0] * len(delta)
         ep.logprobs += [0.0] * len(delta)
-        if len(ep.tokens) >= self.limits.max_episode_tokens:
-            ep.done, ep.stop = True, StopReason.LENGTH
-            ep.info["token_limit"] = True
+        return True
 
     async def _close(self, ep: AgentEpisode) -> None:
         if ep.env is None or not hasattr(ep.env, "close"):
@@ -347,11 +377,32 @@ class AgentLoop:
         )
 
 
+    def step_samples(self, ep: AgentEpisode, version: int, first_group: int = 0) -> list[Sample]:
+        """Step-wise (`env.stepwise`): one Sample per model call, exactly the ids the engine read and sampled,
+        each with the episode's return as its reward and `episode` set so that they share one advantage; the
+        call's own reward is in `row["step_reward"]`."""
+        whole = self.to_sample(ep, version, first_group)
+        out = []
+        for k, (prompt, turn) in enumerate(ep.calls):
+            n = len(turn.token_ids)
+            step_reward = ep.turn_rewards[k] if k < len(ep.turn_rewards) else math.nan
+            out.append(whole.with_(
+                tokens=prompt + turn.token_ids, loss_mask=(0,) * len(prompt) + (1,) * n,
+                logprobs=(0.0,) * len(prompt) + turn.logprobs, prompt_len=len(prompt), completion=turn.text,
+                stop_reason=StopReason.ERROR if ep.error else turn.stop_reason, episode=ep.index,
+                row={**whole.row, "step": k, "step_reward": step_reward},
+            ))
+        return out
+
+
 def build_agent(cfg: Any, engine: Any, tokenizer: Any) -> AgentLoop:
     """The agent loop for an `RLConfig`'s `env`: a factory for local or remote environments, the engine, the
     limits; an environment that exposes `tools` (a registry) gets their specs in the chat template and its
     calls parsed."""
     env = cfg.env
+    if env.stepwise and env.verifiers is not None:
+        raise ConfigError("env.stepwise: a verifiers environment builds its own samples; step-wise training is "
+                          "for the agent loop's environments (env.name, env.url, env.openenv)")
     if env.verifiers is not None:  # a verifiers environment plays its own episodes (rollout/verifiers_rollout.py)
         from tokenmill.rollout.verifiers_rollout import build_verifiers
 
@@ -387,4 +438,4 @@ def build_agent(cfg: Any, engine: Any, tokenizer: Any) -> AgentLoop:
     limits = AgentLimits(max_turns=env.max_turns, max_episode_tokens=env.max_episode_tokens,
                          step_timeout_s=env.step_timeout_s, max_concurrent=live)
     return AgentLoop(engine, tokenizer, factory, SamplingParams.from_config(cfg.generation), limits,
-                     tool_parser=parser, tools=tools)
+                     tool_parser=parser, tools=tools, stepwise=env.stepwise)
