@@ -63,7 +63,7 @@ def mismatch(base: str) -> dict[str, dict[str, float]]:
             [s.with_(routes=()) for s in samples], [1.0] * len(samples), tok.pad_token_id))
         rows[mode] = mismatch_stats(batch.old_logprobs_B_T, scored, trained)
         for mask, kwargs in (("icepop", {"ratio_band": (0.8, 1.25)}), ("binary_kl", {"kl_band": 1e-3})):
-            c, raw = behaviour_weights(scored.double(), batch.old_logprobs_B_T.double(), mask, 2.0, **kwargs)
+            c, _ = behaviour_weights(scored.double(), batch.old_logprobs_B_T.double(), mask, 2.0, **kwargs)
             rows[mode][f"{mask}_masked_frac"] = float(((c == 0) & trained).sum() / trained.sum())
     rows["routing"] = {"tokens": float(known.sum()), "expert_set_differs_frac": float(flipped.sum() / known.sum())}
     return rows

@@ -386,3 +386,31 @@ def test_a_task_lacking_a_field_reset_reads_is_a_400_naming_it(caplog):
     finally:
         srv.stop()
     assert not any(r.exc_info for r in caplog.records if r.name == "tokenmill.envs.server")
+
+
+class Rewrites:
+    """Each step replaces the conversation with the task message and the latest turn (`StepResult.history`)."""
+
+    def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        self.first = {"role": "user", "content": f"task {task['seed']}"}
+        return [self.first]
+
+    def step(self, message: dict[str, Any]) -> StepResult:
+        return StepResult(observation=[{"role": "user", "content": "more"}], reward=0.5, done=False,
+                          history=[self.first, {"role": "assistant", "content": message["content"]}])
+
+
+def test_a_rewritten_history_crosses_the_wire():
+    srv, _ = start_in_thread(create_app(Rewrites))
+    try:
+        async def main() -> None:
+            env = RemoteEnvironment(srv.url)
+            await env.reset({"seed": 3})
+            result = await env.step({"role": "assistant", "content": "42"})
+            await env.close()
+            assert result.history == [{"role": "user", "content": "task 3"}, {"role": "assistant", "content": "42"}]
+            assert result.observation == [{"role": "user", "content": "more"}] and result.reward == 0.5
+
+        run(main())
+    finally:
+        srv.stop()

@@ -15,7 +15,6 @@ from tokenmill.envs.base import StepResult
 from tokenmill.rollout.agent import AgentLimits, AgentLoop
 from tokenmill.types import SamplingParams
 
-
 LIMITS = AgentLimits(max_turns=5, end_on_truncation=False)  # a turn cut at max_tokens does not end the episode
 
 
