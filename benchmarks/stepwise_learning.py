@@ -6,8 +6,9 @@
 turn the environment rewrites the conversation to the task message and that turn alone (`StepResult.history`),
 so no single token sequence holds what the policy saw across turns: the run trains one sample per model call.
 The policy is the tiny random-init Llama (2 layers, 64 wide), GRPO with 8 tasks x 8 episodes per step, 6 tokens a
-turn, through `tokenmill`'s own run (`build_run`, `run_rl`). Reported: the mean episode return (0 to 3) over the
-first and the last five steps, and the samples (model calls) trained per step. Writes
+turn, through `tokenmill`'s own run (`build_run`, `run_rl`). Reported over the first and the last five steps: the
+mean episode return (0 to 3), the model calls (samples) per episode, and the share of calls cut at 6 tokens (a
+cut turn ends its episode: `AgentLimits.end_on_truncation`). Writes
 benchmarks/results/stepwise_learning.json.
 """
 
@@ -70,10 +71,11 @@ def main() -> None:
     steps = [m for m in metrics if "reward/mean" in m]
     first, last = steps[:5], steps[-5:]
     mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)
+    calls = lambda rows: sum(r["agent/mean_batch"] * r["agent/rounds"] for r in rows) / (64 * len(rows))
     result = {"steps": len(steps), "return_first5": mean(first, "reward/mean"),
-              "return_last5": mean(last, "reward/mean"),
-              "samples_per_step": mean(steps, "train/sequences_trained") if "train/sequences_trained" in steps[0]
-              else None}
+              "return_last5": mean(last, "reward/mean"), "calls_per_episode_first5": calls(first),
+              "calls_per_episode_last5": calls(last), "truncated_calls_first5": mean(first, "response_len/clip_ratio"),
+              "truncated_calls_last5": mean(last, "response_len/clip_ratio")}
     print(json.dumps(result, indent=2))
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
