@@ -442,6 +442,8 @@ class ProxyConfig(Section):
     wait_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one step's episodes before the run "
                                   "stops with a message naming what arrived.")
     episode_ttl_s: float = Field(600.0, gt=0, description="An open episode with no call for this long is dropped.")
+    stepwise: bool = Field(False, description="One sample per recorded call, sharing its episode's reward and "
+                           "advantage (env.stepwise), instead of one per append-only run of calls.")
     read_timeout_s: float = Field(30.0, gt=0, description="Seconds a client may take to send a request's head (and "
                                   "to pause in its body) before the endpoint closes its connection.")
     max_connections: int | None = Field(None, ge=1, description="Open connections at most; at the cap the slowest "

@@ -22,15 +22,18 @@ from tokenmill.tracking.stages import stage
 from tokenmill.types import Group, TokenmillError
 
 
-def episodes_to_groups(episodes: list[RecordedEpisode], first_group: int = 0) -> list[Group]:
-    """Episodes sharing a `group` key become one Group (GRPO compares them); order of first appearance."""
+def episodes_to_groups(episodes: list[RecordedEpisode], first_group: int = 0,
+                       stepwise: bool = False) -> list[Group]:
+    """Episodes sharing a `group` key become one Group (GRPO compares them); order of first appearance.
+    `stepwise`: each episode's samples (one per call) are marked as its own, so they share one advantage."""
     by_key: dict[str, list[RecordedEpisode]] = {}
     for ep in episodes:
         by_key.setdefault(ep.group, []).append(ep)
     groups = []
     for i, eps in enumerate(by_key.values()):
         gid = first_group + i
-        groups.append(Group(gid, tuple(s for ep in eps for s in ep.samples(gid))))
+        groups.append(Group(gid, tuple(s for k, ep in enumerate(eps)
+                                       for s in ep.samples(gid, episode=k if stepwise else -1))))
     return groups
 
 
@@ -57,7 +60,7 @@ class ProxyCollector:
         """The recorded samples keep the versions the serving engine reported (`version` is not used)."""
         with stage("generate") as t:
             ready = self._collect(len(rows))
-            groups = episodes_to_groups([e for g in ready for e in g], first_group)
+            groups = episodes_to_groups([e for g in ready for e in g], first_group, self.recorder.stepwise)
             if t is not None:
                 t.add_tokens("generate", sum(sum(s.loss_mask) for g in groups for s in g.samples))
         return groups, {f"proxy/{k}": float(v) for k, v in self.recorder.counts().items()}

@@ -42,7 +42,7 @@ class ProxyService:
         self.cfg, self.agent = cfg, None
         self.engine = ContinuousEngine(copy.deepcopy(model).eval(), tokenizer, seed=seed)
         self.engine.version = version
-        self.recorder = EpisodeRecorder(ttl_s=cfg.episode_ttl_s)
+        self.recorder = EpisodeRecorder(ttl_s=cfg.episode_ttl_s, stepwise=cfg.stepwise)
         app = create_app(self.engine, model_name="policy", token=cfg.token, recorder=self.recorder,
                          default_max_tokens=max_tokens, max_tokens_cap=max_tokens)
         try:

@@ -51,13 +51,14 @@ class RecordedEpisode:
     calls: int = 0
     started: float = field(default_factory=time.monotonic)
 
-    def samples(self, group_id: int) -> list[Sample]:
+    def samples(self, group_id: int, episode: int = -1) -> list[Sample]:
+        """One sample per segment; `episode` >= 0 marks them as one episode's (`Sample.episode`: one advantage)."""
         reward = float("nan") if self.reward is None else self.reward
         return [
             Sample(tokens=tuple(s.tokens), loss_mask=tuple(s.loss_mask), logprobs=tuple(s.logprobs),
                    prompt_len=s.prompt_len, prompt=s.prompt, completion=s.completion, stop_reason=s.stop_reason,
                    version=s.version, group_id=group_id, reward=reward, rewards={"agent": self.reward},
-                   row={"episode_id": self.episode_id, "group": self.group, "calls": self.calls})
+                   row={"episode_id": self.episode_id, "group": self.group, "calls": self.calls}, episode=episode)
             for s in self.segments
         ]
 
@@ -67,10 +68,11 @@ class EpisodeRecorder:
 
     max_open:  open episodes kept at once (a request for a new one beyond it is refused)
     ttl_s:     an open episode with no call for this long is dropped (the agent died or never reported)
+    stepwise:  every call its own segment (step-wise training), even where it extends the last one
     """
 
-    def __init__(self, *, max_open: int = 10_000, ttl_s: float = 600.0) -> None:
-        self.max_open, self.ttl_s = max_open, ttl_s
+    def __init__(self, *, max_open: int = 10_000, ttl_s: float = 600.0, stepwise: bool = False) -> None:
+        self.max_open, self.ttl_s, self.stepwise = max_open, ttl_s, stepwise
         self._open: dict[str, RecordedEpisode] = {}
         self._last_seen: dict[str, float] = {}
         self._finished: deque[RecordedEpisode] = deque()
@@ -91,7 +93,7 @@ class EpisodeRecorder:
             ep.calls += 1
             reply = list(completion.token_ids)
             last = ep.segments[-1] if ep.segments else None
-            if last is not None and prompt_ids[: len(last.tokens)] == last.tokens:
+            if last is not None and not self.stepwise and prompt_ids[: len(last.tokens)] == last.tokens:
                 new = prompt_ids[len(last.tokens):]
                 last.tokens += new + reply
                 last.loss_mask += [0] * len(new) + [1] * len(reply)

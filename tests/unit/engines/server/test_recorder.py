@@ -79,3 +79,24 @@ def test_an_episode_without_a_reward_is_not_trainable_and_idle_ones_expire():
     assert rec.counts() == {"open": 1, "finished": 0, "dropped": 1}
     [s] = rec._open["new"].samples(0)
     assert math.isnan(s.reward) and not s.trainable
+
+
+def test_stepwise_recording_keeps_every_call_and_one_advantage_per_episode():
+    from tokenmill.algorithms.advantages import assign_advantages
+
+    rec = EpisodeRecorder(stepwise=True)
+    # episode a: two calls, the second extending the first (append-only), still two samples; b and c: one call
+    rec.record("a", [1, 2], _c([3], [-0.1]), version=0, group="t")
+    rec.record("a", [1, 2, 3, 4], _c([5, 6], [-0.2, -0.3]), version=0)
+    rec.record("b", [1, 2], _c([7], [-0.4]), version=0, group="t")
+    rec.record("c", [1, 2], _c([8], [-0.5]), version=0, group="t")
+    episodes = [rec.finish("a", 1.0), rec.finish("b", 0.0), rec.finish("c", 0.5)]
+    assert [s.tokens for s in episodes[0].samples(0)] == [(1, 2, 3), (1, 2, 3, 4, 5, 6)]
+    assert [s.loss_mask for s in episodes[0].samples(0)] == [(0, 0, 1), (0, 0, 0, 0, 1, 1)]
+    [group] = assign_advantages(episodes_to_groups(episodes, stepwise=True), "grpo")
+    assert [s.episode for s in group.samples] == [0, 0, 1, 2]
+    # GRPO over the three episodes' returns 1, 0, 0.5: mean 0.5, std 0.5; a's two calls share +1
+    assert [round(s.advantage, 3) for s in group.samples] == [1.0, 1.0, -1.0, 0.0]
+    # without step-wise marks, a's two samples would count twice in the group's statistics
+    [plain] = assign_advantages(episodes_to_groups(episodes), "grpo")
+    assert [s.episode for s in plain.samples] == [-1] * 4 and plain.samples[0].advantage != pytest.approx(1.0, abs=1e-3)
