@@ -154,7 +154,7 @@ def estimate_for_config(
     result = to_dict(est, solve_budget(plan), recommend_backend(plan))
     cluster = config.get("cluster") if plan.mode == "rl" else None
     if isinstance(cluster, dict) and cluster.get("backend") == "ray":  # validated above with the whole config
-        from tokenmill.config.cluster import ClusterConfig, make_plan
+        from tokenmill.config.cluster import placement_of_config
 
-        result["placement"] = make_plan(ClusterConfig(**cluster)).summary()
+        result["placement"] = placement_of_config(config)
     return result
