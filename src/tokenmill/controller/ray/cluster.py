@@ -71,6 +71,10 @@ class RayCluster:
     node_ids: list[str] = field(default_factory=list)
     local_nodes: Any = None  # the `ray.cluster_utils.Cluster` of a local multi-node cluster this process started
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the local nodes (their processes are this process's): a copy only reaches the cluster."""
+        return {**self.__dict__, "local_nodes": None}
+
     def get(self, refs, *, timeout_s: float | None = None, what: str = "remote call"):
         """`ray.get` with a limit: never wait on a remote call without one (a dead peer of a collective hangs
         the live ranks until their process-group timeout)."""
@@ -100,21 +104,16 @@ class RayCluster:
             self.local_nodes = None
 
     def check_plan(self, cfg: Any) -> None:
-        """Refuse, before anything starts, a `cluster:` layout this cluster cannot hold: fewer live nodes than
-        `cluster.nodes`, or a STRICT_SPREAD group with more ranks than nodes (Ray would wait for them until
-        `cluster.start_timeout_s`)."""
-        live = len(self.nodes())
-        if live < cfg.nodes:
-            raise ClusterError(f"cluster.nodes: the plan lays out {cfg.nodes} node(s), the cluster at "
-                               f"{self.address} has {live}")
-        groups = [("cluster.strategy", cfg.strategy, cfg.trainer_ranks)]
-        groups += [(f"cluster.roles.{name}.strategy", g.strategy, g.ranks)
-                   for name, g in (("reference", cfg.roles.reference), ("critic", cfg.roles.critic))
-                   if g.placement == "own"]
-        for name, strategy, ranks in groups:
-            if strategy == "STRICT_SPREAD" and ranks > live:
-                raise ClusterError(f"{name}: STRICT_SPREAD puts each of {ranks} ranks on a node of its own, the "
-                                   f"cluster at {self.address} has {live} node(s)")
+        """Refuse, before anything starts, a `cluster:` section this cluster cannot hold: fewer live nodes with
+        `cluster.cpus_per_node` CPUs and `cluster.gpus_per_node` GPUs than `cluster.nodes` (Ray would wait for
+        the placement groups until `cluster.start_timeout_s`)."""
+        live = [n["resources"] for n in self.nodes()]
+        enough = [r for r in live if r.get("CPU", 0) >= cfg.cpus_per_node and r.get("GPU", 0) >= cfg.gpus_per_node]
+        if len(enough) < cfg.nodes:
+            have = "; ".join(f"CPU {r.get('CPU', 0):g}, GPU {r.get('GPU', 0):g}" for r in live)
+            raise ClusterError(f"cluster.nodes: the plan lays out {cfg.nodes} node(s) x (CPU {cfg.cpus_per_node}, "
+                               f"GPU {cfg.gpus_per_node}); the cluster at {self.address} has {len(enough)} such "
+                               f"node(s) ({len(live)} live: {have})")
 
 
 def _check_loopback(ray) -> None:
