@@ -156,5 +156,8 @@ def estimate_for_config(
     if isinstance(cluster, dict) and cluster.get("backend") == "ray":  # validated above with the whole config
         from tokenmill.config.cluster import placement_of_config
 
-        result["placement"] = placement_of_config(config)
+        try:
+            result["placement"] = placement_of_config(config)
+        except ConfigError as exc:  # the memory still holds; `tokenmill plan` and validate refuse the layout
+            result["warnings"].append(f"placement: {exc}")
     return result
