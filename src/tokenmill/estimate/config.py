@@ -93,8 +93,11 @@ def _rl_fields(cfg: Any, opts: EstimateOptions, policy: ModelShape) -> dict[str,
             "reward_models": rewards, "micro_batch_tokens": cfg.training.micro_batch_tokens,
             "prompt_tokens": prompt, "completion_tokens": completion, "sequences_in_flight": in_flight,
             "global_sequences": math.ceil(sequences / algo.mini_batches),
-            # engine servers (placement process / remote) generate on other devices than the trainer's
-            "engine": opts.engine if cfg.engine.placement in ("colocated", "thread", "worker") else "none",
+            # engine servers (placement process / remote, or Ray's engine replicas on devices of their own)
+            # generate on other devices than the trainer's
+            "engine": opts.engine if cfg.engine.placement in ("colocated", "thread", "worker")
+            and not (cfg.cluster.backend == "ray" and cfg.cluster.engine_replicas and not cfg.cluster.colocate)
+            else "none",
             "engine_copy": cfg.engine.placement in ("thread", "worker"),
             "engine_memory_utilization": opts.engine_memory_utilization, "engine_sleep": opts.engine_sleep}
 
