@@ -49,6 +49,8 @@ def test_the_models_page_shows_each_role_per_node_and_device(page, tiny_model_pa
     expect(page.get_by_test_id("cluster-role-reference")).to_contain_text("sharded over trainer ranks 0-3")
     expect(page.get_by_test_id("cluster-role-critic")).to_contain_text("a worker group of its own: critic ranks 0-1")
     assert [r["where"] for r in layout["roles"]] == [where for _, where in plan.role_lines()]
+    # two local nodes (address null) with GPUs would share this machine's: the plan's note, shown as a warning
+    expect(page.get_by_test_id("cluster-layout-note")).to_contain_text("would share its GPUs")
     page.screenshot(path=str(shots / "models-cluster-layout.png"), full_page=True)
 
     # one more critic rank than the nodes hold: the planner's refusal, naming the field, in place of the layout

@@ -180,6 +180,15 @@ ROLE_NAMES = {"trainer": "trainer rank", "reference": "reference rank", "critic"
               "reward_model": "reward model", "engine": "engine replica"}
 
 
+LOCAL_GPUS = ("cluster.address: null starts every node on this machine, where they would share its GPUs; `tokenmill "
+              "train` refuses it: start one node per machine (`ray start`) and set cluster.address")
+
+
+def shares_local_gpus(cfg: ClusterConfig) -> bool:
+    """A local cluster of several nodes with GPUs: the nodes would all hand out this machine's GPU 0, 1, ..."""
+    return cfg.address is None and cfg.nodes > 1 and cfg.gpus_per_node > 0
+
+
 def roles_in_use(cfg: Any) -> set[str]:
     """The roles an RL config has: a reference with `algorithm.kl_coef` > 0, a critic with GAE, a reward model
     with a `type: model` reward."""
@@ -296,6 +305,8 @@ class Plan:
         out.append("free: " + "; ".join(f"node {i}: CPU {cpu}, GPU {gpu}" for i, (cpu, gpu) in enumerate(self.free)))
         out.append("roles:")
         out += [f"  {name:<13} {where}" for name, where in self.role_lines()]
+        if shares_local_gpus(c):
+            out.append(f"note: {LOCAL_GPUS}")
         return out
 
 

@@ -47,6 +47,9 @@ def test_two_node_plan_packs_ranks_then_engines(tmp_path, capsys):
         "  critic        none in this run",
         "  reward model  none in this run",
         "  engines       engine replica 0",
+        # two local nodes would both hand out this machine's GPU 0 and 1: said here, refused by `tokenmill train`
+        ("note: cluster.address: null starts every node on this machine, where they would share its GPUs; "
+         "`tokenmill train` refuses it: start one node per machine (`ray start`) and set cluster.address"),
     ]
     rc, _, err = _plan(tmp_path, capsys, TWO_NODES, "--cluster.engine_replicas", "2")
     assert rc == 2
@@ -126,6 +129,7 @@ def test_the_memory_estimate_shows_the_placement_and_shards_over_the_ranks():
     ({"engine": {"placement": "process", "sync": "broadcast"}, "cluster": {"engine_replicas": 1}},
      r"engine.sync: the Ray engine replicas take weights through files"),
     ({"cluster": {"engine_replicas": 1, "colocate": True}}, r"cluster.colocate: engine replicas sharing"),
+    ({"cluster": {"nodes": 2, "gpus_per_node": 1}}, r"cluster.address: null starts every node on this machine"),
 ])
 def test_training_on_ray_refuses_what_it_does_not_run_yet(override, match):
     from tokenmill.config import RLConfig, load_config

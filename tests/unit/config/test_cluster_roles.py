@@ -14,6 +14,7 @@ algorithm: {advantage: gae, kl_coef: 0.05}
 rewards: [{type: model, path: rm}]
 cluster:
   backend: ray
+  address: auto
   nodes: 2
   cpus_per_node: 4
   gpus_per_node: 4

@@ -97,6 +97,11 @@ def _build(cfg, rewards, fleet, placed):
 def _connect(c):
     """`cluster.address`, joined; or a local loopback cluster of `cluster.nodes` nodes (Ray's own
     `cluster_utils.Cluster` when there are several), so that the placement runs as `tokenmill plan` shows it."""
+    from tokenmill.config.cluster import LOCAL_GPUS, shares_local_gpus
+    from tokenmill.types import ConfigError
+
+    if shares_local_gpus(c):
+        raise ConfigError(LOCAL_GPUS)
     local = c.address is None
     cluster = connect(c.address, num_cpus=(c.cpus_per_node if c.nodes > 1 else c.nodes * c.cpus_per_node)
                       if local else None, num_gpus=(c.gpus_per_node if c.nodes > 1 else c.nodes * c.gpus_per_node)

@@ -80,6 +80,9 @@ export function ClusterLayout() {
     <div data-testid="cluster-layout">
       <h3 style={{ marginTop: "14px" }}>Where each role runs</h3>
       {out.error && <div class="alert error" data-testid="cluster-layout-error">{out.error}</div>}
+      {(out.lines ?? []).filter((l) => l.startsWith("note: ")).map((l) => (
+        <div class="alert warn" data-testid="cluster-layout-note">{l.slice(6)}</div>
+      ))}
       {out.layout && (
         <div>
           <table class="table" data-testid="cluster-roles">
