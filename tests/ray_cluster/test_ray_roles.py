@@ -146,3 +146,45 @@ def test_reference_critic_and_reward_model_placed_off_the_driver_train_like_one_
     got_w = load_file(str(final))
     for name, tensor in want_w.items():  # two ranks against one process: see test_ray_train.py
         torch.testing.assert_close(got_w[name], tensor, rtol=0, atol=5e-5, msg=name)
+
+
+def test_a_killed_critic_rank_rebuilds_every_group_and_the_run_resumes_exactly(ray_cluster, tmp_path, monkeypatch):
+    """The critic in a group of its own; its rank SIGKILLed before step 2's values: the run rebuilds the trainer's
+    and the critic's groups, resumes from the step-1 checkpoint (the critic's shards among it) and ends with
+    the weights of an uninterrupted one-process run."""
+    import signal
+
+    import tokenmill
+    from tokenmill.config import RLConfig, load_config
+    from tokenmill.controller.ray import roles
+    from tokenmill.controller.ray.run import train_on_ray
+    from tokenmill.testing import build_tiny_model
+
+    torch.set_num_threads(1)
+    model = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    tree = _config(model, "", str(tmp_path / "alone")) | {"checkpoint": {"every": 1, "save_final": True}}
+    tree.pop("rewards")
+    tree["algorithm"]["kl_coef"] = 0.0
+    tokenmill.train(tree, rewards=[digit_share])
+
+    original, killed = roles.RayCritic.values, []
+
+    def values(self, batch):
+        if self.group.generation == 1 and not killed and values.calls == 1:  # step 2, first group only
+            killed.append(self.group.ranks[0].pid)
+            os.kill(killed[0], signal.SIGKILL)
+        values.calls += 1
+        return original(self, batch)
+
+    values.calls = 0
+    monkeypatch.setattr(roles.RayCritic, "values", values)
+    tree["tracking"]["output_dir"] = str(tmp_path / "ray")
+    tree["cluster"] = {"backend": "ray", "nodes": 2, "cpus_per_node": 3, "trainer_ranks": 2, "max_restarts": 1,
+                       "call_timeout_s": 120, "roles": {"critic": {"placement": "own"}}}
+    result = train_on_ray(load_config(RLConfig, tree), rewards=[digit_share], cluster=ray_cluster)
+    assert killed and result["restarts"] == 1 and result["resumed_from"] == 1
+    assert sorted(p.name for p in (tmp_path / "ray" / "checkpoints" / "shards").glob("critic-step-*"))
+    want = load_file(str(max((tmp_path / "alone" / "checkpoints").glob("step_*")) / "model.safetensors"))
+    got = load_file(str(max((tmp_path / "ray" / "checkpoints").glob("step_*")) / "model.safetensors"))
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=5e-5, msg=name)
