@@ -148,6 +148,7 @@ def test_reference_critic_and_reward_model_placed_off_the_driver_train_like_one_
         torch.testing.assert_close(got_w[name], tensor, rtol=0, atol=5e-5, msg=name)
 
 
+@pytest.mark.slow  # two minutes of actor start-ups on 2 cores: `pytest -m slow tests/ray_cluster`
 def test_a_killed_critic_rank_rebuilds_every_group_and_the_run_resumes_exactly(ray_cluster, tmp_path, monkeypatch):
     """The critic in a group of its own; its rank SIGKILLed before step 2's values: the run rebuilds the trainer's
     and the critic's groups, resumes from the step-1 checkpoint (the critic's shards among it) and ends with
