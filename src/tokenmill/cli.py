@@ -44,15 +44,15 @@ def _rl_config(path: str | None, overrides: list[str]):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """`tokenmill plan CONFIG`: where `cluster:` puts each trainer rank and engine replica; starts nothing."""
-    from tokenmill.config.cluster import make_plan
+    """`tokenmill plan CONFIG`: where `cluster:` puts each trainer rank, role and engine replica; starts nothing."""
+    from tokenmill.config.cluster import make_plan, roles_in_use
 
     cfg = _rl_config(args.config, args.overrides)
     if cfg.cluster.backend != "ray":
         print("cluster: local (one process, or the ranks torchrun starts); set cluster.backend: ray to place "
               "ranks and engines on a Ray cluster")
         return 0
-    print("\n".join(make_plan(cfg.cluster).lines()))
+    print("\n".join(make_plan(cfg.cluster, roles_in_use(cfg)).lines()))
     return 0
 
 
@@ -60,6 +60,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from tokenmill.config.preflight import check_run
 
     cfg = _rl_config(args.config, args.overrides)
+    if cfg.cluster.backend == "ray":  # a layout that cannot be placed fails here, not after cluster.start_timeout_s
+        from tokenmill.config.cluster import make_plan, roles_in_use
+
+        make_plan(cfg.cluster, roles_in_use(cfg))
     for note in check_run(cfg):
         print(f"note: {note}")
     seqs = cfg.sequences_per_step

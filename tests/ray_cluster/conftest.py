@@ -1,8 +1,8 @@
 """One two-node Ray cluster for the whole test session, every process on 127.0.0.1.
 
 The two "nodes" are two raylets on this machine (`ray.cluster_utils.Cluster`, Ray's own test utility), so
-placement across nodes is exercised; the driver joins it through `tokenmill.controller.ray.connect`, the same
-path as `cluster.address: host:port`. Skipped where Ray is not installed (`pip install 'tokenmill[ray]'`).
+placement across nodes is exercised; `tokenmill.controller.ray.connect(None, nodes=2)` starts them, the path
+a run with `cluster.address: null, nodes: 2` takes. Skipped where Ray is not installed (`pip install 'tokenmill[ray]'`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ CPUS_PER_NODE = 3  # logical CPUs: a scheduling budget, not cores (the machine m
 @pytest.fixture(scope="session")
 def ray_cluster():
     from ray._private import ray_constants
-    from ray.cluster_utils import Cluster
 
-    from tokenmill.controller.ray.cluster import connect, local_node_args
+    from tokenmill.controller.ray.cluster import connect
 
     assert not ray_constants.ENABLE_RAY_CLUSTER  # never start nodes that bind the network interface
     # a short private temp dir: Ray's unix socket paths must stay under 107 characters
@@ -34,15 +33,12 @@ def ray_cluster():
     # Ray's address file and sessions go here too, not to the machine-wide /tmp/ray that `address: auto` reads
     os.environ["RAY_TMPDIR"] = temp
     os.makedirs(os.path.join(temp, "ray"))
-    nodes = Cluster(initialize_head=True, head_node_args=local_node_args(CPUS_PER_NODE))
-    nodes.add_node(**local_node_args(CPUS_PER_NODE))
-    nodes.wait_for_nodes(timeout=60)
-    cluster = connect(nodes.address, call_timeout_s=120.0)
+    # what `cluster.address: null, nodes: 2` starts: two raylets (Ray's `cluster_utils.Cluster`), joined
+    cluster = connect(None, nodes=2, num_cpus=CPUS_PER_NODE, call_timeout_s=120.0, start_timeout_s=60.0)
     try:
         yield cluster
     finally:
         cluster.close()
-        nodes.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
 
 

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill import serving
 from tokenmill.composer import compare, configs
+from tokenmill.composer.placement import placement_answer
 from tokenmill.composer.presets import presets
 from tokenmill.composer.preview import REWARD_MODEL_TIMEOUT_S, Previewer, PreviewError
 from tokenmill.composer.runs import DEFAULT_MAX_RUNS, FINAL, Cursor, RunError, RunManager, read_events
@@ -245,6 +246,10 @@ def _config_routes(app: FastAPI) -> None:
         cfg = _valid(body)
         config = {**configs.normalized(cfg), "mode": body.mode}
         return estimate_for_config(config, device_memory_gib=body.device_memory_gib, num_devices=body.num_devices)
+
+    @app.post("/api/placement")
+    def placement(body: ConfigBody) -> dict[str, Any]:
+        return placement_answer(body.mode, _valid(body))
 
     @app.post("/api/rewards/preview")
     def preview(body: PreviewBody) -> dict[str, Any]:

@@ -100,9 +100,10 @@ class Run:
 
 
 def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, dataset=None, *,
-              trainer_group: Any = None) -> Run:
+              trainer_group: Any = None, role_groups: dict | None = None) -> Run:
     """Every part of a run of `cfg`. `rewards`: Python reward functions beside the config's; `dataset`: rows in
-    place of `data.path`; `trainer_group`: the Ray trainer ranks of a `cluster.backend: ray` run."""
+    place of `data.path`; `trainer_group`: the Ray trainer ranks of a `cluster.backend: ray` run; `role_groups`:
+    where its `cluster.roles` run outside the driver (`controller.ray.roles.PlacedRoles.for_run`)."""
     if cfg.training.deterministic:  # first: MKL and cuBLAS read their reproducibility mode once
         from tokenmill.checkpoint.determinism import make_deterministic
 
@@ -110,7 +111,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     torch.manual_seed(cfg.training.seed)
     random.seed(cfg.training.seed)
     train_rows, eval_rows, task_reward = build_datasets(cfg, dataset)
-    reward_set = build_rewards(cfg, rewards, task_reward)
+    reward_set = build_rewards(cfg, rewards, task_reward, model_reward=(role_groups or {}).get("reward_model"))
     sharded = trainer_kind(cfg) == "fsdp2"  # this process is one torchrun rank
     if sharded:  # join the torchrun group first: with CUDA that picks this rank's GPU
         from tokenmill.training import dist
@@ -139,7 +140,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
         if cfg.training.router_replay == "r3":  # the experts it picks, replayed by the trainer
             engine.record_routing(True)
     teacher = build_teacher(cfg.distillation, model, tokenizer, device, autocast_dtype=amp)
-    trainer = build_trainer(cfg, model, device, amp, teacher, ray_group=trainer_group)
+    trainer = build_trainer(cfg, model, device, amp, teacher, ray_group=trainer_group, role_groups=role_groups)
     generator = build_generator(cfg, engine, tokenizer, reward_set)
     agent = build_agent(cfg, engine, tokenizer) if cfg.env is not None else None
     out = Path(cfg.tracking.output_dir)

@@ -46,11 +46,12 @@ def trainer_kind(cfg: Any) -> str:
 
 
 def build_trainer(cfg: Any, model: torch.nn.Module, device: torch.device, amp: torch.dtype | None,
-                  teacher: Teacher | None = None, *, ray_group: Any = None) -> Trainer:
+                  teacher: Teacher | None = None, *, ray_group: Any = None, role_groups: dict | None = None) -> Trainer:
     """The trainer of `cfg` over the policy `model` (on `device`, autocast `amp`). With distillation's full loss
     (`config.distill.full_kl`) the backend's loss adds the reverse KL to `teacher` (on Ray each rank loads its
     own copy from the spec); the advantages' share of distillation uses `teacher` too. `ray_group`: the
-    `controller.ray.workers.WorkerGroup` of a `ray` trainer."""
+    `controller.ray.workers.WorkerGroup` of a `ray` trainer; `role_groups`: the group that computes the
+    reference or the critic when `cluster.roles` places it outside the driver (`controller.ray.roles`)."""
     spec = TrainerSpec.from_config(cfg, amp)
     kind = trainer_kind(cfg)
     shards = Path(cfg.tracking.output_dir) / "checkpoints" / "shards"
@@ -67,8 +68,19 @@ def build_trainer(cfg: Any, model: torch.nn.Module, device: torch.device, amp: t
         backend = policy_backend(spec, copy.deepcopy(model) if sharded else model, teacher=taught,
                                  sharded=sharded, checkpoint_dir=shards, keep=keep)
     spec.apply_fast_forward(model)
-    reference = _reference(cfg, spec, model, backend, sharded=kind == "fsdp2")
-    critic = _critic(cfg, spec, device, sharded=kind == "fsdp2", shards=shards, keep=keep)
+    placed = role_groups or {}
+    if "reference" in placed and cfg.algorithm.kl_coef > 0:
+        from tokenmill.controller.ray.roles import RayReference
+
+        reference: ReferenceModel | None = RayReference(placed["reference"])
+    else:
+        reference = _reference(cfg, spec, model, backend, sharded=kind == "fsdp2")
+    if "critic" in placed and cfg.algorithm.advantage == "gae":
+        from tokenmill.controller.ray.roles import RayCritic
+
+        critic: Critic | None = RayCritic(placed["critic"])
+    else:
+        critic = _critic(cfg, spec, device, sharded=kind == "fsdp2", shards=shards, keep=keep)
     return Trainer(model, backend, reference, critic, spec, teacher, random.Random(cfg.training.seed + 1))
 
 
@@ -94,15 +106,18 @@ def _critic(cfg, spec: TrainerSpec, device, *, sharded: bool, shards: Path, keep
     """PPO's value model (advantage gae): its own learning rate, the policy's schedule length and forward."""
     if cfg.algorithm.advantage != "gae":
         return None
-    c = cfg.critic
-    kwargs: dict[str, Any] = {
-        "learning_rate": c.learning_rate, "total_steps": spec.total_steps, "value_clip": c.value_clip,
-        "max_grad_norm": c.max_grad_norm, "micro_batch_tokens": spec.micro_batch_tokens,
-        "autocast_dtype": spec.autocast_dtype, "share_prompts": spec.share_prompts,
-    }
-    model = load_critic(c, cfg.model.path, device)
+    kwargs = critic_kwargs(cfg, spec)
+    model = load_critic(cfg.critic, cfg.model.path, device)
     if sharded:
         from tokenmill.training.sharded import ShardedCritic
 
         return ShardedCritic(model, checkpoint_dir=shards, keep=keep, **kwargs)
     return Critic(model, **kwargs)
+
+
+def critic_kwargs(cfg, spec: TrainerSpec) -> dict[str, Any]:
+    """The `Critic` settings of `cfg`: its own learning rate, the policy's schedule length and forward."""
+    c = cfg.critic
+    return {"learning_rate": c.learning_rate, "total_steps": spec.total_steps, "value_clip": c.value_clip,
+            "max_grad_norm": c.max_grad_norm, "micro_batch_tokens": spec.micro_batch_tokens,
+            "autocast_dtype": spec.autocast_dtype, "share_prompts": spec.share_prompts}

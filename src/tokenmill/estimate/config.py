@@ -93,8 +93,11 @@ def _rl_fields(cfg: Any, opts: EstimateOptions, policy: ModelShape) -> dict[str,
             "reward_models": rewards, "micro_batch_tokens": cfg.training.micro_batch_tokens,
             "prompt_tokens": prompt, "completion_tokens": completion, "sequences_in_flight": in_flight,
             "global_sequences": math.ceil(sequences / algo.mini_batches),
-            # engine servers (placement process / remote) generate on other devices than the trainer's
-            "engine": opts.engine if cfg.engine.placement in ("colocated", "thread", "worker") else "none",
+            # engine servers (placement process / remote, or Ray's engine replicas on devices of their own)
+            # generate on other devices than the trainer's
+            "engine": opts.engine if cfg.engine.placement in ("colocated", "thread", "worker")
+            and not (cfg.cluster.backend == "ray" and cfg.cluster.engine_replicas and not cfg.cluster.colocate)
+            else "none",
             "engine_copy": cfg.engine.placement in ("thread", "worker"),
             "engine_memory_utilization": opts.engine_memory_utilization, "engine_sleep": opts.engine_sleep}
 
@@ -154,7 +157,10 @@ def estimate_for_config(
     result = to_dict(est, solve_budget(plan), recommend_backend(plan))
     cluster = config.get("cluster") if plan.mode == "rl" else None
     if isinstance(cluster, dict) and cluster.get("backend") == "ray":  # validated above with the whole config
-        from tokenmill.config.cluster import ClusterConfig, make_plan
+        from tokenmill.config.cluster import placement_of_config
 
-        result["placement"] = make_plan(ClusterConfig(**cluster)).summary()
+        try:
+            result["placement"] = placement_of_config(config)
+        except ConfigError as exc:  # the memory still holds; `tokenmill plan` and validate refuse the layout
+            result["warnings"].append(f"placement: {exc}")
     return result

@@ -64,8 +64,11 @@ def builtin_function_reward(rc: Any) -> FunctionReward:
                           timeout_s=rc.batch_timeout_s, isolation="process")
 
 
-def build_rewards(cfg: Any, extra: list[Callable[..., Any]] | None = None, task_reward=None) -> RewardSet:
-    """The weighted set: `task_reward` (a row task's verifier) first, then `cfg.rewards`, then `extra`."""
+def build_rewards(cfg: Any, extra: list[Callable[..., Any]] | None = None, task_reward=None,
+                  model_reward: Callable[..., Any] | None = None) -> RewardSet:
+    """The weighted set: `task_reward` (a row task's verifier) first, then `cfg.rewards`, then `extra`.
+    `model_reward(rc, index, path)`: builds each `type: model` reward in place of a `ModelReward` in this process
+    (on Ray, one that an actor of its own scores: `cluster.roles.reward_model`)."""
     rewards: list[Any] = []
     if task_reward is not None:
         rewards.append(FunctionReward(task_reward, name=cfg.data.task, weight=cfg.data.task_reward_weight))
@@ -83,7 +86,8 @@ def build_rewards(cfg: Any, extra: list[Callable[..., Any]] | None = None, task_
             rewards.append(builtin_function_reward(rc))
         else:
             path = _reward_model_path(rc, i)
-            rewards.append(ModelReward(path, name=rc.name, weight=rc.weight, batch_size=rc.batch_size))
+            rewards.append(model_reward(rc, i, path) if model_reward is not None else
+                           ModelReward(path, name=rc.name, weight=rc.weight, batch_size=rc.batch_size))
     for fn in extra or []:
         rewards.append(fn if hasattr(fn, "weight") else FunctionReward(fn))
     if not rewards and cfg.env is None:

@@ -31,7 +31,7 @@ def test_two_node_plan_packs_ranks_then_engines(tmp_path, capsys):
     rc, out, _ = _plan(tmp_path, capsys, TWO_NODES)
     assert rc == 0
     assert out.splitlines() == [
-        "cluster: ray, start a local cluster on 127.0.0.1 (no dashboard)",
+        "cluster: ray, start a local cluster of 2 nodes on 127.0.0.1 (no dashboard)",
         "nodes: 2 x (CPU 4, GPU 2)",
         "trainer: 3 rank(s) x (CPU 1, GPU 1), strategy PACK, max_restarts 2",
         "engines: 1 x (CPU 1, GPU 1), on devices of their own",
@@ -40,6 +40,16 @@ def test_two_node_plan_packs_ranks_then_engines(tmp_path, capsys):
         "  node 1  trainer rank 2     cuda:0         CPU 1",
         "  node 1  engine replica 0   cuda:1         CPU 1",
         "free: node 0: CPU 2, GPU 0; node 1: CPU 2, GPU 0",
+        # an old config: every other model where it always ran, and the plan says so
+        "roles:",
+        "  actor         trainer ranks 0-2 (FSDP2 over 3)",
+        "  reference     none in this run",
+        "  critic        none in this run",
+        "  reward model  none in this run",
+        "  engines       engine replica 0",
+        # two local nodes would both hand out this machine's GPU 0 and 1: said here, refused by `tokenmill train`
+        ("note: cluster.address: null starts every node on this machine, where they would share its GPUs; "
+         "`tokenmill train` refuses it: start one node per machine (`ray start`) and set cluster.address"),
     ]
     rc, _, err = _plan(tmp_path, capsys, TWO_NODES, "--cluster.engine_replicas", "2")
     assert rc == 2
@@ -62,6 +72,12 @@ def test_spread_and_colocated_on_cpu_nodes(tmp_path, capsys):
         "  node 1  trainer rank 1     cpu            CPU 1",
         "  node 1  engine replica 1   cpu            CPU 1",
         "free: node 0: CPU 1, GPU 0; node 1: CPU 2, GPU 0",
+        "roles:",
+        "  actor         trainer ranks 0-2 (FSDP2 over 3)",
+        "  reference     none in this run",
+        "  critic        none in this run",
+        "  reward model  none in this run",
+        "  engines       engine replicas 0-1 (colocated with the trainer ranks)",
     ]
 
 
@@ -96,7 +112,7 @@ def test_the_memory_estimate_shows_the_placement_and_shards_over_the_ranks():
     assert placed["placement"] == {
         "nodes": 2, "trainer_ranks": 2, "engine_replicas": 2, "colocate": False,
         "trainer_devices": ["node 0 cuda:0", "node 0 cuda:1"], "engine_devices": ["node 1 cuda:0", "node 1 cuda:1"],
-        "lines": placed["placement"]["lines"],
+        "lines": placed["placement"]["lines"], "layout": placed["placement"]["layout"],
     }
     assert placed["placement"]["lines"][4] == "  node 0  trainer rank 0     cuda:0         CPU 1"
     # the trainer's weights, gradients and optimiser state are split over the 2 ranks (not what stays whole)
@@ -113,6 +129,7 @@ def test_the_memory_estimate_shows_the_placement_and_shards_over_the_ranks():
     ({"engine": {"placement": "process", "sync": "broadcast"}, "cluster": {"engine_replicas": 1}},
      r"engine.sync: the Ray engine replicas take weights through files"),
     ({"cluster": {"engine_replicas": 1, "colocate": True}}, r"cluster.colocate: engine replicas sharing"),
+    ({"cluster": {"nodes": 2, "gpus_per_node": 1}}, r"cluster.address: null starts every node on this machine"),
 ])
 def test_training_on_ray_refuses_what_it_does_not_run_yet(override, match):
     from tokenmill.config import RLConfig, load_config

@@ -69,6 +69,11 @@ class RayCluster:
     started: bool
     call_timeout_s: float = 300.0
     node_ids: list[str] = field(default_factory=list)
+    local_nodes: Any = None  # the `ray.cluster_utils.Cluster` of a local multi-node cluster this process started
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the local nodes (their processes are this process's): a copy only reaches the cluster."""
+        return {**self.__dict__, "local_nodes": None}
 
     def get(self, refs, *, timeout_s: float | None = None, what: str = "remote call"):
         """`ray.get` with a limit: never wait on a remote call without one (a dead peer of a collective hangs
@@ -94,6 +99,21 @@ class RayCluster:
         ray = import_ray()
         if ray.is_initialized():
             ray.shutdown()
+        if self.local_nodes is not None:
+            self.local_nodes.shutdown()
+            self.local_nodes = None
+
+    def check_plan(self, cfg: Any) -> None:
+        """Refuse, before anything starts, a `cluster:` section this cluster cannot hold: fewer live nodes with
+        `cluster.cpus_per_node` CPUs and `cluster.gpus_per_node` GPUs than `cluster.nodes` (Ray would wait for
+        the placement groups until `cluster.start_timeout_s`)."""
+        live = [n["resources"] for n in self.nodes()]
+        enough = [r for r in live if r.get("CPU", 0) >= cfg.cpus_per_node and r.get("GPU", 0) >= cfg.gpus_per_node]
+        if len(enough) < cfg.nodes:
+            have = "; ".join(f"CPU {r.get('CPU', 0):g}, GPU {r.get('GPU', 0):g}" for r in live)
+            raise ClusterError(f"cluster.nodes: the plan lays out {cfg.nodes} node(s) x (CPU {cfg.cpus_per_node}, "
+                               f"GPU {cfg.gpus_per_node}); the cluster at {self.address} has {len(enough)} such "
+                               f"node(s) ({len(live)} live: {have})")
 
 
 def _check_loopback(ray) -> None:
@@ -107,17 +127,48 @@ def _check_loopback(ray) -> None:
                            "tokenmill.controller.ray.cluster.set_local_env() before `import ray`")
 
 
+def start_local_nodes(nodes: int, num_cpus: float, num_gpus: float = 0, temp_dir: str | None = None,
+                      timeout_s: float = 120.0) -> Any:
+    """`nodes` loopback-only Ray nodes on this machine, `num_cpus` CPUs and `num_gpus` GPUs each (Ray's own
+    `ray.cluster_utils.Cluster`: one GCS, one raylet per node): a placement over nodes runs as it would on as
+    many machines. Returns the Cluster (its `address` to join; `shutdown()` stops every node)."""
+    ray = import_ray()
+    _check_loopback(ray)
+    from ray.cluster_utils import Cluster
+
+    local = Cluster(initialize_head=True, head_node_args=local_node_args(num_cpus, num_gpus, temp_dir))
+    try:
+        for _ in range(nodes - 1):
+            local.add_node(**local_node_args(num_cpus, num_gpus, temp_dir))
+        local.wait_for_nodes(timeout=timeout_s)
+    except BaseException:
+        local.shutdown()
+        raise
+    return local
+
+
 def connect(address: str | None, *, num_cpus: float | None = None, num_gpus: float = 0,
-            call_timeout_s: float = 300.0, start_timeout_s: float = 120.0, temp_dir: str | None = None) -> RayCluster:
+            call_timeout_s: float = 300.0, start_timeout_s: float = 120.0, temp_dir: str | None = None,
+            nodes: int = 1) -> RayCluster:
     """Join the cluster at `address` ("auto": the one `ray start` runs on this machine; "host:port": its GCS),
-    or with `address=None` start a local loopback-only cluster of `num_cpus` CPUs (default: this machine's)."""
+    or with `address=None` start a local loopback-only cluster of `num_cpus` CPUs (default: this machine's);
+    with `nodes` > 1, of that many nodes of `num_cpus` CPUs and `num_gpus` GPUs each (`start_local_nodes`)."""
     if address is None and "ray" not in sys.modules:  # Ray reads the loopback switch once, at import
         set_local_env()
     ray = import_ray()
     if ray.is_initialized():
         raise ClusterError("Ray is already initialised in this process; close the other cluster connection first")
     t0 = time.monotonic()
-    if address is None:
+    local = None
+    if address is None and nodes > 1:
+        local = start_local_nodes(nodes, num_cpus if num_cpus is not None else 1, num_gpus, temp_dir,
+                                  timeout_s=start_timeout_s)
+        try:
+            ray.init(address=local.address, log_to_driver=False, configure_logging=False)
+        except BaseException:
+            local.shutdown()
+            raise
+    elif address is None:
         _check_loopback(ray)
         args = local_node_args(num_cpus if num_cpus is not None else (os.cpu_count() or 1), num_gpus, temp_dir)
         args["_node_ip_address"] = args.pop("node_ip_address")
@@ -131,7 +182,7 @@ def connect(address: str | None, *, num_cpus: float | None = None, num_gpus: flo
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise ClusterError(f"cluster.address {address!r}: cannot join the Ray cluster: {exc}") from None
     gcs = ray.get_runtime_context().gcs_address
-    cluster = RayCluster(gcs, started=address is None, call_timeout_s=call_timeout_s)
+    cluster = RayCluster(gcs, started=address is None, call_timeout_s=call_timeout_s, local_nodes=local)
     cluster.node_ids = [n["node_id"] for n in cluster.nodes()]
     log.info("ray cluster %s %s in %.1f s: %d node(s)", gcs, "started" if cluster.started else "joined",
              time.monotonic() - t0, len(cluster.node_ids))

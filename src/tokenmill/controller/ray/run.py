@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.controller.ray.cluster import connect
-from tokenmill.controller.ray.workers import BackendSpec, RankFailure, WorkerGroup
+from tokenmill.controller.ray.workers import BackendSpec, RankFailure
 
 
 def _spec(cfg) -> BackendSpec:
@@ -79,39 +79,68 @@ def _start_engines(cfg, cluster):
     return fleet
 
 
-def _build(cfg, rewards, fleet, group):
+def _build(cfg, rewards, fleet, placed):
     """The driver's run; with engine replicas, generation goes to them (engine.placement process, files sync)
-    and the driver's model follows the trainer's weights for the checkpoints and the export."""
+    and the driver's model follows the trainer's weights for the checkpoints and the export. `placed`: every
+    worker group (`roles.PlacedRoles`): the trainer's, and where the reference, critic and reward models run."""
     from tokenmill.controller import build_run
 
+    kwargs = {"trainer_group": placed.trainer, "role_groups": placed.for_run()}
     if fleet is None:
-        return build_run(cfg, rewards, trainer_group=group)
+        return build_run(cfg, rewards, **kwargs)
     engine = cfg.engine.model_copy(update={"placement": "process", "sync": None, "num_servers": 1})
-    run = build_run(cfg.model_copy(update={"engine": engine}), rewards, trainer_group=group)
+    run = build_run(cfg.model_copy(update={"engine": engine}), rewards, **kwargs)
     run.engine_fleet = fleet
     return run
+
+
+def _connect(c):
+    """`cluster.address`, joined; or a local loopback cluster of `cluster.nodes` nodes (Ray's own
+    `cluster_utils.Cluster` when there are several), so that the placement runs as `tokenmill plan` shows it."""
+    from tokenmill.config.cluster import LOCAL_GPUS, shares_local_gpus
+    from tokenmill.types import ConfigError
+
+    if shares_local_gpus(c):
+        raise ConfigError(LOCAL_GPUS)
+    local = c.address is None
+    cluster = connect(c.address, num_cpus=(c.cpus_per_node if c.nodes > 1 else c.nodes * c.cpus_per_node)
+                      if local else None, num_gpus=(c.gpus_per_node if c.nodes > 1 else c.nodes * c.gpus_per_node)
+                      if local else 0, nodes=c.nodes if local else 1, call_timeout_s=c.call_timeout_s,
+                      start_timeout_s=c.start_timeout_s)
+    try:
+        cluster.check_plan(c)
+    except BaseException:
+        if local:
+            cluster.close()
+        raise
+    return cluster
 
 
 def train_on_ray(cfg, rewards=None, cluster=None) -> dict[str, Any]:
     """Run `cfg` with its trainer on Ray (`cluster`: an open connection, else `cluster.address` is joined or a
     local cluster started and closed at the end); the loop's result plus `restarts`. `rewards` as for
-    `build_run`. With `cluster.engine_replicas`, generation runs on that many `tokenmill serve` actors."""
+    `build_run`. With `cluster.engine_replicas`, generation runs on that many `tokenmill serve` actors; the
+    reference, the critic and the reward models run where `cluster.roles` puts them (`controller.ray.roles`)."""
     from tokenmill.controller import run_rl
+    from tokenmill.controller.ray.roles import reserve_all, role_specs, start_roles
 
     c = cfg.cluster
     _check(cfg)
+    trainer_spec, own_specs, placements = role_specs(cfg, _spec(cfg))  # the plan: a layout that cannot fit raises
     owned = cluster is None
-    cluster = cluster or connect(c.address, num_cpus=c.nodes * c.cpus_per_node if c.address is None else None,
-                      num_gpus=c.nodes * c.gpus_per_node if c.address is None else 0,
-                      call_timeout_s=c.call_timeout_s, start_timeout_s=c.start_timeout_s)
-    run = group = fleet = None
+    if cluster is None:
+        cluster = _connect(c)
+    else:
+        cluster.check_plan(c)
+    run = placed = fleet = engines = None
     starting = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-engines")
-    engines = starting.submit(_start_engines, cfg, cluster)  # the replicas start while the ranks do
     try:
-        group = WorkerGroup(cluster, _spec(cfg), c.trainer_ranks, cpus_per_rank=c.cpus_per_rank,
-                            gpus_per_rank=c.rank_gpus, strategy=c.strategy, start_timeout_s=c.start_timeout_s)
+        # every worker group's room first, in the plan's order; then the replicas start while the ranks do
+        pgs = reserve_all(cfg, placements, c.start_timeout_s)
+        engines = starting.submit(_start_engines, cfg, cluster)
+        placed = start_roles(cfg, cluster, trainer_spec, placements, own_specs, pgs)
         fleet = engines.result()
-        run = _build(cfg, rewards, fleet, group)
+        run = _build(cfg, rewards, fleet, placed)
         restarts = 0
         while True:
             try:
@@ -122,21 +151,21 @@ def train_on_ray(cfg, rewards=None, cluster=None) -> dict[str, Any]:
                     raise RankFailure(f"{exc}; gave up after {c.max_restarts} restart(s) (cluster.max_restarts)"
                                       ) from None
                 restarts += 1
-                run.logger.message(f"{exc}: rebuilding the trainer group (restart {restarts} of at most "
+                run.logger.message(f"{exc}: rebuilding the worker groups (restart {restarts} of at most "
                                    f"{c.max_restarts}), then resuming from the last checkpoint")
-                group.rebuild()
+                placed.rebuild()
                 run.close()
                 run = None
                 cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": True})})
-                run = _build(cfg, rewards, fleet, group)  # fresh weights, data position and RNGs; resume() restores them
+                run = _build(cfg, rewards, fleet, placed)  # fresh weights, data position and RNGs; resume() restores them
         result["restarts"] = restarts
         result["engine_restarts"] = fleet.restarts if fleet is not None else 0
         return result
     finally:
-        if fleet is None and engines.exception() is None and engines.result() is not None:
+        if fleet is None and engines is not None and engines.exception() is None and engines.result() is not None:
             fleet = engines.result()  # started, but something else failed first
         starting.shutdown()
-        for part in (group, run, fleet):
+        for part in (placed, run, fleet):
             if part is not None:
                 part.close()
         if owned:

@@ -16,6 +16,7 @@ on a local cluster).
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import random
@@ -49,6 +50,11 @@ class BackendSpec:
     trainer: TrainerSpec = field(kw_only=True)
     tokenizer_path: str | None = None
     pg_timeout_s: float = 300.0  # a collective waiting longer than this raises in the rank
+    # what each rank of the group builds (`controller.ray.roles`): "policy" (the trainer), "reference" (the KL
+    # reference, sharded over the group), "critic" (PPO's value model, sharded over the group)
+    roles: tuple[str, ...] = ("policy",)
+    reference: dict[str, Any] | None = None  # the reference's forward settings (TrainerSpec.reference_kwargs)
+    critic: Any = None  # a `controller.ray.roles.CriticSpec` when the group holds the critic
 
 
 def rank_backend(spec: BackendSpec, model: Any, device: Any) -> Any:
@@ -83,8 +89,17 @@ class TrainerRankActor:
         torch.set_num_threads(1)
         init_distributed(spec.pg_timeout_s, init_method=init_method, rank=rank, world_size=world)
         torch.manual_seed(spec.seed)
+        from tokenmill.controller.ray.roles import rank_critic, rank_reference
+
         model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32)
-        self.backend = rank_backend(spec, model, next(model.parameters()).device)
+        device = next(model.parameters()).device
+        self.backend = self.reference = self.critic = None
+        if "reference" in spec.roles:  # the initial weights, before the trainer shards `model` in place
+            self.reference = rank_reference(spec, copy.deepcopy(model) if "policy" in spec.roles else model)
+        if "critic" in spec.roles:
+            self.critic = rank_critic(spec, device)
+        if "policy" in spec.roles:
+            self.backend = rank_backend(spec, model, device)
         self.rank = rank
         return {"rank": rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 
@@ -97,6 +112,13 @@ class TrainerRankActor:
 
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.backend, method)(*args)
+
+    def reference_forward(self, batch) -> Any:
+        """The reference logprobs of the global `batch` (each rank computes its rows; every rank returns all)."""
+        return self.reference.forward(batch)
+
+    def critic_call(self, method: str, *args: Any) -> Any:
+        return getattr(self.critic, method)(*args)
 
     def weights(self) -> dict[str, Any] | None:
         """The trained parameters, full, on rank 0 (None on the others; a collective every rank consumes)."""
@@ -111,24 +133,35 @@ class RankInfo:
     node_id: str
 
 
+def reserve(ranks: int, cpus_per_rank: int, gpus_per_rank: int, strategy: str, timeout_s: float, *,
+            role: str = "trainer") -> Any:
+    """A ready placement group of `ranks` bundles laid out by `strategy`; ClusterError when the cluster cannot
+    place it within `timeout_s`."""
+    ray = import_ray()
+    from ray.util.placement_group import placement_group
+
+    bundle = {"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
+    pg = placement_group([dict(bundle) for _ in range(ranks)], strategy=strategy)
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.util.remove_placement_group(pg)
+        raise ClusterError(f"cluster: {ranks} {role} bundles of {bundle} ({strategy}) were not placed within "
+                           f"{timeout_s:g} s: the cluster lacks the resources") from None
+    return pg
+
+
 class WorkerGroup:
     """`ranks` trainer-rank actors on one placement group (`strategy` over the nodes, one bundle per rank)."""
 
     def __init__(self, cluster: RayCluster, spec: BackendSpec, ranks: int, *, cpus_per_rank: int = 1,
-                 gpus_per_rank: int = 0, strategy: str = "PACK", start_timeout_s: float = 300.0) -> None:
-        ray = import_ray()
-        from ray.util.placement_group import placement_group
-
+                 gpus_per_rank: int = 0, strategy: str = "PACK", start_timeout_s: float = 300.0,
+                 pg: Any = None, role: str = "trainer") -> None:
         self.cluster, self.spec, self.world = cluster, spec, ranks
         self.gpus_per_rank, self.start_timeout_s = gpus_per_rank, start_timeout_s
-        bundle = {"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
-        self.pg = placement_group([dict(bundle) for _ in range(ranks)], strategy=strategy)
-        try:
-            ray.get(self.pg.ready(), timeout=start_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            ray.util.remove_placement_group(self.pg)
-            raise ClusterError(f"cluster: {ranks} trainer bundles of {bundle} ({strategy}) were not placed within "
-                               f"{start_timeout_s:g} s: the cluster lacks the resources") from None
+        # `pg`: a placement group reserved beforehand (`reserve`), so that what starts later cannot take its room
+        self.pg = pg if pg is not None else reserve(ranks, cpus_per_rank, gpus_per_rank, strategy, start_timeout_s,
+                                                    role=role)
         self.actors: list[Any] = []
         self.ranks: list[RankInfo] = []
         self.generation = 0  # how many times the group was (re)built
@@ -199,6 +232,12 @@ class WorkerGroup:
     def call(self, method: str, *args: Any) -> list[Any]:
         """`backend.<method>(*args)` on every rank (a collective); every rank's answer."""
         return self._gather([a.call.remote(method, *args) for a in self.actors], f"trainer {method}")
+
+    def run(self, method: str, *args: Any, what: str) -> list[Any]:
+        """`actor.<method>(*args)` on every rank, the arguments put in the object store once; every answer."""
+        ray = import_ray()
+        refs = [ray.put(a) for a in args]
+        return self._gather([getattr(a, method).remote(*refs) for a in self.actors], what)
 
     def update(self, samples: Sequence, algo, *, pad_id: int, max_tokens: int, seed: int) -> dict[str, float]:
         """One `policy_update` on the global batch; the metrics (the same on every rank)."""

@@ -208,6 +208,7 @@ export const api = {
   estimate: (mode: Mode, config: Config, device_memory_gib: number, num_devices: number) =>
     call<Record<string, unknown>>("POST", "/api/estimate", { mode, config, device_memory_gib, num_devices }),
   diagram: (mode: Mode, config: Config) => call<Diagram>("POST", "/api/diagram", { mode, config }),
+  placement: (mode: Mode, config: Config) => call<Record<string, unknown>>("POST", "/api/placement", { mode, config }),
   exportYaml: (mode: Mode, config: Config, rewards: RewardDraft[]) =>
     call<{ yaml: string; filename: string; command: string; files: ExportedFile[] }>("POST", "/api/yaml/export", {
       mode,

@@ -5,6 +5,7 @@ import { api } from "../api";
 import type { Config, Diagram } from "../api";
 import { ModelsDiagram } from "../components/diagram";
 import { MemoryPanel } from "../components/memory";
+import { ClusterLayout } from "../components/placement";
 import { getPath, update, useStore } from "../store";
 
 /** What the non-model boxes say: where generation runs, what the trainer does, where data comes from. */
@@ -100,6 +101,7 @@ export function ModelsPage() {
           </div>
         </div>
         <MemoryPanel />
+        <ClusterLayout />
       </div>
     </div>
   );
