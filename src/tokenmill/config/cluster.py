@@ -56,6 +56,9 @@ class ClusterConfig(Section):
         600.0, gt=0, description="Longest wait for any call to a trainer rank or engine actor.")
     start_timeout_s: float = Field(
         300.0, gt=0, description="Longest wait for the actors (and their servers) to start.")
+    replica_wait_s: float = Field(
+        300.0, ge=0, description="When no engine replica is left, how long a weight push or a request waits for "
+        "a replacement before the run stops (0: stop at once).")
 
     @property
     def rank_gpus(self) -> int:
