@@ -96,6 +96,7 @@ class ShardedRollout:
     def __init__(self, inner, engine: RankedEngine | None = None) -> None:
         self.inner = inner
         self.engine = engine
+        self._rows = (-1, 0)  # (engine version, rows rolled out at it by all the ranks together)
 
     def rollout(self, rows: Sequence[dict[str, Any]], version: int, first_group: int = 0
                 ) -> tuple[list[Group], dict[str, float]]:
@@ -103,15 +104,14 @@ class ShardedRollout:
         lo, hi = len(rows) * r // n, len(rows) * (r + 1) // n
         groups: list[Group] = []
         info: dict[str, float] = {}
-        start = self.engine.drawn if self.engine is not None else 0
-        if self.engine is not None:
-            self.engine.drawn = start + lo  # the index its first row has among all the ranks' rows
-        try:
-            if hi > lo:
-                groups, info = self.inner.rollout(list(rows[lo:hi]), version=version, first_group=first_group + lo)
-        finally:
-            if self.engine is not None:  # every rank moves past all the rows, as one process would
-                self.engine.drawn = start + len(rows)
+        engine = self.engine
+        if engine is not None:  # its first row's index among the rows of this version (rank 0's sampled
+            # held-out evaluation, drawn on rank 0 only, moves no rank's count)
+            seen = self._rows[1] if self._rows[0] == engine.version else 0
+            self._rows = (engine.version, seen + len(rows))
+            engine.drawn = seen + lo
+        if hi > lo:
+            groups, info = self.inner.rollout(list(rows[lo:hi]), version=version, first_group=first_group + lo)
         parts = gather_objects((groups, info))
         return [g for part, _ in parts for g in part], parts[0][1]
 
@@ -121,7 +121,8 @@ class RankedEngine(HFEngine):
     `call_seed(seed, version, index)`, where index is the prompt's position among the prompts drawn since the
     last weight update (`ShardedRollout` starts a rank's count at its first row's position in the step), so a
     prompt's samples are the same whichever rank draws it and however many ranks there are. Greedy calls (the
-    held-out evaluation) are batched as usual. A checkpoint keeps every rank's RNG as before."""
+    held-out evaluation) are batched as usual. A checkpoint keeps every rank's RNG as before (a resumed run
+    reseeds each prompt the same way: the version comes back with the weights)."""
 
     def __init__(self, *args: Any, seed: int = 0, **kwargs: Any) -> None:
         super().__init__(*args, seed=seed, **kwargs)

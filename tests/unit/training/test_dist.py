@@ -53,7 +53,12 @@ def test_the_next_rows_and_the_next_version_draw_afresh(tiny_model, tokenizer):
     assert _tokens(first)[0][1] != _tokens(again)[0][1]  # the second row of the version: another seed
     engine.update_weights((), version=1)
     assert engine.drawn == 0
-    assert _tokens(rollout.rollout(rows, version=1)[0])[0][1] != _tokens(first)[0][1]
+    engine.generate(PROMPTS, PARAMS)  # rank 0's sampled held-out evaluation: not a rollout row
+    newer = rollout.rollout(rows, version=1)[0]
+    assert _tokens(newer)[0][1] != _tokens(first)[0][1]
+    fresh = RankedEngine(engine.model, engine.tokenizer, seed=3)  # another rank's engine, at the same version
+    fresh.update_weights((), version=1)
+    assert _tokens(ShardedRollout(Sampler(fresh), fresh).rollout(rows, version=1)[0]) == _tokens(newer)
     # greedy (the held-out evaluation) is one batch, and moves no count
     greedy = engine.generate(PROMPTS, SamplingParams(max_tokens=4, greedy=True))
     assert len(greedy) == 4 and engine.drawn == 1
