@@ -106,6 +106,7 @@ def test_torchrun_two_ranks_train_and_rank0_exports(tmp_path):
     assert any(not torch.equal(final[k], start[k]) for k in final)  # it trained
 
 
+@pytest.mark.slow  # two torchrun jobs: about 100 s on 2 cores (tests/unit/training/test_dist.py runs in CI)
 def test_torchrun_two_ranks_draw_and_train_what_one_process_does(tmp_path):
     """The global batch does not depend on the rank count: one process (torchrun, 1 rank) and 2 gloo ranks
     sample the same completions for the same prompts, with the same rewards and advantages, and end with the
