@@ -46,11 +46,11 @@ def _listening(pids: list[int]) -> set[str]:
     return found
 
 
-def _torchrun(config: Path, *args: str, timeout: float = 300
+def _torchrun(config: Path, *args: str, timeout: float = 300, nproc: int = 2
               ) -> tuple[subprocess.CompletedProcess, set[str], set[str]]:
     """Run the job to its end; return it and the listening sockets seen while it ran: torchrun's own (the
     launcher's rendezvous store) and those of the ranks and their workers."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                "-m", "tokenmill", "train", str(config), *args]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     launcher: set[str] = set()
@@ -104,6 +104,38 @@ def test_torchrun_two_ranks_train_and_rank0_exports(tmp_path):
     assert all(torch.equal(final[k], trained[k]) for k in final)
     start = load_file(str(Path(model) / "model.safetensors"))
     assert any(not torch.equal(final[k], start[k]) for k in final)  # it trained
+
+
+@pytest.mark.slow  # two torchrun jobs: about 100 s on 2 cores (tests/unit/training/test_dist.py runs in CI)
+def test_torchrun_two_ranks_draw_and_train_what_one_process_does(tmp_path):
+    """The global batch does not depend on the rank count: one process (torchrun, 1 rank) and 2 gloo ranks
+    sample the same completions for the same prompts, with the same rewards and advantages, and end with the
+    same weights up to the order of float sums (2 ranks sum each gradient in another order)."""
+    model = build_tiny_model(tmp_path / "model", hidden_size=32, num_layers=2, seed=0, tie_word_embeddings=False)
+    out = {}
+    for nproc in (1, 2):
+        config = write_config(tmp_path / f"ranks{nproc}", model, steps=3, overrides={
+            "training": {"backend": "fsdp2"}, "checkpoint": {"every": 0},
+            "tracking": {"log_samples": 16}, "algorithm": {"skip_zero_advantage": False}})
+        done, _, _ = _torchrun(config, nproc=nproc)
+        assert done.returncode == 0, done.stdout[-3000:]
+        out[nproc] = tmp_path / f"ranks{nproc}" / "run"
+
+    def samples(run: Path) -> list[dict]:
+        return [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+
+    one, two = samples(out[1]), samples(out[2])
+    assert len(one) == 3 * 16  # every sample of the 3 steps (4 prompts x 4)
+    keys = ("step", "prompt", "completion", "reward", "stop")
+    assert [tuple(r.get(k) for k in keys) for r in two] == [tuple(r.get(k) for k in keys) for r in one]
+    assert [r["advantage"] for r in two] == pytest.approx([r["advantage"] for r in one], abs=1e-9)
+    assert len({r["completion"] for r in one}) > 8  # the samples differ from each other
+    final1 = load_file(str(out[1] / "final" / "model.safetensors"))
+    final2 = load_file(str(out[2] / "final" / "model.safetensors"))
+    start = load_file(str(Path(model) / "model.safetensors"))
+    assert max((final1[k] - start[k]).abs().max().item() for k in final1) > 1e-4  # it trained
+    for name, tensor in final1.items():  # 3 steps x 4 AdamW steps; the sum order alone differs
+        torch.testing.assert_close(final2[name], tensor, rtol=0, atol=1e-5, msg=name)
 
 
 @pytest.mark.slow

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 
 import httpx
 import pytest
@@ -17,6 +19,13 @@ def _greedy(url: str) -> tuple[list[int], int]:
                                                        "temperature": 0.0, "return_token_ids": True},
                         timeout=30).json()
     return answer["choices"][0]["token_ids"], answer["policy_version"]
+
+
+def _record(errors: list, call) -> None:
+    try:
+        call()
+    except BaseException as exc:  # noqa: BLE001 - the thread's failure, for the test to assert on
+        errors.append(exc)
 
 
 def test_a_killed_replica_is_routed_around_then_replaced(ray_cluster, tiny_model_path, listening_sockets,
@@ -74,6 +83,19 @@ def test_a_killed_replica_is_routed_around_then_replaced(ray_cluster, tiny_model
         for _ in range(3):
             engine.generate([[5, 6, 7]] * 4, params)
         assert engine.pool.stats()[new[0]]["served"] > before  # the pool routes to the new replica
+
+        # a replacement under way as the run closes (its engine, then the fleet): stopped, not wired into the
+        # closed engine (its HTTP clients are closed: loading the weights would raise)
+        os.kill(fleet.replicas[0].server_pid, signal.SIGKILL)
+        errors: list[BaseException] = []
+        replacing = threading.Thread(target=lambda: _record(errors, fleet.check))
+        replacing.start()
+        time.sleep(1.0)  # the dead replica is seen at once; a new one takes seconds to start
+        fleet.stop()
+        engine.close()
+        replacing.join(timeout=150)
+        assert not replacing.is_alive() and errors == []
+        assert fleet.urls == [new[0], first[1]] and fleet.restarts == 1  # nothing swapped in
     finally:
         engine.close()
         fleet.close()

@@ -188,3 +188,55 @@ def test_sigterm_to_the_driver_saves_through_the_ranks_and_a_resume_goes_on(ray_
     got = _final(out)
     for name, tensor in want.items():  # two ranks against one process: the tolerance of the test above
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=5e-5, msg=name)
+
+
+def test_losing_the_only_engine_replica_and_a_rank_the_run_goes_on(ray_cluster, tmp_path, monkeypatch, capsys):
+    """The only engine replica's actor SIGKILLed just before step 2's weight push, then a trainer rank before
+    step 3's update: the push waits for the replacement (cluster.replica_wait_s) instead of ending the run, the
+    group is rebuilt from the step-2 checkpoint, and the run finishes with both restarts in events.jsonl and
+    report.json, and with the "held-out greedy accuracy: a -> b" line (the first evaluation kept)."""
+    import json
+
+    from tokenmill.cli import _print_eval
+    from tokenmill.config import RLConfig, load_config
+    from tokenmill.controller.ray import run as ray_run
+    from tokenmill.controller.ray.workers import RayBackend
+    from tokenmill.testing import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    out = tmp_path / "ray"
+    tree = _config(model, str(out), backend="ray", nodes=2, cpus_per_node=3, trainer_ranks=2, engine_replicas=1,
+                   max_restarts=1, call_timeout_s=120, replica_wait_s=120)
+    tree["data"]["num_eval"] = 4
+    fleets = []
+    start_engines = ray_run._start_engines
+    monkeypatch.setattr(ray_run, "_start_engines", lambda cfg, cluster: fleets.append(
+        start_engines(cfg, cluster)) or fleets[-1])
+    original, calls, killed = RayBackend.optim_step, [], {}
+
+    def kill_then_step(backend):
+        calls.append(1)
+        if len(calls) == 4:  # step 2's last optimiser step: its push comes next
+            killed["replica"] = fleets[0].replicas[0].actor_pid
+            os.kill(killed["replica"], signal.SIGKILL)
+        if len(calls) == 5:  # step 3's first: a rank dies
+            killed["rank"] = backend.group.ranks[1].pid
+            os.kill(killed["rank"], signal.SIGKILL)
+        return original(backend)
+
+    monkeypatch.setattr(RayBackend, "optim_step", kill_then_step)
+    result = ray_run.train_on_ray(load_config(RLConfig, tree), rewards=[digit_share], cluster=ray_cluster)
+    assert set(killed) == {"replica", "rank"}
+    assert (result["restarts"], result["engine_restarts"], result["resumed_from"]) == (1, 1, 2)
+    rows = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    restarts = [r for r in rows if r["event"] == "restart"]
+    assert sorted(r["role"] for r in restarts) == ["engine replica", "trainer"]
+    trainer = next(r for r in restarts if r["role"] == "trainer")
+    assert "trainer rank 1 died" in trainer["reason"] and trainer["restart"] == 1
+    report = json.loads((out / "report.json").read_text())
+    assert [r["role"] for r in report["restarts"]] == [r["role"] for r in restarts]
+    capsys.readouterr()
+    _print_eval(result)
+    line = capsys.readouterr().out
+    assert line.startswith("held-out greedy accuracy: ") and "4 problems" in line, line
+

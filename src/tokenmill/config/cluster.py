@@ -108,6 +108,9 @@ class ClusterConfig(Section):
         300.0, gt=0, description="Longest wait for the actors (and their servers) to start.")
     roles: ClusterRoles = Field(default_factory=ClusterRoles, description="Where the reference, the critic and "
                                 "the reward models run (each in the driver unless placed here).")
+    replica_wait_s: float = Field(
+        300.0, ge=0, description="When no engine replica is left, how long a weight push or a request waits for "
+        "a replacement before the run stops (0: stop at once).")
 
     @property
     def rank_gpus(self) -> int:

@@ -75,6 +75,7 @@ class Run:
     engine_fleet: Any = None  # engine.placement process on Ray: the replicas (controller.ray.engines.EngineFleet)
     monitors: tuple[Any, ...] = ()  # health checks beside cfg.health's (hooks: tokenmill.health.monitors)
     lock: RunLock | None = None  # the run folder's (checkpoint.lock); the main rank's only
+    eval_before: dict[str, float] | None = None  # the held-out evaluation before training (run_rl sets it)
 
     def __getattr__(self, name: str) -> Any:
         side = _MOVED.get(name)
@@ -133,7 +134,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
         engine, eval_rows = ReplayEngine(model, tokenizer), None
     else:
         engine = (dist.RankedEngine if sharded else HFEngine)(
-            model, tokenizer, seed=cfg.training.seed + (dist.rank() if sharded else 0), autocast_dtype=amp,
+            model, tokenizer, seed=cfg.training.seed, autocast_dtype=amp,
             fast_decode=cfg.engine.fast_decode, cuda_graphs=cfg.engine.cuda_graphs,
             compile_step=cfg.engine.compile_step,
             max_batch_tokens=cfg.engine.max_batch_tokens)
@@ -149,7 +150,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     tk = cfg.tracking
     actor: Rollout = agent or generator
     if sharded:  # each rank plays its share of the prompts; rank 0 alone logs and evaluates
-        actor = dist.ShardedRollout(actor)
+        actor = dist.ShardedRollout(actor, engine if isinstance(engine, dist.RankedEngine) else None)
     if sharded and not dist.is_main():
         logger, eval_rows = dist.QuietLogger(), None
     else:

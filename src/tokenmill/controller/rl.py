@@ -47,7 +47,7 @@ def run_rl(run: Run) -> dict[str, Any]:
                     + ("; writing the final export it still owes" if owed else ""))
     result: dict[str, Any] = {"resumed_from": start}
     if run.eval_rows is not None and start == 0:
-        result["eval_before"] = held_out(run)
+        result["eval_before"] = run.eval_before = held_out(run)
         log.log(0, result["eval_before"])
     metrics: dict[str, Any] = {}
     end = last = cfg.controller.steps  # the run's last step, and this process's (max_steps_per_run)

@@ -3,7 +3,9 @@ that would help most.
 
 Every step logs `efficiency/*` (live in the Composer and the trackers); at the end of the run the mean over
 the steps (the first one, which warms up, left out when there are others) is printed, appended to
-events.jsonl as `{"event": "efficiency_report", ...}` and written to `report.json` in the run folder.
+events.jsonl as `{"event": "efficiency_report", ...}` and written to `report.json` in the run folder. A run
+that restarted (a Ray trainer group rebuilt, an engine replica replaced: `restart` rows in events.jsonl) lists
+them under `restarts`.
 
 The ideal step: generation and training one after the other when they take turns (colocated, sync), their
 maximum when generation runs beside training (async: the producer thread or servers). Where the time went:
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -123,7 +126,29 @@ class EfficiencyReport:
         where = " | ".join(f"{p} {report['shares'][p]:.0%}" for p in PARTS)
         self.say(f"efficiency: step {report['step_s']:.3g} s vs ideal {report['ideal_s']:.3g} s "
                  f"({report['efficiency']:.0%}, {report['mode']}); {where}. Most would help: {report['advice']}")
+        restarts = restart_rows(self.output_dir)
+        if restarts:  # the run went on after a failure: the report says so, not only the console
+            report["restarts"] = restarts
+            counts = Counter(str(r.get("role", "unknown")) for r in restarts)
+            self.say("restarts: " + ", ".join(f"{n} {role}" for role, n in counts.items()) + " (events.jsonl)")
         events.emit("efficiency_report", **report)
         if self.output_dir is not None:
             (self.output_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         return report
+
+
+def restart_rows(output_dir: Path | None) -> list[dict[str, Any]]:
+    """The `restart` rows of the run's events.jsonl (a trainer group rebuilt, an engine replica replaced), in
+    order, without their `event` key; empty without a folder or a file."""
+    path = output_dir / events.FILENAME if output_dir is not None else None
+    if path is None or not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut by a crash
+            continue
+        if isinstance(row, dict) and row.get("event") == "restart":
+            rows.append({k: v for k, v in row.items() if k != "event"})
+    return rows

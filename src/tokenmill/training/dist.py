@@ -15,8 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tokenmill.engines.base import call_seed
 from tokenmill.engines.local.hf import HFEngine
-from tokenmill.types import ConfigError, Group
+from tokenmill.types import Completion, ConfigError, Group, SamplingParams
 
 # A collective that waits longer than this raises instead of hanging: long enough for rank 0's held-out
 # evaluation and export (the other ranks wait for it at the next collective), short enough to end a job
@@ -89,10 +90,13 @@ def _collective_device() -> torch.device:
 class ShardedRollout:
     """Each rank plays its contiguous share of a step's rows (group ids stay those of one process), then
     every rank receives all the groups, in row order, so the update sees the global batch everywhere.
-    The metrics are rank 0's."""
+    The metrics are rank 0's. With a `RankedEngine`, each prompt is sampled from the seed of its index among
+    the step's rows, whichever rank plays it, so the global batch does not depend on the number of ranks."""
 
-    def __init__(self, inner) -> None:
+    def __init__(self, inner, engine: RankedEngine | None = None) -> None:
         self.inner = inner
+        self.engine = engine
+        self._rows = (-1, 0)  # (engine version, rows rolled out at it by all the ranks together)
 
     def rollout(self, rows: Sequence[dict[str, Any]], version: int, first_group: int = 0
                 ) -> tuple[list[Group], dict[str, float]]:
@@ -100,6 +104,12 @@ class ShardedRollout:
         lo, hi = len(rows) * r // n, len(rows) * (r + 1) // n
         groups: list[Group] = []
         info: dict[str, float] = {}
+        engine = self.engine
+        if engine is not None:  # its first row's index among the rows of this version (rank 0's sampled
+            # held-out evaluation, drawn on rank 0 only, moves no rank's count)
+            seen = self._rows[1] if self._rows[0] == engine.version else 0
+            self._rows = (engine.version, seen + len(rows))
+            engine.drawn = seen + lo
         if hi > lo:
             groups, info = self.inner.rollout(list(rows[lo:hi]), version=version, first_group=first_group + lo)
         parts = gather_objects((groups, info))
@@ -107,8 +117,31 @@ class ShardedRollout:
 
 
 class RankedEngine(HFEngine):
-    """An in-process engine on one rank: its sampling RNG is seeded per rank (the ranks sample different
-    completions) and a checkpoint keeps every rank's RNG, so a resumed run draws the same streams."""
+    """An in-process engine on one rank. A sampled (not greedy) call draws each prompt on its own, from the seed
+    `call_seed(seed, version, index)`, where index is the prompt's position among the prompts drawn since the
+    last weight update (`ShardedRollout` starts a rank's count at its first row's position in the step), so a
+    prompt's samples are the same whichever rank draws it and however many ranks there are. Greedy calls (the
+    held-out evaluation) are batched as usual. A checkpoint keeps every rank's RNG as before (a resumed run
+    reseeds each prompt the same way: the version comes back with the weights)."""
+
+    def __init__(self, *args: Any, seed: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, seed=seed, **kwargs)
+        self.seed = seed
+        self.drawn = 0  # prompts drawn since the last weight update (by all the ranks, up to this rank's turn)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        if params.greedy:
+            return super().generate(prompts, params)
+        out: list[list[Completion]] = []
+        for prompt in prompts:  # alone: its draws depend on nothing but its seed (not on a batch's other rows)
+            self.generator.manual_seed(call_seed(self.seed, self.version, self.drawn))
+            self.drawn += 1
+            out += super().generate([prompt], params)
+        return out
+
+    def update_weights(self, named_tensors, version: int) -> None:
+        super().update_weights(named_tensors, version)
+        self.drawn = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"ranks": gather_objects(super().state_dict())}

@@ -65,3 +65,26 @@ def test_finish_writes_report_json_an_event_row_and_a_console_line(tmp_path):
     assert row["event"] == "efficiency_report" and row["advice"] == summary["advice"]
     assert lines == [(f"efficiency: step 9 s vs ideal 8.5 s (94%, sync); generate 55% | reward 11% | train 28% | "
                      f"sync 3% | idle 3%. Most would help: {summary['advice']}")]
+
+
+def test_restarts_in_events_jsonl_are_listed_in_the_report(tmp_path):
+    """The `restart` rows a run wrote while it went on after failures (a Ray trainer group rebuilt, an engine
+    replica replaced) come back in report.json, in order, and as one console line."""
+    from tokenmill.tracking import events
+
+    lines: list[str] = []
+    logger = MetricsLogger(tmp_path, total_steps=2, console="none")
+    try:
+        events.emit("stage", stage="train", step=1)
+        events.emit("restart", role="engine replica", restart=1, old="http://127.0.0.1:1", new="http://127.0.0.1:2")
+        events.emit("restart", role="trainer", restart=1, reason="trainer update: trainer rank 1 died", seconds=9.5)
+        report = EfficiencyReport(tmp_path, say=lines.append)
+        for row in (SYNC, SYNC):
+            report.add(row | efficiency_metrics(row))
+        summary = report.finish()
+    finally:
+        logger.close()
+    assert [(r["role"], r["restart"]) for r in summary["restarts"]] == [("engine replica", 1), ("trainer", 1)]
+    assert summary["restarts"][1]["reason"] == "trainer update: trainer rank 1 died"
+    assert json.loads((tmp_path / "report.json").read_text())["restarts"] == summary["restarts"]
+    assert lines[1] == "restarts: 1 engine replica, 1 trainer (events.jsonl)"

@@ -10,7 +10,12 @@ server dies with its actor (parent-death signal), so killing either ends the rep
 a dead one is replaced by a new actor, and the pool (`EndpointPool.replace`) and a files weight sync get the
 new URL. Meanwhile the pool sends requests to the live replicas (its own failover). The new replica starts
 from `model_dir` and, with a files sync, loads the weights last pushed before the pool routes to it;
-`on_replace(url)` is called after that.
+`on_replace(url)` is called after that. Each replacement is a `restart` row in the run's events.jsonl.
+
+When no replica is left (the only one died), `attach` makes the engine wait for a replacement rather than fail:
+a weight push that finds every replica gone (`ReplicaSync`) replaces them at once and pushes again, and
+generation retries until one answers, both for at most `replica_wait_s` seconds. A replacement that finishes
+after `stop()` (the run is closing) is stopped, not wired into a closed engine.
 """
 
 from __future__ import annotations
@@ -20,11 +25,15 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.controller.ray.cluster import LOOPBACK, ClusterError, RayCluster, import_ray
+from tokenmill.sync.base import WeightSyncError
+from tokenmill.sync.http import Refused
+from tokenmill.tracking import events
 
 log = logging.getLogger("tokenmill.controller.ray")
 
@@ -88,8 +97,9 @@ class EngineFleet:
 
     def __init__(self, cluster: RayCluster, model_dir: str, replicas: int, *, cpus: float = 1, gpus: float = 0,
                  seed: int = 0, device: str = "cpu", threads: int = 0, start_timeout_s: float = 180.0,
-                 token: str | None = None, check_timeout_s: float = 10.0) -> None:
+                 token: str | None = None, check_timeout_s: float = 10.0, replica_wait_s: float = 0.0) -> None:
         self.cluster, self.model_dir = cluster, model_dir
+        self.replica_wait_s = replica_wait_s  # how long `attach`'s engine waits for a replacement (0: not at all)
         self.cpus, self.gpus, self.seed, self.device, self.threads = cpus, gpus, seed, device, threads
         self.start_timeout_s, self.token, self.check_timeout_s = start_timeout_s, token, check_timeout_s
         self.engine = None  # a RemoteEngine whose pool (and sync) follow replacements: `attach`
@@ -105,16 +115,18 @@ class EngineFleet:
     def urls(self) -> list[str]:
         return [r.url for r in self.replicas]
 
-    def _start(self, count: int) -> list[Replica]:
+    def _start(self, count: int, timeout_s: float | None = None) -> list[Replica]:
         ray = import_ray()
+        limit = self.start_timeout_s if timeout_s is None else min(timeout_s, self.start_timeout_s)
         cls = ray.remote(EngineServerActor).options(num_cpus=self.cpus, num_gpus=self.gpus, max_restarts=0)
         actors = []
         for _ in range(count):
             actors.append(cls.remote(self.model_dir, seed=self.seed + self._started, device=self.device,
-                                     threads=self.threads, timeout_s=self.start_timeout_s, token=self.token))
+                                     threads=self.threads, timeout_s=limit, token=self.token))
             self._started += 1
         try:
-            infos = self.cluster.get([a.info.remote() for a in actors], timeout_s=self.start_timeout_s + 30,
+            infos = self.cluster.get([a.info.remote() for a in actors],
+                                     timeout_s=limit + (30 if timeout_s is None else 0),
                                      what=f"starting {count} engine replica(s)")
         except BaseException:
             for a in actors:
@@ -122,9 +134,21 @@ class EngineFleet:
             raise
         return [Replica(a, **i) for a, i in zip(actors, infos)]
 
-    def attach(self, engine) -> None:
-        """Follow replacements in `engine` (a `RemoteEngine` over `self.urls`): its pool and files sync."""
+    def attach(self, engine, replica_wait_s: float | None = None) -> None:
+        """Follow replacements in `engine` (a `RemoteEngine` over `self.urls`): its pool and files sync. With
+        `replica_wait_s` > 0 (default: the fleet's), a push or a request that finds no replica alive waits that
+        long for a replacement (`ReplicaSync`; the pool's retries) instead of failing."""
         self.engine = engine
+        if replica_wait_s is None:
+            replica_wait_s = self.replica_wait_s
+        if replica_wait_s <= 0:
+            return
+        if engine.sync is not None and not isinstance(engine.sync, ReplicaSync):
+            engine.sync = ReplicaSync(engine.sync, self, replica_wait_s)
+        pool, rounds = engine.pool, 0
+        while pool.backoff_s * (2 ** rounds - 1) < replica_wait_s + self.check_timeout_s:
+            rounds += 1  # all replicas down: the pool waits backoff, 2 x backoff, ... and probes between rounds
+        pool.retries = max(pool.retries, rounds)
 
     def _is_alive(self, replica: Replica) -> bool:
         ray = import_ray()
@@ -133,23 +157,41 @@ class EngineFleet:
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return False
 
-    def check(self) -> list[str]:
-        """Replace every replica whose server or actor is gone; the new URLs (logged)."""
-        with self._lock:
+    def check(self, timeout_s: float | None = None) -> list[str]:
+        """Replace every replica whose server or actor is gone; the new URLs (logged, and a `restart` row in
+        events.jsonl). `timeout_s` bounds the whole call (a replacement the watcher has under way included)."""
+        if not self._lock.acquire(timeout=-1 if timeout_s is None else max(0.0, timeout_s)):
+            return []
+        try:
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
             new_urls = []
             for i, replica in enumerate(list(self.replicas)):
-                if self._is_alive(replica):
+                if self._stop.is_set() or self._is_alive(replica):
                     continue
                 ray = import_ray()
                 ray.kill(replica.actor, no_restart=True)
-                [fresh] = self._start(1)
+                t0 = time.monotonic()
+                [fresh] = self._start(1, None if deadline is None else max(1.0, deadline - t0))
+                if self._stop.is_set():  # the run closed meanwhile: nothing to wire it into
+                    ray.kill(fresh.actor, no_restart=True)
+                    log.info("engine replica %s started as the run closed; stopped", fresh.url)
+                    break
                 self.replicas[i] = fresh
                 self.restarts += 1
-                log.warning("engine replica %s died; replaced by %s (restart %d)", replica.url, fresh.url,
-                            self.restarts)
+                seconds = round(time.monotonic() - t0, 2)
+                log.warning("engine replica %s died; replaced by %s in %.1f s (restart %d)", replica.url, fresh.url,
+                            seconds, self.restarts)
                 self._rewire(replica.url, fresh.url)
+                events.emit("restart", role="engine replica", restart=self.restarts, replica=i, old=replica.url,
+                            new=fresh.url, seconds=seconds)
                 new_urls.append(fresh.url)
             return new_urls
+        finally:
+            self._lock.release()
+
+    def dead(self) -> list[str]:
+        """The URLs of the replicas whose server or actor is gone (asked now, each with a limit)."""
+        return [r.url for r in list(self.replicas) if not self._is_alive(r)]
 
     def _catch_up(self, url: str) -> None:
         """Load the weights last pushed by a files sync into the replica at `url` before the pool routes to it
@@ -165,7 +207,13 @@ class EngineFleet:
 
     def _rewire(self, old: str, new: str) -> None:
         if self.engine is not None:
-            self._catch_up(new)
+            try:
+                self._catch_up(new)
+            except RuntimeError:  # httpx: the client is closed; the run closed its engine meanwhile
+                if not self._stop.is_set():
+                    raise
+                log.info("engine replica %s: the run closed before it loaded the current weights", new)
+                return
             self.engine.pool.replace(old, new)
             servers = getattr(self.engine.sync, "servers", None)  # files sync: a list of URLs to load from
             if servers is not None:
@@ -179,11 +227,18 @@ class EngineFleet:
             while not self._stop.wait(interval_s):
                 try:
                     self.check()
-                except Exception:  # a failed replacement is retried at the next check
-                    log.exception("engine replica check failed")
+                except Exception as exc:  # a failed replacement is retried at the next check
+                    if self._stop.is_set():  # closing: the engine or the actors went first
+                        log.info("engine replica check stopped as the run closed: %s", exc)
+                    else:
+                        log.exception("engine replica check failed")
 
         self._watcher = threading.Thread(target=loop, name="tokenmill-engine-watch", daemon=True)
         self._watcher.start()
+
+    def stop(self) -> None:
+        """No more replacements (the run is closing); a replacement under way is stopped when it is up."""
+        self._stop.set()
 
     def close(self) -> None:
         self._stop.set()
@@ -197,3 +252,55 @@ class EngineFleet:
             log.info("engine replicas: stop: %s", exc)
         for r in self.replicas:
             ray.kill(r.actor, no_restart=True)
+
+
+class ReplicaSync:
+    """A files weight sync to a fleet's replicas that outlives losing all of them: a push that no replica took
+    (every one unreachable) has the fleet replace the dead ones now, then has the replacements load the pushed
+    folder; it gives up, with the first error, after `wait_s` seconds (`cluster.replica_wait_s`). A replica
+    that refuses the weights still raises at once. Everything else is the wrapped sync's (`servers`, `last`)."""
+
+    def __init__(self, inner, fleet: EngineFleet, wait_s: float) -> None:
+        self.inner, self.fleet, self.wait_s = inner, fleet, wait_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def push(self, named_tensors, version: int) -> None:
+        try:
+            self.inner.push(named_tensors, version)
+        except Refused:
+            raise
+        except WeightSyncError as exc:
+            if getattr(exc, "refused", False) or getattr(self.inner, "last", None) is None:
+                raise
+            self._again(exc, version)
+
+    def _again(self, error: WeightSyncError, version: int) -> None:
+        """Wait for live replicas, then have them all load the folder `push` wrote."""
+        t0 = time.monotonic()
+        deadline = t0 + self.wait_s
+        log.warning("weight push %d reached no engine replica (%s); waiting up to %g s for a replacement "
+                    "(cluster.replica_wait_s)", version, error, self.wait_s)
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                self.fleet.check(timeout_s=left)
+            except ClusterError as exc:  # a replacement that did not start: try again while time is left
+                log.warning("engine replica replacement failed: %s", exc)
+            servers = self.inner.servers
+            if servers.urls and not self.fleet.dead():
+                try:
+                    servers.post_all("/update_weights_from_disk", {
+                        "model_path": str(self.inner.last), "policy_version": int(version),
+                        "weight_version": str(version)})
+                except WeightSyncError as exc:
+                    if getattr(exc, "refused", False):
+                        raise
+                    error = exc
+                else:
+                    log.warning("weight push %d reached the replacement replica(s) after %.1f s", version,
+                                time.monotonic() - t0)
+                    return
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        raise WeightSyncError(f"{error}; no engine replica took the weights within {self.wait_s:g} s "
+                              "(cluster.replica_wait_s)") from None

@@ -10,18 +10,25 @@ the same placement group and the run is built again from the last checkpoint (`c
 With `cluster.engine_replicas`, generation runs on that many `tokenmill serve` Ray actors instead (reached
 through a `RemoteEngine` over their URLs, as `engine.placement: process` does with local servers): the new
 weights go to them through a files sync after every update, and a dead replica is replaced (with the current
-weights) while the pool routes around it. The driver's model then follows the trainer's weights, for the
+weights) while the pool routes around it; when none is left, the push and the requests wait for the
+replacement (`cluster.replica_wait_s`). The driver's model then follows the trainer's weights, for the
 checkpoint folders and the export.
+
+Every restart (a trainer group rebuilt, an engine replica replaced) is a `restart` row in the run's
+events.jsonl and is listed in its report (report.json); the held-out evaluation from before the first failure
+is kept, so the result still has both ends of the "held-out greedy accuracy: a -> b" line.
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from tokenmill.controller.ray.cluster import connect
 from tokenmill.controller.ray.workers import BackendSpec, RankFailure
+from tokenmill.tracking import events
 
 
 def _spec(cfg) -> BackendSpec:
@@ -74,7 +81,8 @@ def _start_engines(cfg, cluster):
     fleet = EngineFleet(cluster, cfg.model.path, c.engine_replicas, cpus=c.cpus_per_engine, gpus=c.engine_gpus,
                         seed=cfg.training.seed, device="cuda" if c.engine_gpus else "cpu",
                         threads=0 if c.engine_gpus else c.cpus_per_engine, start_timeout_s=c.start_timeout_s,
-                        token=cfg.engine.token or os.environ.get("TOKENMILL_SERVE_TOKEN"))
+                        token=cfg.engine.token or os.environ.get("TOKENMILL_SERVE_TOKEN"),
+                        replica_wait_s=c.replica_wait_s)
     fleet.watch(interval_s=5.0)
     return fleet
 
@@ -141,7 +149,7 @@ def train_on_ray(cfg, rewards=None, cluster=None) -> dict[str, Any]:
         placed = start_roles(cfg, cluster, trainer_spec, placements, own_specs, pgs)
         fleet = engines.result()
         run = _build(cfg, rewards, fleet, placed)
-        restarts = 0
+        restarts, first_eval = 0, None
         while True:
             try:
                 result = run_rl(run)
@@ -151,19 +159,27 @@ def train_on_ray(cfg, rewards=None, cluster=None) -> dict[str, Any]:
                     raise RankFailure(f"{exc}; gave up after {c.max_restarts} restart(s) (cluster.max_restarts)"
                                       ) from None
                 restarts += 1
+                first_eval = first_eval or run.eval_before
                 run.logger.message(f"{exc}: rebuilding the worker groups (restart {restarts} of at most "
                                    f"{c.max_restarts}), then resuming from the last checkpoint")
+                t0 = time.monotonic()
                 placed.rebuild()
+                events.emit("restart", role="trainer", restart=restarts, max_restarts=c.max_restarts,
+                            reason=str(exc), seconds=round(time.monotonic() - t0, 2))
                 run.close()
                 run = None
                 cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": True})})
                 run = _build(cfg, rewards, fleet, placed)  # fresh weights, data position and RNGs; resume() restores them
+        if first_eval is not None and "eval_before" not in result:  # evaluated before the first failure
+            result["eval_before"] = first_eval
         result["restarts"] = restarts
         result["engine_restarts"] = fleet.restarts if fleet is not None else 0
         return result
     finally:
         if fleet is None and engines is not None and engines.exception() is None and engines.result() is not None:
             fleet = engines.result()  # started, but something else failed first
+        if fleet is not None:
+            fleet.stop()  # a replacement finishing from now on is not wired into the closing run's engine
         starting.shutdown()
         for part in (placed, run, fleet):
             if part is not None:

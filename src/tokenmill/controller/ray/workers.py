@@ -226,7 +226,8 @@ class WorkerGroup:
                 continue
             except ray.exceptions.RayError as exc:
                 cause = getattr(exc, "cause", None) or exc
-                failed.append(f"trainer rank {rank} failed: {type(cause).__name__}: {str(cause).splitlines()[0][:200]}")
+                first = (str(cause).strip().splitlines() or [""])[0]
+                failed.append(f"trainer rank {rank} failed: {type(cause).__name__}: {clip(first, 300)}")
         return "; ".join(dead + failed) or "a trainer rank failed"
 
     def call(self, method: str, *args: Any) -> list[Any]:
@@ -299,6 +300,14 @@ class RayBackend:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.group.call("load_state_dict", state)
+
+
+def clip(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` characters at a space (never inside a word), "..." marking the cut."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit - 4].rsplit(" ", 1)[0] if " " in text[:limit - 4] else text[:limit - 4]
+    return cut.rstrip(" ,;:") + " ..."
 
 
 def train_with_restarts(group: WorkerGroup, steps: int, step_fn: Callable[[WorkerGroup, int], Any], *,
