@@ -387,7 +387,7 @@ class RunManager:
         labels = _read_json(run_dir / LABELS)
         return {
             "id": run_id, "mode": meta.get("mode", "rl"), "status": status, "returncode": final.get("returncode"),
-            "name": labels.get("name"), "tags": labels.get("tags", []),
+            "name": labels.get("name"), "tags": labels.get("tags", []), "archived": bool(labels.get("archived")),
             "duration_s": round((ended or time.time()) - started, 1) if started else None,
             "started": started, "ended": ended,
             "step": row.get("step") if row else None, "total_steps": meta.get("total_steps"),
