@@ -44,7 +44,8 @@ def set_labels(runs: RunManager, run_id: str, name: str | None, tags: list[str],
             archived = bool(json.loads((folder / LABELS).read_text()).get("archived", False))
         except (OSError, ValueError, AttributeError):
             archived = False
-    tmp.write_text(json.dumps({"name": name, "tags": list(dict.fromkeys(tags)), "archived": archived}))
+    kept = {"name": name, "tags": list(dict.fromkeys(tags))} | ({"archived": True} if archived else {})
+    tmp.write_text(json.dumps(kept))
     os.replace(tmp, folder / LABELS)
     return runs.describe(run_id)
 

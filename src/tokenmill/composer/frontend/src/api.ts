@@ -113,13 +113,34 @@ export interface RunInfo {
   last_metrics?: Record<string, unknown> | null;
   name?: string | null;
   tags?: string[];
+  archived?: boolean;
   duration_s?: number | null;
 }
 
 export interface Comparison {
-  runs: (RunInfo & { curves: Record<string, [number, number][]> })[];
+  /** Each run's curves ([step, value]) and its other x axes ([step, x]: wall_s, tokens). */
+  runs: (RunInfo & { curves: Record<string, [number, number][]>; axes?: Record<string, [number, number][]> })[];
   metrics: string[];
+  /** Shared metrics with one value throughout (hidden from the picker). */
+  constant?: string[];
   config_diff: { path: string; values: Record<string, unknown> }[];
+  /** Rewards whose code differs: each run's source and a unified diff against the first run's. */
+  reward_code: { name: string; code: Record<string, string | null>; diff: Record<string, string> }[];
+}
+
+export interface SharedSample {
+  step?: number;
+  completion: string;
+  reward?: number | null;
+  advantage?: number | null;
+  stop?: string;
+  rewards?: Record<string, number | null>;
+}
+
+export interface SharedSamples {
+  prompts: string[];
+  prompt: string | null;
+  completions: Record<string, SharedSample[]>;
 }
 
 /** A health alarm the trainer wrote to events.jsonl. */
@@ -229,9 +250,12 @@ export const api = {
     }),
   stop: (id: string) => call<unknown>("POST", `/api/runs/${runPath(id)}/stop`),
   runs: () => call<{ runs: RunInfo[] }>("GET", "/api/runs"),
-  labels: (id: string, name: string | null, tags: string[]) =>
-    call<RunInfo>("POST", `/api/runs/${runPath(id)}/labels`, { name, tags }),
+  labels: (id: string, name: string | null, tags: string[], archived?: boolean) =>
+    call<RunInfo>("POST", `/api/runs/${runPath(id)}/labels`, { name, tags, ...(archived === undefined ? {} : { archived }) }),
   compare: (ids: string[]) => call<Comparison>("GET", `/api/compare?ids=${ids.map(encodeURIComponent).join(",")}`),
+  compareSamples: (ids: string[], prompt: string | null) =>
+    call<SharedSamples>("GET", `/api/compare/samples?ids=${ids.map(encodeURIComponent).join(",")}` +
+      (prompt === null ? "" : `&prompt=${encodeURIComponent(prompt)}`)),
   report: (id: string) => call<{ report: Record<string, unknown> | null }>("GET", `/api/runs/${runPath(id)}/report`),
 };
 
