@@ -237,3 +237,123 @@ def test_run_status_is_announced_and_the_sample_filters_fit(page, composer):
               <= e.clientWidth; }""")
         assert fits, box
     assert page.problems == [], page.problems
+
+
+def test_a_preview_right_after_cancel_says_it_waits(page, tiny_model_path):
+    """Defect 11d: the server scores one preview at a time and finishes a cancelled one: a preview asked for
+    right after Cancel says it waits for that one, then shows its own result."""
+    page.get_by_test_id("yaml-input").fill(yaml.safe_dump({
+        "mode": "rl", "model": {"path": tiny_model_path}, "data": {"task": "addition"}, "generation": {"max_tokens": 2}}))
+    page.get_by_test_id("import-yaml").click()
+    expect(page.get_by_test_id("validation-status")).to_have_text("valid")
+    page.get_by_test_id("nav-rewards").click()
+    page.get_by_test_id("reward-editor-0").locator(".cm-content").click()
+    page.keyboard.press("Control+A")
+    page.keyboard.insert_text("import time\n\ndef my_reward(prompts, completions, **kw):\n    time.sleep(2)\n"
+                              "    return [1.0] * len(completions)\n")
+    page.get_by_test_id("preview-prompts").fill("1")
+    page.get_by_test_id("preview-samples").fill("1")
+    page.get_by_test_id("preview-samples").press("Tab")
+    page.get_by_test_id("preview-run").click()
+    page.get_by_test_id("preview-cancel").click()
+    expect(page.get_by_test_id("preview-cancelled")).to_be_visible()
+    assert page.get_by_test_id("preview-waiting").count() == 0
+    page.get_by_test_id("preview-run").click()
+    expect(page.get_by_test_id("preview-waiting")).to_contain_text("Waiting for the server to finish the cancelled preview")
+    expect(page.get_by_test_id("preview-table")).to_be_visible(timeout=60_000)
+    expect(page.get_by_test_id("preview-waiting")).to_have_count(0)
+    assert page.problems == [], page.problems
+
+
+# ------------------------------------------------------------------------------------------ Inspect
+def _group(step: int, prompt: str, rewards: list[float], stops: list[str]) -> list[dict]:
+    mean = sum(rewards) / len(rewards)
+    return [{"step": step, "prompt": prompt, "completion": f"{prompt} answer {i}" + "!" * i, "reward": r,
+             "rewards": {"exact": r, "short": -0.1 * i}, "advantage": r - mean, "stop": stop}
+            for i, (r, stop) in enumerate(zip(rewards, stops, strict=True))]
+
+
+def test_clicking_a_curve_point_opens_that_steps_groups_and_reward_histogram(page, composer, shots):
+    """Item 1: a click on the reward curve at step 2 shows step 2's samples: each GRPO group once with its
+    completions, each reward function's score, the advantage, length and truncation, and the step's reward
+    histogram (bins counted by hand)."""
+    _, _, runs_dir = composer
+    samples = [*_group(1, "1+1=", [0.0, 0.0], ["stop", "stop"]),
+               *_group(2, "2+2=", [1.0, 0.0, 1.0], ["stop", "length", "stop"]),
+               *_group(2, "3+3=", [0.5, 0.0, 0.0], ["stop", "stop", "stop"]),
+               *_group(3, "4+4=", [1.0, 1.0], ["stop", "stop"])]
+    _run(runs_dir, "inspect/a", BASE, _rows(1.0), samples=samples)
+    _runs_page(page)
+    page.get_by_test_id("run-open-inspect/a").click()
+    chart = page.get_by_test_id("chart-reward")
+    expect(chart).to_have_attribute("data-points", "3")
+    over = chart.locator(".u-over")
+    box = over.bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)  # steps 1..3: 2 is mid-plot
+    page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    view = page.get_by_test_id("step-view")
+    expect(view).to_have_attribute("data-step", "2")
+    expect(page.get_by_test_id("samples-step")).to_have_value("2")
+    # rewards 1, 0, 1, 0.5, 0, 0 in 10 bins over [0, 1]: 3 zeros, one 0.5 (bin 5), two ones (the last bin)
+    expect(page.get_by_test_id("reward-histogram")).to_have_attribute("data-bins", "3,0,0,0,0,1,0,0,0,2")
+    first = page.get_by_test_id("group-0")
+    expect(first.locator(".prompt")).to_have_text("2+2=")
+    rows = first.get_by_test_id("group-sample")
+    expect(rows).to_have_count(3)
+    cells = rows.nth(1).locator("td").all_inner_texts()
+    # completion, exact, short, reward, advantage, chars, stop
+    assert cells == ["2+2= answer 1!", "0", "-0.1000", "0", "-0.6667", "14", "truncated"], cells
+    expect(page.get_by_test_id("group-1").locator(".prompt")).to_have_text("3+3=")
+    page.get_by_test_id("samples-search").fill("3+3")
+    expect(page.get_by_test_id("group-0").locator(".prompt")).to_have_text("3+3=")
+    page.get_by_test_id("samples-search").fill("")
+    page.get_by_test_id("inspect").scroll_into_view_if_needed()
+    page.screenshot(path=str(shots / "inspect.png"), full_page=True)
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.wait_for_timeout(300)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    page.screenshot(path=str(shots / "inspect-phone.png"), full_page=True)
+    assert page.problems == [], page.problems
+
+
+# ------------------------------------------------------------------------------------------ runs table
+def test_the_runs_table_sorts_searches_filters_archives_and_renders_200_runs_in_under_a_second(page, composer, shots):
+    """Item 5: 200 runs render under 1 s (from the click to the last row on screen, the server's listing
+    included); sorting by the last value, the search, the tag and status filters and archiving narrow it as
+    asked. (Last in this file: the 200 runs stay in the shared runs folder.)"""
+    _, _, runs_dir = composer
+    for i in range(200):
+        _run(runs_dir, f"many/r{i:03d}", BASE, _rows(i / 100, n=2), started=T0 + 1000 + i,
+             tags=["even"] if i % 2 == 0 else ["odd"])
+    page.get_by_test_id("nav-compose").click()
+    started = time.monotonic()
+    page.get_by_test_id("nav-runs").click()
+    page.get_by_test_id("run-row-many/r000").wait_for()
+    elapsed = time.monotonic() - started
+    total = page.get_by_test_id("runs-table").get_attribute("data-shown")
+    assert int(total) >= 200 and elapsed < 1.0, (total, elapsed)
+    page.get_by_test_id("runs-search").fill("many/")
+    expect(page.get_by_test_id("runs-table")).to_have_attribute("data-shown", "200")
+    page.get_by_test_id("sort-last").click()  # highest last reward first: r199, 2 x 1.99
+    first = page.get_by_test_id("runs-table").locator("tbody tr").first
+    expect(first).to_have_attribute("data-testid", "run-row-many/r199")
+    page.get_by_test_id("sort-last").click()
+    expect(first).to_have_attribute("data-testid", "run-row-many/r000")
+    page.get_by_test_id("runs-tag").select_option("odd")
+    expect(page.get_by_test_id("runs-table")).to_have_attribute("data-shown", "100")
+    expect(first).to_have_attribute("data-testid", "run-row-many/r001")
+    page.get_by_test_id("runs-search").fill("r00")
+    expect(page.get_by_test_id("runs-table")).to_have_attribute("data-shown", "5")  # r001 r003 r005 r007 r009
+    page.get_by_test_id("runs-status").select_option("failed")
+    expect(page.get_by_test_id("runs-none-match")).to_be_visible()
+    page.get_by_test_id("runs-status").select_option("")
+    with page.expect_response(lambda r: r.url.endswith("/labels")):
+        page.get_by_test_id("run-archive-many/r001").click()
+    expect(page.get_by_test_id("runs-table")).to_have_attribute("data-shown", "4")
+    assert json.loads((runs_dir / "many" / "r001" / "labels.json").read_text())["archived"] is True
+    page.get_by_test_id("runs-show-archived").check()
+    expect(page.get_by_test_id("run-archive-many/r001")).to_have_text("Unarchive")
+    page.get_by_test_id("runs-search").fill("")
+    page.get_by_test_id("runs-tag").select_option("")
+    page.screenshot(path=str(shots / "runs-table.png"))
+    assert page.problems == [], page.problems
