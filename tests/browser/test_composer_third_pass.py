@@ -316,6 +316,35 @@ def test_clicking_a_curve_point_opens_that_steps_groups_and_reward_histogram(pag
     assert page.problems == [], page.problems
 
 
+# ------------------------------------------------------------------------------------------ efficiency view
+def test_the_efficiency_view_splits_each_step_by_stage_with_staleness_and_alarms(page, composer, shots):
+    """Item 6: each recent step is a bar of its stages' seconds and the idle rest (the step's time no stage
+    accounts for), an async run's batch staleness beside it, and a health alarm at the step it fired."""
+    _, _, runs_dir = composer
+    rows = [{"step": s, "reward/mean": 0.1 * s, "timing_s/generate": 1.0 + s, "timing_s/reward": 0.25,
+             "timing_s/train": 2.0, "timing_s/step": 4.0 + s, "async/staleness_mean": 0.5 * (s - 1)} for s in (1, 2, 3)]
+    _run(runs_dir, "eff/a", BASE, rows)
+    alarm = {"event": "alarm", "name": "reward_flat", "metric": "reward/std", "value": 0.0, "threshold": 1e-6,
+             "policy": "warn", "message": "every group scored alike for 5 steps", "step": 2}
+    (runs_dir / "eff" / "a" / "events.jsonl").write_text(json.dumps(alarm) + "\n")
+    _runs_page(page)
+    page.get_by_test_id("run-open-eff/a").click()
+    step2 = page.get_by_test_id("timeline-step-2")
+    # step 2: generate 3 s, reward 0.25 s, train 2 s of a 6 s step: 0.75 s idle
+    expect(step2).to_have_attribute("data-parts", "generate:3.000,reward:0.250,train:2.000,idle:0.750")
+    expect(step2).to_have_attribute("data-staleness", "0.5")
+    expect(step2).to_have_attribute("data-alarms", "reward_flat")
+    expect(page.get_by_test_id("timeline-step-3")).to_have_attribute("data-total", "7.000")
+    assert page.get_by_test_id("timeline-step-1").get_attribute("data-alarms") == ""
+    page.get_by_test_id("timeline").scroll_into_view_if_needed()
+    page.get_by_test_id("timeline").screenshot(path=str(shots / "efficiency.png"))
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.wait_for_timeout(300)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    page.get_by_test_id("timeline").screenshot(path=str(shots / "efficiency-phone.png"))
+    assert page.problems == [], page.problems
+
+
 # ------------------------------------------------------------------------------------------ runs table
 def test_the_runs_table_sorts_searches_filters_archives_and_renders_200_runs_in_under_a_second(page, composer, shots):
     """Item 5: 200 runs render under 1 s (from the click to the last row on screen, the server's listing

@@ -6,6 +6,7 @@ import type { Alarm, RunStatus } from "../api";
 import { formatNumber, formatSeconds, LineChart, SmoothingControl } from "../components/chart";
 import type { Series } from "../components/chart";
 import { Inspect } from "../components/inspect";
+import { Timeline } from "../components/timeline";
 import { AlarmBanner, EfficiencyPanel, Startup, startupPhase } from "../components/runpanels";
 import type { Row } from "../components/runpanels";
 import { getPath, getState, navigate, useStore } from "../store";
@@ -283,6 +284,7 @@ export function WatchPage() {
           <AlarmBanner alarms={live.alarms} />
           {phase < 4 && <Startup phase={phase} since={live.opened} />}
           <Stages rows={live.rows} status={status} />
+          <Timeline rows={live.rows} alarms={live.alarms} />
           <div class="row">
             <SmoothingControl value={smoothing} onChange={setSmoothing} />
             <span class="muted small">click a point for that step's samples; drag across a chart to zoom, double-click to zoom out</span>
