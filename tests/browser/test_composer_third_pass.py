@@ -307,7 +307,7 @@ def test_clicking_a_curve_point_opens_that_steps_groups_and_reward_histogram(pag
     page.get_by_test_id("samples-search").fill("3+3")
     expect(page.get_by_test_id("group-0").locator(".prompt")).to_have_text("3+3=")
     page.get_by_test_id("samples-search").fill("")
-    page.get_by_test_id("inspect").scroll_into_view_if_needed()
+    page.evaluate("window.scrollTo(0, 0)")
     page.screenshot(path=str(shots / "inspect.png"), full_page=True)
     page.set_viewport_size({"width": 390, "height": 844})
     page.wait_for_timeout(300)
@@ -342,6 +342,22 @@ def test_the_efficiency_view_splits_each_step_by_stage_with_staleness_and_alarms
     page.wait_for_timeout(300)
     assert page.evaluate("document.documentElement.scrollWidth") <= 390
     page.get_by_test_id("timeline").screenshot(path=str(shots / "efficiency-phone.png"))
+    assert page.problems == [], page.problems
+
+
+def test_a_run_clones_into_compose_with_its_reward_code(page, composer):
+    """Item 3 (clone): Clone puts the run's config in Compose and its page reward back in the Rewards editor."""
+    _, _, runs_dir = composer
+    _run(runs_dir, "clone/a", {**BASE, "controller": {"steps": 11}}, _rows(1.0), reward=REWARD)
+    _runs_page(page)
+    page.get_by_test_id("run-clone-clone/a").click()
+    page.get_by_test_id("page-compose").wait_for()
+    expect(page.get_by_test_id("field-model.path")).to_have_value("m")
+    page.get_by_test_id("level-advanced").click()
+    expect(page.get_by_test_id("field-controller.steps")).to_have_value("11")
+    page.get_by_test_id("nav-rewards").click()
+    expect(page.get_by_test_id("reward-name-0")).to_have_value("short")
+    expect(page.get_by_test_id("reward-editor-0").locator(".cm-content")).to_contain_text("return [-len(c) for c in completions]")
     assert page.problems == [], page.problems
 
 

@@ -326,6 +326,10 @@ def _run_routes(app: FastAPI) -> None:
     def labels(run_id: str, body: LabelsBody) -> dict[str, Any]:
         return compare.set_labels(runs, run_id, body.name, body.tags, archived=body.archived)
 
+    @app.get("/api/runs/{run_id:path}/clone")
+    def clone(run_id: str) -> dict[str, Any]:
+        return compare.clone(runs, run_id)
+
     @app.get("/api/runs/{run_id:path}/report")
     def report(run_id: str) -> dict[str, Any]:
         return compare.efficiency_report(runs, run_id)

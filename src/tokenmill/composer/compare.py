@@ -236,6 +236,33 @@ def _constant(curves: dict[str, dict[str, list[list[float]]]], key: str) -> bool
     return len({v for c in curves.values() for _, v in c.get(key, [])}) <= 1
 
 
+def clone(runs: RunManager, run_id: str) -> dict[str, Any]:
+    """What Compose needs to start from a run: `{"mode", "config", "rewards"}`, the config as the run was
+    launched without its own output folder, and the rewards written in the page (the files in the run's
+    `rewards/` folder) back as page rewards `{"name", "function", "code", "weight", "timeout_s"}` instead of
+    references to that folder."""
+    folder = runs.folder(run_id)
+    mode = runs.describe(run_id)["mode"]
+    tree = _config(folder)
+    tree.pop("mode", None)
+    tree.pop("output_dir", None)
+    if isinstance(tree.get("tracking"), dict):
+        tree["tracking"] = {k: v for k, v in tree["tracking"].items() if k != "output_dir"}
+    page, kept = [], []
+    own = (folder / "rewards").resolve()
+    for entry in tree.get("rewards") or []:
+        head, _, function = str(entry.get("function", "")).rpartition(":") if isinstance(entry, dict) else ("", "", "")
+        path = Path(head) if head else None
+        if path is not None and path.suffix == ".py" and path.resolve().parent == own and path.is_file():
+            page.append({"name": entry.get("name") or path.stem, "function": function, "code": path.read_text(),
+                         "weight": entry.get("weight", 1.0), "timeout_s": entry.get("timeout_s", 10.0)})
+        else:
+            kept.append(entry)
+    if "rewards" in tree:
+        tree["rewards"] = kept
+    return {"mode": mode, "config": tree, "rewards": page}
+
+
 MAX_SHARED_PROMPTS = 50
 MAX_COMPLETIONS = 8  # per run and prompt: its latest
 

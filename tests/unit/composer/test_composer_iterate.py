@@ -144,3 +144,14 @@ def test_an_exported_yaml_validates_from_the_folder_it_is_saved_in(client, tiny_
     done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "validate", out["filename"]], cwd=folder, env=env,
                           capture_output=True, text=True, timeout=180, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_run_clones_into_compose_with_its_page_rewards_as_code(client):
+    """The run's config without its own output folder, and a reward written in the page (a file of the run's
+    rewards/ folder) back as code the page can edit."""
+    out = client.get("/api/runs/c/clone").json()
+    assert out["mode"] == "rl" and out["config"]["model"] == {"path": "m"}
+    assert "output_dir" not in out["config"].get("tracking", {}) and out["config"]["rewards"] == []
+    assert out["rewards"] == [{"name": "short", "function": "short", "code": REWARD.replace("-len(c)", "len(c)"),
+                               "weight": 1.0, "timeout_s": 10.0}]
+    assert client.get("/api/runs/nope/clone").status_code == 404

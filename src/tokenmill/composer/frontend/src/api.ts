@@ -256,6 +256,7 @@ export const api = {
   compareSamples: (ids: string[], prompt: string | null) =>
     call<SharedSamples>("GET", `/api/compare/samples?ids=${ids.map(encodeURIComponent).join(",")}` +
       (prompt === null ? "" : `&prompt=${encodeURIComponent(prompt)}`)),
+  clone: (id: string) => call<{ mode: Mode; config: Config; rewards: RewardDraft[] }>("GET", `/api/runs/${runPath(id)}/clone`),
   report: (id: string) => call<{ report: Record<string, unknown> | null }>("GET", `/api/runs/${runPath(id)}/report`),
 };
 

@@ -26,7 +26,8 @@ export function stepParts(row: Row): { parts: [string, number][]; total: number 
 }
 
 export function Timeline({ rows, alarms }: { rows: Row[]; alarms: Alarm[] }) {
-  const recent = rows.filter((r) => num(r, "timing_s/step") !== null).slice(-TIMELINE_STEPS);
+  // steps whose stages the trainer timed (a bare step time would be one bar of "idle")
+  const recent = rows.filter((r) => STAGES.some((s) => num(r, `timing_s/${s}`) !== null)).slice(-TIMELINE_STEPS);
   if (recent.length === 0) return null;
   const steps = recent.map((r) => ({ row: r, ...stepParts(r) }));
   const longest = Math.max(...steps.map((s) => s.total), 1e-9);
@@ -42,7 +43,7 @@ export function Timeline({ rows, alarms }: { rows: Row[]; alarms: Alarm[] }) {
           {[...STAGES, "idle"].filter((p) => used.has(p)).map((p) => (
             <span><i style={{ background: COLORS[p] }} />{p}</span>
           ))}
-          {asyncRun && <span class="muted">staleness: versions behind the trainer</span>}
+          {asyncRun && <span class="muted">staleness: policy versions behind the trainer</span>}
         </div>
       </div>
       <div class="timeline">
@@ -61,7 +62,7 @@ export function Timeline({ rows, alarms }: { rows: Row[]; alarms: Alarm[] }) {
                 ))}
               </div>
               <span class="mono small">{formatSeconds(total)}</span>
-              {asyncRun && <span class="mono small stale" title="mean staleness of the batch trained on">{stale === null ? "—" : `s ${stale.toFixed(1)}`}</span>}
+              {asyncRun && <span class="mono small stale" title="mean staleness of the batch trained on">{stale === null ? "—" : `staleness ${stale.toFixed(1)}`}</span>}
               {fired.length > 0 && (
                 <span class="timeline-alarm" title={fired.map((a) => `${a.name}: ${a.message}`).join("\n")}>⚠ {fired.map((a) => a.name).join(", ")}</span>
               )}

@@ -7,7 +7,7 @@ import type { RunInfo } from "../api";
 import { formatDuration, formatNumber } from "../components/chart";
 import { CompareView, X_AXES } from "../components/compare";
 import type { CompareState, XAxis } from "../components/compare";
-import { hashParams, navigate, setHashParams } from "../store";
+import { hashParams, navigate, setHashParams, update } from "../store";
 
 const MAX_COMPARED = 4;
 
@@ -118,6 +118,11 @@ function Filters(props: { runs: RunInfo[]; query: string; setQuery: (q: string) 
 
 function RunRow({ r, picked, toggle, refresh }: { r: RunInfo; picked: boolean; toggle: (id: string, on: boolean) => void; refresh: () => void }) {
   const archive = () => api.labels(r.id, r.name ?? null, r.tags ?? [], !r.archived).then(refresh);
+  // start a new run from this one: its config (and the rewards written in the page, as code) into Compose
+  const clone = () => api.clone(r.id).then((c) => {
+    update({ mode: c.mode, config: c.config, rewards: c.rewards, presetId: null });
+    navigate("compose");
+  });
   return (
     <tr key={r.id} data-testid={`run-row-${r.id}`} class={r.archived ? "archived" : ""}>
       <td class="pick">
@@ -134,6 +139,7 @@ function RunRow({ r, picked, toggle, refresh }: { r: RunInfo; picked: boolean; t
       <td class="num mono" data-label="duration" data-testid={`run-duration-${r.id}`}>{typeof r.duration_s === "number" ? formatDuration(r.duration_s) : "—"}</td>
       <td class="actions">
         <button class="btn small" data-testid={`run-open-${r.id}`} onClick={() => navigate("watch", r.id)}>Open</button>
+        <button class="btn small" data-testid={`run-clone-${r.id}`} title="a new run from this one's config and rewards" onClick={clone}>Clone</button>
         <button class="btn small ghost" data-testid={`run-archive-${r.id}`} onClick={archive}>{r.archived ? "Unarchive" : "Archive"}</button>
       </td>
     </tr>
