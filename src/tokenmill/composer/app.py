@@ -97,6 +97,13 @@ class PreviewBody(ConfigBody):
 class RunBody(ConfigBody):
     rewards: list[configs.RewardCode] = Field(default_factory=list, max_length=32)
     name: str | None = Field(None, max_length=64)
+    queue: bool = Field(False, description="At --max-runs: wait for a free slot (202, status queued) instead of 409")
+
+
+class SweepBody(ConfigBody):
+    rewards: list[configs.RewardCode] = Field(default_factory=list, max_length=32)
+    field: str = Field(..., pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", max_length=200)
+    values: list[Any] = Field(..., min_length=2, max_length=16)
 
 
 class LabelsBody(_Body):
@@ -299,10 +306,16 @@ def _config_routes(app: FastAPI) -> None:
 def _run_routes(app: FastAPI) -> None:
     runs: RunManager = app.state.runs
 
-    @app.post("/api/runs", status_code=201)
-    def launch(body: RunBody) -> dict[str, Any]:
+    @app.post("/api/runs", status_code=201, response_model=None)
+    def launch(body: RunBody) -> dict[str, Any] | JSONResponse:
         _valid(body)  # field errors as a list before anything is written
-        return runs.launch(body.mode, body.config, body.rewards, name=body.name)
+        run = runs.launch(body.mode, body.config, body.rewards, name=body.name, queue=body.queue)
+        return JSONResponse(run, status_code=202) if run["status"] == "queued" else run
+
+    @app.post("/api/sweep", status_code=202)
+    def sweep(body: SweepBody) -> dict[str, Any]:
+        _mode(body.mode)
+        return runs.sweep(body.mode, body.config, body.rewards, body.field, body.values)
 
     @app.get("/api/runs")
     def run_list() -> dict[str, Any]:
