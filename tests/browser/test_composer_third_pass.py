@@ -361,6 +361,43 @@ def test_a_run_clones_into_compose_with_its_reward_code(page, composer):
     assert page.problems == [], page.problems
 
 
+def test_a_sweep_from_the_form_queues_one_tagged_run_per_value(page, composer, tiny_model_path):
+    """Item 3 (sweep and queue): two values of controller.steps queue two runs, named by their value and
+    tagged with the sweep; the first starts, the second waits for it (one run at a time)."""
+    base, token, runs_dir = composer
+    page.get_by_test_id("yaml-input").fill(yaml.safe_dump({"mode": "rl", "model": {"path": tiny_model_path},
+                                                           "data": {"task": "addition", "num_eval": 0}}))
+    page.get_by_test_id("import-yaml").click()
+    expect(page.get_by_test_id("validation-status")).to_have_text("valid")
+    page.get_by_test_id("nav-watch").click()
+    page.get_by_test_id("sweep").locator("summary").click()
+    page.get_by_test_id("sweep-field").fill("controller.steps")
+    page.get_by_test_id("sweep-values").fill("1, 0")
+    page.get_by_test_id("sweep-run").click()
+    expect(page.get_by_test_id("sweep-error")).to_contain_text("controller.steps = 0: controller.steps")
+    page.get_by_test_id("sweep-values").fill("1, 2")
+    page.get_by_test_id("sweep-run").click()
+    expect(page.get_by_test_id("sweep-note")).to_contain_text("2 runs queued, tagged sweep:")
+    tag = page.get_by_test_id("sweep-note").inner_text().split("tagged ")[1].split(":")[0:2]
+    try:
+        _runs_page(page)
+        page.get_by_test_id("runs-tag").select_option(":".join(tag))
+        expect(page.get_by_test_id("runs-table")).to_have_attribute("data-shown", "2")
+        names = page.locator("[data-testid^=run-name-]").evaluate_all("els => els.map(e => e.value)")
+        assert sorted(names) == ["steps=1", "steps=2"], names
+        statuses = page.locator("[data-testid^=run-status-]").all_inner_texts()
+        assert "queued" in statuses or "finished" in statuses, statuses
+    finally:
+        import httpx
+
+        for run in httpx.get(f"{base}/api/runs", headers={"Authorization": f"Bearer {token}"}).json()["runs"]:
+            if run["status"] in ("queued", "running"):
+                httpx.post(f"{base}/api/runs/{run['id']}/stop", headers={"Authorization": f"Bearer {token}",
+                                                                        "Origin": base}, timeout=60)
+    # the refused sweep is the one failed request (the browser logs it)
+    assert [p for p in page.problems if "status of 422" not in p] == [] and len(page.problems) == 1, page.problems
+
+
 # ------------------------------------------------------------------------------------------ runs table
 def test_the_runs_table_sorts_searches_filters_archives_and_renders_200_runs_in_under_a_second(page, composer, shots):
     """Item 5: 200 runs render under 1 s (from the click to the last row on screen, the server's listing

@@ -102,7 +102,7 @@ export interface Diagram {
 export interface RunInfo {
   id: string;
   mode: string;
-  status: "running" | "finished" | "failed" | "stopped" | "unknown";
+  status: "queued" | "running" | "finished" | "failed" | "stopped" | "unknown";
   returncode: number | null;
   started: number | null;
   ended: number | null;
@@ -242,11 +242,16 @@ export const api = {
     }),
   preview: (mode: Mode, config: Config, rewards: RewardDraft[], prompts: number, samples: number, signal?: AbortSignal) =>
     call<Preview>("POST", "/api/rewards/preview", { mode, config, rewards, prompts, samples }, signal),
-  launch: (mode: Mode, config: Config, rewards?: RewardDraft[]) =>
-    call<{ id: string; argv: string[]; output_dir: string; status: string }>("POST", "/api/runs", {
+  launch: (mode: Mode, config: Config, rewards?: RewardDraft[], queue = false) =>
+    call<{ id: string; argv?: string[]; output_dir: string; status: string; position?: number }>("POST", "/api/runs", {
       mode,
       config,
       ...(rewards && rewards.length ? { rewards } : {}),
+      ...(queue ? { queue } : {}),
+    }),
+  sweep: (mode: Mode, config: Config, rewards: RewardDraft[] | undefined, field: string, values: unknown[]) =>
+    call<{ tag: string; runs: { id: string; status: string }[] }>("POST", "/api/sweep", {
+      mode, config, field, values, ...(rewards && rewards.length ? { rewards } : {}),
     }),
   stop: (id: string) => call<unknown>("POST", `/api/runs/${runPath(id)}/stop`),
   runs: () => call<{ runs: RunInfo[] }>("GET", "/api/runs"),

@@ -6,10 +6,11 @@ import type { Alarm, RunStatus } from "../api";
 import { formatNumber, formatSeconds, LineChart, SmoothingControl } from "../components/chart";
 import type { Series } from "../components/chart";
 import { Inspect } from "../components/inspect";
+import { Launcher } from "../components/launcher";
 import { Timeline } from "../components/timeline";
 import { AlarmBanner, EfficiencyPanel, Startup, startupPhase } from "../components/runpanels";
 import type { Row } from "../components/runpanels";
-import { getPath, getState, navigate, useStore } from "../store";
+import { getPath, useStore } from "../store";
 
 const STAGES = ["generate", "reward", "train", "critic", "sync"];
 const ADVICE: Record<string, string> = {
@@ -201,41 +202,6 @@ function Charts({ rows, klOff, smoothing, mode, onPick }: { rows: Row[]; klOff: 
         </details>
       )}
     </>
-  );
-}
-
-function Launcher() {
-  const s = useStore();
-  const [error, setError] = useState<string | null>(null);
-  const [busy, setBusy] = useState(false);
-  const launch = async () => {
-    setBusy(true);
-    setError(null);
-    try {
-      const st = getState();
-      const run = await api.launch(st.mode, st.config, st.mode === "rl" ? st.rewards : undefined);
-      navigate("watch", run.id);
-    } catch (e) {
-      setError((e as Error).message);
-    } finally {
-      setBusy(false);
-    }
-  };
-  const steps = getPath(s.config, s.mode === "rl" ? "controller.steps" : "steps");
-  return (
-    <div class="card launcher">
-      <div>
-        <h2>Launch</h2>
-        <p class="muted">
-          The composed <b>{s.mode}</b> config{typeof steps === "number" ? `, ${steps} steps` : ""}
-          {s.mode === "rl" && s.rewards.length ? `, with ${s.rewards.length} code reward(s)` : ""}.
-        </p>
-      </div>
-      <button class="btn primary" data-testid="launch-run" disabled={busy} onClick={launch}>
-        {busy ? "Launching…" : "Launch run"}
-      </button>
-      {error && <div class="alert error" data-testid="launch-error">{error}</div>}
-    </div>
   );
 }
 
