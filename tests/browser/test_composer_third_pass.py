@@ -364,7 +364,7 @@ def test_a_run_clones_into_compose_with_its_reward_code(page, composer):
 def test_a_sweep_from_the_form_queues_one_tagged_run_per_value(page, composer, tiny_model_path):
     """Item 3 (sweep and queue): two values of controller.steps queue two runs, named by their value and
     tagged with the sweep; the first starts, the second waits for it (one run at a time)."""
-    base, token, runs_dir = composer
+    base, token, _ = composer
     page.get_by_test_id("yaml-input").fill(yaml.safe_dump({"mode": "rl", "model": {"path": tiny_model_path},
                                                            "data": {"task": "addition", "num_eval": 0}}))
     page.get_by_test_id("import-yaml").click()
