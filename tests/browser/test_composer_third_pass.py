@@ -399,21 +399,32 @@ def test_a_sweep_from_the_form_queues_one_tagged_run_per_value(page, composer, t
 
 
 # ------------------------------------------------------------------------------------------ runs table
+_RENDER_200 = """() => new Promise((done) => {
+  const t0 = performance.now();
+  document.querySelector('[data-testid=nav-runs]').click();
+  const tick = () => document.querySelectorAll('[data-testid^="run-row-many/"]').length >= 200
+    ? done(performance.now() - t0) : requestAnimationFrame(tick);
+  requestAnimationFrame(tick);
+})"""
+
+
 def test_the_runs_table_sorts_searches_filters_archives_and_renders_200_runs_in_under_a_second(page, composer, shots):
     """Item 5: 200 runs render under 1 s (from the click to the last row on screen, the server's listing
     included); sorting by the last value, the search, the tag and status filters and archiving narrow it as
-    asked. (Last in this file: the 200 runs stay in the shared runs folder.)"""
+    asked; a config column shows each run's effective value and sorts. (Last in this file: the 200 runs stay
+    in the shared runs folder.)"""
     _, _, runs_dir = composer
     for i in range(200):
-        _run(runs_dir, f"many/r{i:03d}", BASE, _rows(i / 100, n=2), started=T0 + 1000 + i,
+        config = {**BASE, "generation": {"group_size": 4}} if i % 10 == 3 else BASE
+        _run(runs_dir, f"many/r{i:03d}", config, _rows(i / 100, n=2), started=T0 + 1000 + i,
              tags=["even"] if i % 2 == 0 else ["odd"])
     page.get_by_test_id("nav-compose").click()
-    started = time.monotonic()
-    page.get_by_test_id("nav-runs").click()
-    page.get_by_test_id("run-row-many/r000").wait_for()
-    elapsed = time.monotonic() - started
+    page.get_by_test_id("page-compose").wait_for()
+    # timed in the page, from the click to the frame that shows the 200th row (the listing's request included),
+    # so that Playwright's own round trips on a busy machine do not count
+    elapsed = page.evaluate(_RENDER_200)
     total = page.get_by_test_id("runs-table").get_attribute("data-shown")
-    assert int(total) >= 200 and elapsed < 1.0, (total, elapsed)
+    assert int(total) >= 200 and elapsed < 1000, (total, elapsed)
     page.get_by_test_id("runs-search").fill("many/")
     expect(page.get_by_test_id("runs-table")).to_have_attribute("data-shown", "200")
     page.get_by_test_id("sort-last").click()  # highest last reward first: r199, 2 x 1.99
@@ -437,5 +448,15 @@ def test_the_runs_table_sorts_searches_filters_archives_and_renders_200_runs_in_
     expect(page.get_by_test_id("run-archive-many/r001")).to_have_text("Unarchive")
     page.get_by_test_id("runs-search").fill("")
     page.get_by_test_id("runs-tag").select_option("")
+    # a config column (its effective value: the default 8 where the YAML leaves it out), sorted ascending
+    page.get_by_test_id("runs-columns").fill("generation.group_size")
+    page.get_by_test_id("runs-columns").press("Enter")
+    expect(page.get_by_test_id("run-col-many/r000-generation.group_size")).to_have_text("8")
+    expect(page.get_by_test_id("run-col-many/r003-generation.group_size")).to_have_text("4")
+    assert "cols=generation.group_size" in page.url
+    page.get_by_test_id("sort-col:generation.group_size").click()  # descending first
+    page.get_by_test_id("sort-col:generation.group_size").click()
+    expect(first.locator("td[data-label='generation.group_size']")).to_have_text("4")
+    page.evaluate("window.scrollTo(0, 0)")
     page.screenshot(path=str(shots / "runs-table.png"))
     assert page.problems == [], page.problems

@@ -318,8 +318,11 @@ def _run_routes(app: FastAPI) -> None:
         return runs.sweep(body.mode, body.config, body.rewards, body.field, body.values)
 
     @app.get("/api/runs")
-    def run_list() -> dict[str, Any]:
-        return {"runs": runs.list(), "max_runs": runs.max_runs}
+    def run_list(columns: str = Query("", max_length=2000)) -> dict[str, Any]:
+        """Every run; `columns=a.b,c.d` adds each run's value of those config keys (`columns`)."""
+        keys = [k for k in columns.split(",") if k][:16]
+        listed = runs.list()
+        return {"runs": compare.config_columns(listed, keys) if keys else listed, "max_runs": runs.max_runs}
 
     @app.get("/api/compare")
     def compare_runs(ids: str = Query(..., max_length=2000)) -> dict[str, Any]:

@@ -8,6 +8,7 @@ the Composer never launched compares as well as one it did.
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import json
 import os
@@ -126,6 +127,25 @@ def reward_code_diffs(folders: dict[str, Path], trees: dict[str, dict[str, Any]]
                  for rid in trees if rid != first_id}
         out.append({"name": name, "code": {rid: by_run.get(rid) for rid in trees}, "diff": diffs})
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _flat_config_cached(folder: Path, mode: str, mtime_ns: int) -> dict[str, Any]:
+    return _flat(effective_config(folder, mode))
+
+
+def config_columns(runs: list[dict[str, Any]], keys: list[str]) -> list[dict[str, Any]]:
+    """Each run with `columns`: the effective value of each dotted config key (defaults filled in, as in the
+    comparison; None where the run has no such key). Read once per version of its run.yaml."""
+    for run in runs:
+        folder = Path(run["output_dir"])
+        path = folder / "run.yaml" if (folder / "run.yaml").exists() else folder / "config.yaml"
+        try:
+            flat = _flat_config_cached(folder, run["mode"], path.stat().st_mtime_ns)
+        except OSError:
+            flat = {}
+        run["columns"] = {key: flat.get(key) for key in keys}
+    return runs
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -155,3 +155,11 @@ def test_a_run_clones_into_compose_with_its_page_rewards_as_code(client):
     assert out["rewards"] == [{"name": "short", "function": "short", "code": REWARD.replace("-len(c)", "len(c)"),
                                "weight": 1.0, "timeout_s": 10.0}]
     assert client.get("/api/runs/nope/clone").status_code == 404
+
+
+def test_runs_list_config_columns(client):
+    runs = {r["id"]: r["columns"] for r in client.get(
+        "/api/runs", params={"columns": "generation.group_size,model.path"}).json()["runs"]}
+    assert runs["b"] == {"generation.group_size": 4, "model.path": "m"}
+    assert runs["a"] == {"generation.group_size": 8, "model.path": "m"}  # left to its default: the default
+    assert "columns" not in client.get("/api/runs").json()["runs"][0]

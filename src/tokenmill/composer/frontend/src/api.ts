@@ -115,6 +115,8 @@ export interface RunInfo {
   tags?: string[];
   archived?: boolean;
   duration_s?: number | null;
+  /** The effective values of the config keys asked for (`/api/runs?columns=`). */
+  columns?: Record<string, unknown>;
 }
 
 export interface Comparison {
@@ -254,7 +256,8 @@ export const api = {
       mode, config, field, values, ...(rewards && rewards.length ? { rewards } : {}),
     }),
   stop: (id: string) => call<unknown>("POST", `/api/runs/${runPath(id)}/stop`),
-  runs: () => call<{ runs: RunInfo[] }>("GET", "/api/runs"),
+  runs: (columns: string[] = []) =>
+    call<{ runs: RunInfo[] }>("GET", columns.length ? `/api/runs?columns=${columns.map(encodeURIComponent).join(",")}` : "/api/runs"),
   labels: (id: string, name: string | null, tags: string[], archived?: boolean) =>
     call<RunInfo>("POST", `/api/runs/${runPath(id)}/labels`, { name, tags, ...(archived === undefined ? {} : { archived }) }),
   compare: (ids: string[]) => call<Comparison>("GET", `/api/compare?ids=${ids.map(encodeURIComponent).join(",")}`),

@@ -1,7 +1,7 @@
 // Runs: past and live runs read from their folders (nested folders too), with a name, tags and duration;
 // sorted, searched, filtered by status and tag, archived; open one in Watch, or tick 2-4 and compare them
 // (components/compare.tsx). On a phone each run is a card.
-import { useEffect, useState } from "preact/hooks";
+import { useEffect, useRef, useState } from "preact/hooks";
 import { api } from "../api";
 import type { RunInfo } from "../api";
 import { formatDuration, formatNumber } from "../components/chart";
@@ -48,7 +48,7 @@ function Labels({ run, onSaved }: { run: RunInfo; onSaved: () => void }) {
   );
 }
 
-type SortKey = "started" | "id" | "status" | "step" | "last" | "duration";
+type SortKey = "started" | "id" | "status" | "step" | "last" | "duration" | `col:${string}`;
 const SORTS: { key: SortKey; title: string; num?: boolean }[] = [
   { key: "id", title: "run" }, { key: "status", title: "status" }, { key: "step", title: "step", num: true },
   { key: "last", title: "last", num: true }, { key: "started", title: "started" }, { key: "duration", title: "duration", num: true },
@@ -61,6 +61,10 @@ function lastValue(r: RunInfo): number | null {
 }
 
 function sortValue(r: RunInfo, key: SortKey): number | string {
+  if (key.startsWith("col:")) {
+    const v = r.columns?.[key.slice(4)];
+    return typeof v === "number" ? v : v === null || v === undefined ? -Infinity : JSON.stringify(v);
+  }
   switch (key) {
     case "id": return (r.name || r.id).toLowerCase();
     case "status": return r.status;
@@ -80,7 +84,8 @@ function compareFromHash(): CompareState {
 }
 
 function compareToHash(c: CompareState, push: boolean): void {
-  const p = new URLSearchParams();
+  const p = hashParams();
+  ["compare", "x", "m"].forEach((k) => p.delete(k));
   if (c.ids.length >= 2) {
     p.set("compare", c.ids.join(","));
     if (c.x !== "step") p.set("x", c.x);
@@ -90,7 +95,9 @@ function compareToHash(c: CompareState, push: boolean): void {
 }
 
 function Filters(props: { runs: RunInfo[]; query: string; setQuery: (q: string) => void; status: string; setStatus: (s: string) => void;
-  tag: string; setTag: (t: string) => void; archived: boolean; setArchived: (a: boolean) => void }) {
+  tag: string; setTag: (t: string) => void; archived: boolean; setArchived: (a: boolean) => void;
+  columns: string[]; setColumns: (c: string[]) => void }) {
+  const [cols, setCols] = useState(props.columns.join(", "));
   const tags = [...new Set(props.runs.flatMap((r) => r.tags ?? []))].sort();
   const hidden = props.runs.filter((r) => r.archived).length;
   return (
@@ -112,11 +119,19 @@ function Filters(props: { runs: RunInfo[]; query: string; setQuery: (q: string) 
           onChange={(e) => props.setArchived((e.target as HTMLInputElement).checked)} />
         archived ({hidden})
       </label>
+      <input class="input mono cols" placeholder="config columns: algorithm.kl_coef, generation.group_size" aria-label="config columns"
+        value={cols} data-testid="runs-columns" onInput={(e) => setCols((e.target as HTMLInputElement).value)}
+        onChange={() => props.setColumns(cols.split(/[\s,]+/).filter(Boolean))} />
     </div>
   );
 }
 
-function RunRow({ r, picked, toggle, refresh }: { r: RunInfo; picked: boolean; toggle: (id: string, on: boolean) => void; refresh: () => void }) {
+function show(v: unknown): string {
+  return v === null || v === undefined ? "—" : typeof v === "string" ? v : JSON.stringify(v);
+}
+
+function RunRow({ r, picked, toggle, refresh, columns }: { r: RunInfo; picked: boolean; toggle: (id: string, on: boolean) => void;
+  refresh: () => void; columns: string[] }) {
   const archive = () => api.labels(r.id, r.name ?? null, r.tags ?? [], !r.archived).then(refresh);
   // start a new run from this one: its config (and the rewards written in the page, as code) into Compose
   const clone = () => api.clone(r.id).then((c) => {
@@ -137,6 +152,7 @@ function RunRow({ r, picked, toggle, refresh }: { r: RunInfo; picked: boolean; t
       <td class="num mono" data-label="last" data-testid={`run-last-${r.id}`}>{headline(r)}</td>
       <td data-label="started">{when(r.started)}</td>
       <td class="num mono" data-label="duration" data-testid={`run-duration-${r.id}`}>{typeof r.duration_s === "number" ? formatDuration(r.duration_s) : "—"}</td>
+      {columns.map((c) => <td class="mono small" data-label={c} data-testid={`run-col-${r.id}-${c}`}>{show(r.columns?.[c])}</td>)}
       <td class="actions">
         <button class="btn small" data-testid={`run-open-${r.id}`} onClick={() => navigate("watch", r.id)}>Open</button>
         <button class="btn small" data-testid={`run-clone-${r.id}`} title="a new run from this one's config and rewards" onClick={clone}>Clone</button>
@@ -157,7 +173,19 @@ export function RunsPage() {
   const [status, setStatus] = useState("");
   const [tag, setTag] = useState("");
   const [archived, setArchived] = useState(false);
-  const refresh = () => api.runs().then((r) => { setRuns(r.runs); setError(null); }, (e) => setError(e.message));
+  const [columns, setColumnsState] = useState<string[]>(() => (hashParams().get("cols") ?? "").split(",").filter(Boolean));
+  const wanted = useRef(columns);
+  wanted.current = columns;
+  const refresh = () => api.runs(wanted.current).then((r) => { setRuns(r.runs); setError(null); }, (e) => setError(e.message));
+  const setColumns = (c: string[]) => {
+    setColumnsState(c);
+    wanted.current = c;
+    const p = hashParams();
+    if (c.length) p.set("cols", c.join(","));
+    else p.delete("cols");
+    setHashParams(p);
+    refresh();
+  };
   useEffect(() => {
     refresh();
     const timer = setInterval(refresh, 5000);
@@ -214,7 +242,7 @@ export function RunsPage() {
       {compare.ids.length >= 2 && <CompareView state={compare} onState={(c) => changeCompare(c)} />}
       <div class="card">
         <Filters runs={runs ?? []} query={query} setQuery={setQuery} status={status} setStatus={setStatus} tag={tag} setTag={setTag}
-          archived={archived} setArchived={setArchived} />
+          archived={archived} setArchived={setArchived} columns={columns} setColumns={setColumns} />
         <div class="table-wrap runs-wrap">
           <table class="table runs-table" data-testid="runs-table" data-shown={shown.length}>
             <thead>
@@ -223,11 +251,12 @@ export function RunsPage() {
                 {SORTS.slice(0, 1).map((c) => <SortHead c={c} sort={sort} sortBy={sortBy} />)}
                 <th>name, tags</th><th>mode</th>
                 {SORTS.slice(1).map((c) => <SortHead c={c} sort={sort} sortBy={sortBy} />)}
+                {columns.map((k) => <SortHead c={{ key: `col:${k}`, title: k }} sort={sort} sortBy={sortBy} />)}
                 <th />
               </tr>
             </thead>
             <tbody>
-              {shown.map((r) => <RunRow r={r} picked={picked.includes(r.id)} toggle={toggle} refresh={refresh} />)}
+              {shown.map((r) => <RunRow r={r} picked={picked.includes(r.id)} toggle={toggle} refresh={refresh} columns={columns} />)}
             </tbody>
           </table>
         </div>
@@ -239,7 +268,7 @@ export function RunsPage() {
   );
 }
 
-function SortHead({ c, sort, sortBy }: { c: (typeof SORTS)[number]; sort: { key: SortKey; desc: boolean }; sortBy: (k: SortKey) => void }) {
+function SortHead({ c, sort, sortBy }: { c: { key: SortKey; title: string; num?: boolean }; sort: { key: SortKey; desc: boolean }; sortBy: (k: SortKey) => void }) {
   const active = sort.key === c.key;
   return (
     <th class={c.num ? "num" : ""} aria-sort={active ? (sort.desc ? "descending" : "ascending") : "none"}>
