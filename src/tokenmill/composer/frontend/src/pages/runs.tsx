@@ -12,7 +12,7 @@ import { hashParams, navigate, setHashParams, update } from "../store";
 const MAX_COMPARED = 4;
 
 function when(t: number | null): string {
-  return t ? new Date(t * 1000).toLocaleString() : "—";
+  return t ? new Date(t * 1000).toLocaleString(undefined, { dateStyle: "short", timeStyle: "short" }) : "—";
 }
 
 /** The run's headline number: RL's mean reward, else the loss of SFT / preference / reward-model runs. */
@@ -144,7 +144,14 @@ function RunRow({ r, picked, toggle, refresh, columns }: { r: RunInfo; picked: b
         <input type="checkbox" checked={picked} aria-label={`compare run ${r.id}`} data-testid={`run-pick-${r.id}`}
           onChange={(e) => toggle(r.id, (e.target as HTMLInputElement).checked)} />
       </td>
-      <td class="mono small path" data-label="run">{r.id}</td>
+      <td class="path" data-label="run">
+        <div class="mono small run-id">{r.id}</div>
+        <div class="actions">
+          <button class="btn small" data-testid={`run-open-${r.id}`} onClick={() => navigate("watch", r.id)}>Open</button>
+          <button class="btn small" data-testid={`run-clone-${r.id}`} title="a new run from this one's config and rewards" onClick={clone}>Clone</button>
+          <button class="btn small ghost" data-testid={`run-archive-${r.id}`} onClick={archive}>{r.archived ? "Unarchive" : "Archive"}</button>
+        </div>
+      </td>
       <td data-label="name, tags"><Labels run={r} onSaved={refresh} /></td>
       <td data-label="mode">{r.mode}</td>
       <td data-label="status"><span class={`badge status-${r.status}`} data-testid={`run-status-${r.id}`}>{r.status}</span></td>
@@ -153,11 +160,6 @@ function RunRow({ r, picked, toggle, refresh, columns }: { r: RunInfo; picked: b
       <td data-label="started">{when(r.started)}</td>
       <td class="num mono" data-label="duration" data-testid={`run-duration-${r.id}`}>{typeof r.duration_s === "number" ? formatDuration(r.duration_s) : "—"}</td>
       {columns.map((c) => <td class="mono small" data-label={c} data-testid={`run-col-${r.id}-${c}`}>{show(r.columns?.[c])}</td>)}
-      <td class="actions">
-        <button class="btn small" data-testid={`run-open-${r.id}`} onClick={() => navigate("watch", r.id)}>Open</button>
-        <button class="btn small" data-testid={`run-clone-${r.id}`} title="a new run from this one's config and rewards" onClick={clone}>Clone</button>
-        <button class="btn small ghost" data-testid={`run-archive-${r.id}`} onClick={archive}>{r.archived ? "Unarchive" : "Archive"}</button>
-      </td>
     </tr>
   );
 }
@@ -252,7 +254,6 @@ export function RunsPage() {
                 <th>name, tags</th><th>mode</th>
                 {SORTS.slice(1).map((c) => <SortHead c={c} sort={sort} sortBy={sortBy} />)}
                 {columns.map((k) => <SortHead c={{ key: `col:${k}`, title: k }} sort={sort} sortBy={sortBy} />)}
-                <th />
               </tr>
             </thead>
             <tbody>
