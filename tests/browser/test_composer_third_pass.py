@@ -398,6 +398,37 @@ def test_a_sweep_from_the_form_queues_one_tagged_run_per_value(page, composer, t
     assert [p for p in page.problems if "status of 422" not in p] == [] and len(page.problems) == 1, page.problems
 
 
+def test_the_comparison_and_inspect_work_from_the_keyboard(page, composer):
+    """Keyboard only: Space ticks runs, Enter compares, the x axis and the metric picker answer Enter and Space,
+    and a step's samples open from the step list with the arrow keys (the keyboard's way to a curve point)."""
+    _, _, runs_dir = composer
+    _run(runs_dir, "kb/a", BASE, _rows(1.0, extra=2), samples=_group(2, "2+2=", [1.0, 0.0], ["stop", "stop"]))
+    _run(runs_dir, "kb/b", BASE, _rows(2.0, extra=2))
+    _runs_page(page)
+    page.get_by_test_id("runs-search").focus()
+    page.keyboard.type("kb/")
+    for rid in ("kb/a", "kb/b"):
+        page.get_by_test_id(f"run-pick-{rid}").focus()
+        page.keyboard.press("Space")
+    page.get_by_test_id("compare-runs").focus()
+    page.keyboard.press("Enter")
+    expect(page.get_by_test_id("compare-chart-reward_mean")).to_have_attribute("data-points", "3")
+    page.get_by_test_id("x-axis-tokens").focus()
+    page.keyboard.press("Enter")
+    expect(page.get_by_test_id("x-axis-tokens")).to_have_attribute("aria-pressed", "true")
+    page.get_by_test_id("metric-picker").locator("summary").focus()
+    page.keyboard.press("Enter")
+    page.get_by_test_id("pick-metric-extra_m2").focus()
+    page.keyboard.press("Space")
+    expect(page.get_by_test_id("compare-chart-extra_m2")).to_be_visible()
+    page.get_by_test_id("run-open-kb/a").focus()
+    page.keyboard.press("Enter")
+    page.get_by_test_id("samples-step").focus()
+    page.keyboard.press("ArrowDown")  # "recent" -> "step 2"
+    expect(page.get_by_test_id("step-view")).to_have_attribute("data-step", "2")
+    assert page.problems == [], page.problems
+
+
 # ------------------------------------------------------------------------------------------ runs table
 _RENDER_200 = """() => new Promise((done) => {
   const t0 = performance.now();
