@@ -429,6 +429,40 @@ def test_the_comparison_and_inspect_work_from_the_keyboard(page, composer):
     assert page.problems == [], page.problems
 
 
+def test_a_finished_run_is_tried_beside_its_base_model(page, composer, tiny_model_path, tmp_path, shots):
+    """Item 4 (try the result): a finished run's model and its base answer one prompt side by side; each
+    answer shows the tokens the server gave, shaded by their logprob."""
+    from tokenmill.testing import build_tiny_model
+
+    _, _, runs_dir = composer
+    _run(runs_dir, "try/a", {"model": {"path": tiny_model_path}, "data": {"task": "addition"}}, _rows(1.0))
+    trained = build_tiny_model(tmp_path / "trained", hidden_size=32, num_layers=1, seed=7)
+    (runs_dir / "try" / "a" / "final").symlink_to(trained, target_is_directory=True)
+    _runs_page(page)
+    page.get_by_test_id("run-open-try/a").click()
+    page.get_by_test_id("try-prompt").fill("12+3=")
+    page.get_by_test_id("try-max-tokens").fill("4")
+    page.get_by_test_id("try-max-tokens").press("Tab")
+    with page.expect_response(lambda r: r.url.endswith("/try"), timeout=120_000) as answer:
+        page.get_by_test_id("try-run").click()
+    out = answer.value.json()
+    for key in ("result", "base"):
+        box = page.get_by_test_id(f"try-answer-{key}")
+        tokens = box.locator(".tok")
+        expect(tokens).to_have_count(4)
+        assert tokens.all_text_contents() == [t["text"] for t in out[key]["tokens"]]
+        assert [float(v) for v in tokens.evaluate_all("els => els.map(e => e.dataset.logprob)")] == pytest.approx(
+            [t["logprob"] for t in out[key]["tokens"]])
+    assert out["result"]["path"].endswith("try/a/final") and out["base"]["path"] == tiny_model_path
+    page.get_by_test_id("try-panel").scroll_into_view_if_needed()
+    page.get_by_test_id("try-panel").screenshot(path=str(shots / "try.png"))
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.wait_for_timeout(300)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    page.get_by_test_id("try-panel").screenshot(path=str(shots / "try-phone.png"))
+    assert page.problems == [], page.problems
+
+
 # ------------------------------------------------------------------------------------------ runs table
 _RENDER_200 = """() => new Promise((done) => {
   const t0 = performance.now();

@@ -34,10 +34,12 @@ from tokenmill.composer.presets import presets
 from tokenmill.composer.preview import REWARD_MODEL_TIMEOUT_S, Previewer, PreviewError
 from tokenmill.composer.runs import DEFAULT_MAX_RUNS, FINAL, Cursor, RunError, RunManager, read_events
 from tokenmill.composer.schema_ui import schema_response
+from tokenmill.composer.trial import Trial
 from tokenmill.config.modes import MODES
 from tokenmill.estimate import estimate_for_config
 from tokenmill.serving import ExposureError, host_name, is_loopback
 from tokenmill.serving_limits import ConnectionLimits
+from tokenmill.types import ConfigError
 
 __all__ = ["ExposureError", "create_app", "host_name", "is_loopback", "serve"]
 
@@ -106,6 +108,11 @@ class SweepBody(ConfigBody):
     values: list[Any] = Field(..., min_length=2, max_length=16)
 
 
+class TryBody(_Body):
+    prompt: str = Field(..., min_length=1, max_length=20_000)
+    max_tokens: int = Field(64, ge=1, le=512)
+
+
 class LabelsBody(_Body):
     name: str | None = Field(None, max_length=200)
     tags: list[str] = Field(default_factory=list, max_length=16)
@@ -142,6 +149,7 @@ def create_app(token: str, runs_dir: str | Path = "runs/composer", *, bind_host:
     app = FastAPI(title="tokenmill composer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.runs = RunManager(runs_dir, max_runs=max_runs)
     app.state.previewer = Previewer()
+    app.state.trial = Trial()
     static = Path(static_dir) if static_dir is not None else STATIC_DIR
     # every route needs the token (the page too: it is set as a cookie by `/?token=`); refusals in our shape
     serving.Guard.install(app, token=token, allowed_hosts=serving.host_set(serving.bind_names(bind_host)),
@@ -345,6 +353,16 @@ def _run_routes(app: FastAPI) -> None:
     @app.get("/api/runs/{run_id:path}/clone")
     def clone(run_id: str) -> dict[str, Any]:
         return compare.clone(runs, run_id)
+
+    @app.post("/api/runs/{run_id:path}/try")
+    def try_result(run_id: str, body: TryBody) -> dict[str, Any]:
+        """The run's result and its base model answer one prompt (greedy), side by side."""
+        model = compare.run_config(runs.folder(run_id)).get("model")
+        base = model.get("path") if isinstance(model, dict) else None
+        try:
+            return app.state.trial.compare(runs, run_id, base, body.prompt, body.max_tokens)
+        except ConfigError as exc:
+            raise RunError(422, f"run {run_id!r}: {exc}") from None
 
     @app.get("/api/runs/{run_id:path}/report")
     def report(run_id: str) -> dict[str, Any]:

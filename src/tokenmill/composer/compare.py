@@ -62,6 +62,11 @@ def _config(folder: Path) -> dict[str, Any]:
     return {}
 
 
+def run_config(folder: Path) -> dict[str, Any]:
+    """The run's config as written (run.yaml, or a `tokenmill train` folder's config.yaml); {} when unreadable."""
+    return _config(folder)
+
+
 def effective_config(folder: Path, mode: str) -> dict[str, Any]:
     """The run's config with every default filled in (what the run used: `generation.group_size: 4` where
     the YAML left it out), its rewards keyed by name with their code by content (`_rewards_by_content`);

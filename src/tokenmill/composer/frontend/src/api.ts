@@ -130,6 +130,14 @@ export interface Comparison {
   reward_code: { name: string; code: Record<string, string | null>; diff: Record<string, string> }[];
 }
 
+export interface TrialAnswer {
+  path: string;
+  text: string;
+  tokens: { text: string; logprob: number }[];
+  stop: string;
+  seconds: number;
+}
+
 export interface SharedSample {
   step?: number;
   completion: string;
@@ -265,6 +273,8 @@ export const api = {
     call<SharedSamples>("GET", `/api/compare/samples?ids=${ids.map(encodeURIComponent).join(",")}` +
       (prompt === null ? "" : `&prompt=${encodeURIComponent(prompt)}`)),
   clone: (id: string) => call<{ mode: Mode; config: Config; rewards: RewardDraft[] }>("GET", `/api/runs/${runPath(id)}/clone`),
+  tryResult: (id: string, prompt: string, max_tokens: number) =>
+    call<{ result: TrialAnswer; base: TrialAnswer }>("POST", `/api/runs/${runPath(id)}/try`, { prompt, max_tokens }),
   report: (id: string) => call<{ report: Record<string, unknown> | null }>("GET", `/api/runs/${runPath(id)}/report`),
 };
 

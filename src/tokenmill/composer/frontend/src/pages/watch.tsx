@@ -8,6 +8,7 @@ import type { Series } from "../components/chart";
 import { Inspect } from "../components/inspect";
 import { Launcher } from "../components/launcher";
 import { Timeline } from "../components/timeline";
+import { TryPanel } from "../components/trypanel";
 import { AlarmBanner, EfficiencyPanel, Startup, startupPhase } from "../components/runpanels";
 import type { Row } from "../components/runpanels";
 import { getPath, useStore } from "../store";
@@ -262,6 +263,7 @@ export function WatchPage() {
             </p>
           )}
           <EfficiencyPanel runId={s.runId} row={live.efficiency} />
+          {status?.status === "finished" && <TryPanel runId={s.runId} />}
           {live.samples.length > 0 && <Inspect samples={live.samples} step={picked} onStep={setPicked} />}
           <details class="card" open={status?.status === "failed" || phase < 4} data-testid="run-log-box">
             <summary>Log ({live.log.length} lines)</summary>
