@@ -463,6 +463,21 @@ def test_a_finished_run_is_tried_beside_its_base_model(page, composer, tiny_mode
     assert page.problems == [], page.problems
 
 
+def test_resume_is_offered_for_a_stopped_run_and_says_why_it_cannot(page, composer):
+    """Item 3 (resume): a stopped run offers Resume (a finished one does not); without a checkpoint the server's
+    reason shows under it (the resume itself: tests/unit/composer/test_composer_resume.py)."""
+    _, _, runs_dir = composer
+    _run(runs_dir, "res/stopped", BASE, _rows(1.0))
+    (runs_dir / "res" / "stopped" / "status.json").write_text(json.dumps({"status": "stopped", "returncode": 75,
+                                                                          "ended": T0 + 9}))
+    _run(runs_dir, "res/done", BASE, _rows(1.0))
+    _runs_page(page)
+    assert page.get_by_test_id("run-resume-res/done").count() == 0
+    page.get_by_test_id("run-resume-res/stopped").click()
+    expect(page.get_by_test_id("run-resume-error-res/stopped")).to_contain_text("no complete checkpoint to resume from")
+    assert [p for p in page.problems if "status of 409" not in p] == [], page.problems
+
+
 # ------------------------------------------------------------------------------------------ runs table
 _RENDER_200 = """() => new Promise((done) => {
   const t0 = performance.now();

@@ -346,6 +346,10 @@ def _run_routes(app: FastAPI) -> None:
     def stop(run_id: str) -> dict[str, Any]:
         return runs.stop(run_id)
 
+    @app.post("/api/runs/{run_id:path}/resume")
+    def resume(run_id: str, queue: int = Query(0, ge=0, le=1)) -> dict[str, Any]:
+        return runs.resume(run_id, queue=bool(queue))
+
     @app.post("/api/runs/{run_id:path}/labels")
     def labels(run_id: str, body: LabelsBody) -> dict[str, Any]:
         return compare.set_labels(runs, run_id, body.name, body.tags, archived=body.archived)

@@ -27,6 +27,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from tokenmill.composer.configs import RewardCode, code_reward_entries, export_yaml, validate
+from tokenmill.config.safe_yaml import load_yaml_text
 from tokenmill.config.modes import MODES
 from tokenmill.types import TokenmillError
 
@@ -328,6 +329,39 @@ class RunManager:
         runs = [self.launch(mode, tree, rewards, f"{leaf}={value}", queue=True, tags=[tag])
                 for value, tree in zip(values, configs, strict=True)]
         return {"tag": tag, "runs": runs}
+
+    def resume(self, run_id: str, *, queue: bool = False) -> dict[str, Any]:
+        """Launch an ended run again in its own folder with `checkpoint.resume: true`: it continues from its
+        newest complete checkpoint (the same files grow). RunError 409 while it runs or has no checkpoint."""
+        from tokenmill.checkpoint import list_checkpoints
+
+        run_dir = self.folder(run_id)
+        info = self.describe(run_id)
+        if info["status"] in ("running", "queued"):
+            raise RunError(409, f"run {run_id!r}: it is {info['status']}; stop it first")
+        if not any(list_checkpoints(d / "checkpoints") for d in (run_dir, run_dir / "model")):
+            raise RunError(409, f"run {run_id!r}: no complete checkpoint to resume from (checkpoint.every saves "
+                                "them during a run; a stopped run saves one)")
+        tree = load_yaml_text((run_dir / "run.yaml").read_text()) or {}
+        mode = tree.pop("mode", info["mode"])
+        tree["checkpoint"] = {**(tree.get("checkpoint") or {}), "resume": True}
+        cfg, errors = validate(mode, tree)
+        if cfg is None:
+            raise RunError(422, "; ".join(f"{e['path']}: {e['message']}" for e in errors))
+        with self._launching:
+            running = self.running()
+            if len(running) >= self.max_runs and not queue:
+                raise RunError(409, f"runs: {len(running)} run(s) already running (--max-runs {self.max_runs}): "
+                               f"{', '.join(running)}", running=running, max_runs=self.max_runs)
+            (run_dir / "run.yaml").write_text(export_yaml(mode, cfg))
+            (run_dir / "status.json").unlink(missing_ok=True)
+            meta = {k: v for k, v in _read_json(run_dir / "composer.json").items() if k not in ("pid", "argv")}
+            meta = {**meta, "mode": mode, "total_steps": _total_steps(cfg)}
+            if len(running) < self.max_runs and not self.queued():
+                return self._start(run_id, meta)
+            _write_json(run_dir / "composer.json", {**meta, "queued": time.time()})
+        self.start_queued()
+        return {"id": run_id, "output_dir": str(run_dir), "status": "queued"}
 
     def queued(self) -> list[str]:
         """Ids of the runs waiting for a free slot, oldest first."""

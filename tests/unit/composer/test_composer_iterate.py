@@ -190,3 +190,9 @@ def test_a_finished_runs_model_and_its_base_answer_the_same_prompt(client, tiny_
         answer = out[key]
         assert "".join(t["text"] for t in answer["tokens"]) == tok.decode(greedy), (key, answer)
         assert len(answer["tokens"]) == len(greedy) and all(t["logprob"] <= 0 for t in answer["tokens"])
+
+
+def test_a_run_without_a_checkpoint_is_not_resumed(client):
+    answer = client.post("/api/runs/a/resume")
+    assert answer.status_code == 409 and "no complete checkpoint to resume from" in answer.json()["error"]
+    assert client.get("/api/runs/a").json()["status"] == "finished"  # untouched

@@ -272,6 +272,7 @@ export const api = {
   compareSamples: (ids: string[], prompt: string | null) =>
     call<SharedSamples>("GET", `/api/compare/samples?ids=${ids.map(encodeURIComponent).join(",")}` +
       (prompt === null ? "" : `&prompt=${encodeURIComponent(prompt)}`)),
+  resume: (id: string) => call<{ id: string; status: string }>("POST", `/api/runs/${runPath(id)}/resume`),
   clone: (id: string) => call<{ mode: Mode; config: Config; rewards: RewardDraft[] }>("GET", `/api/runs/${runPath(id)}/clone`),
   tryResult: (id: string, prompt: string, max_tokens: number) =>
     call<{ result: TrialAnswer; base: TrialAnswer }>("POST", `/api/runs/${runPath(id)}/try`, { prompt, max_tokens }),

@@ -133,6 +133,8 @@ function show(v: unknown): string {
 function RunRow({ r, picked, toggle, refresh, columns }: { r: RunInfo; picked: boolean; toggle: (id: string, on: boolean) => void;
   refresh: () => void; columns: string[] }) {
   const archive = () => api.labels(r.id, r.name ?? null, r.tags ?? [], !r.archived).then(refresh);
+  const [error, setError] = useState<string | null>(null);
+  const resume = () => api.resume(r.id).then(() => navigate("watch", r.id), (e) => setError(e.message));
   // start a new run from this one: its config (and the rewards written in the page, as code) into Compose
   const clone = () => api.clone(r.id).then((c) => {
     update({ mode: c.mode, config: c.config, rewards: c.rewards, presetId: null });
@@ -149,8 +151,12 @@ function RunRow({ r, picked, toggle, refresh, columns }: { r: RunInfo; picked: b
         <div class="actions">
           <button class="btn small" data-testid={`run-open-${r.id}`} onClick={() => navigate("watch", r.id)}>Open</button>
           <button class="btn small" data-testid={`run-clone-${r.id}`} title="a new run from this one's config and rewards" onClick={clone}>Clone</button>
+          {(r.status === "stopped" || r.status === "failed") && (
+            <button class="btn small" data-testid={`run-resume-${r.id}`} title="continue from its newest checkpoint, in its folder" onClick={resume}>Resume</button>
+          )}
           <button class="btn small ghost" data-testid={`run-archive-${r.id}`} onClick={archive}>{r.archived ? "Unarchive" : "Archive"}</button>
         </div>
+        {error && <div class="field-error" data-testid={`run-resume-error-${r.id}`}>{error}</div>}
       </td>
       <td data-label="name, tags"><Labels run={r} onSaved={refresh} /></td>
       <td data-label="mode">{r.mode}</td>
