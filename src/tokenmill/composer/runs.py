@@ -27,8 +27,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from tokenmill.composer.configs import RewardCode, code_reward_entries, export_yaml, validate
-from tokenmill.config.safe_yaml import load_yaml_text
 from tokenmill.config.modes import MODES
+from tokenmill.config.safe_yaml import load_yaml_text
 from tokenmill.types import TokenmillError
 
 FINAL = ("finished", "failed", "stopped")
