@@ -13,14 +13,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import gzip
+import hashlib
 import json
 import mimetypes
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.gzip import GZipMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -32,10 +35,12 @@ from tokenmill.composer.presets import presets
 from tokenmill.composer.preview import REWARD_MODEL_TIMEOUT_S, Previewer, PreviewError
 from tokenmill.composer.runs import DEFAULT_MAX_RUNS, FINAL, Cursor, RunError, RunManager, read_events
 from tokenmill.composer.schema_ui import schema_response
+from tokenmill.composer.trial import Trial
 from tokenmill.config.modes import MODES
 from tokenmill.estimate import estimate_for_config
 from tokenmill.serving import ExposureError, host_name, is_loopback
 from tokenmill.serving_limits import ConnectionLimits
+from tokenmill.types import ConfigError
 
 __all__ = ["ExposureError", "create_app", "host_name", "is_loopback", "serve"]
 
@@ -95,11 +100,24 @@ class PreviewBody(ConfigBody):
 class RunBody(ConfigBody):
     rewards: list[configs.RewardCode] = Field(default_factory=list, max_length=32)
     name: str | None = Field(None, max_length=64)
+    queue: bool = Field(False, description="At --max-runs: wait for a free slot (202, status queued) instead of 409")
+
+
+class SweepBody(ConfigBody):
+    rewards: list[configs.RewardCode] = Field(default_factory=list, max_length=32)
+    field: str = Field(..., pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", max_length=200)
+    values: list[Any] = Field(..., min_length=2, max_length=16)
+
+
+class TryBody(_Body):
+    prompt: str = Field(..., min_length=1, max_length=20_000)
+    max_tokens: int = Field(64, ge=1, le=512)
 
 
 class LabelsBody(_Body):
     name: str | None = Field(None, max_length=200)
     tags: list[str] = Field(default_factory=list, max_length=16)
+    archived: bool | None = Field(None, description="Hide the run from the Runs page's default view (None: keep)")
 
 
 def _mode(mode: str) -> str:
@@ -132,11 +150,14 @@ def create_app(token: str, runs_dir: str | Path = "runs/composer", *, bind_host:
     app = FastAPI(title="tokenmill composer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.runs = RunManager(runs_dir, max_runs=max_runs)
     app.state.previewer = Previewer()
+    app.state.trial = Trial()
     static = Path(static_dir) if static_dir is not None else STATIC_DIR
     # every route needs the token (the page too: it is set as a cookie by `/?token=`); refusals in our shape
     serving.Guard.install(app, token=token, allowed_hosts=serving.host_set(serving.bind_names(bind_host)),
                           open_paths=(), cookie=COOKIE, error=lambda status, message, _param: _error(status, message),
                           max_body_bytes=max_body_bytes)
+    # JSON answers over 1 KB travel gzipped (the schema: 70 KB -> about 8 KB); the event stream never is
+    app.add_middleware(GZipMiddleware, minimum_size=1024, compresslevel=6)
     _errors(app)
     _page_routes(app, static)
     _config_routes(app)
@@ -171,23 +192,46 @@ def _errors(app: FastAPI) -> None:
 
 def _page_routes(app: FastAPI, static: Path) -> None:
     @app.get("/", response_model=None)
-    async def index() -> FileResponse | JSONResponse:
+    async def index(request: Request) -> Response:
         page = static / "index.html"
         if not page.is_file():
             return _error(503, f"the Composer front end is not built: {page} is missing (build it with "
                                "`node build.mjs` in src/tokenmill/composer/frontend); the API under /api works")
-        return FileResponse(page, headers={"Cache-Control": "no-store"})
+        body = _versioned_index(static)
+        tag = f'"{hashlib.sha256(body).hexdigest()[:20]}"'
+        if request.headers.get("if-none-match") == tag:
+            return Response(status_code=304, headers={"ETag": tag, "Cache-Control": "no-cache"})
+        return Response(body, media_type="text/html; charset=utf-8", headers={"ETag": tag, "Cache-Control": "no-cache"})
 
     @app.get("/static/{name:path}", response_model=None)
-    async def static_file(name: str, request: Request) -> Response:
+    async def static_file(name: str, request: Request, v: str | None = None) -> Response:
         root = static.resolve()
         path = (root / name).resolve()
         if root not in path.parents or not path.is_file():
             return _error(404, f"GET /static/{name}: no such file")
-        if "gzip" not in request.headers.get("accept-encoding", ""):
-            return FileResponse(path)
-        body, media_type = _gzipped(path)  # the bundle: 573 KB of JS, 198 KB gzipped
-        return Response(body, media_type=media_type, headers={"Content-Encoding": "gzip", "Vary": "Accept-Encoding"})
+        digest = _digest(path)
+        gz = "gzip" in request.headers.get("accept-encoding", "")
+        tag = f'"{digest}{"-gz" if gz else ""}"'
+        # the page asks for /static/app.js?v=<its content hash>: that address never changes content, so the
+        # browser keeps it for a year without asking; any other address is revalidated by its ETag
+        headers = {"ETag": tag, "Vary": "Accept-Encoding",
+                   "Cache-Control": "public, max-age=31536000, immutable" if v == digest else "no-cache"}
+        if tag in request.headers.get("if-none-match", ""):
+            return Response(status_code=304, headers=headers)
+        if not gz:
+            return FileResponse(path, headers=headers)
+        body, media_type = _gzipped(path)  # the bundle: 589 KB of JS, 200 KB gzipped
+        return Response(body, media_type=media_type, headers={**headers, "Content-Encoding": "gzip"})
+
+
+def _digest(path: Path) -> str:
+    stat = path.stat()
+    return _digest_cached(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _digest_cached(path: Path, mtime_ns: int, size: int) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=16)
@@ -200,6 +244,18 @@ def _gzipped(path: Path) -> tuple[bytes, str]:
     """The file gzipped once per version of it (a rebuilt bundle is compressed again)."""
     stat = path.stat()
     return _gzipped_cached(path, stat.st_mtime_ns, stat.st_size)
+
+
+def _versioned_index(static: Path) -> bytes:
+    """index.html with each /static/ address given its file's content hash (`/static/app.js?v=<hash>`), so a
+    rebuilt bundle is a new address and an unchanged one is never fetched again."""
+    html = (static / "index.html").read_text()
+
+    def version(match: re.Match) -> str:
+        path = static / match.group(2)
+        return f'{match.group(1)}/static/{match.group(2)}?v={_digest(path)}"' if path.is_file() else match.group(0)
+
+    return re.sub(r'((?:src|href)=")/static/([A-Za-z0-9_.-]+)"', version, html).encode()
 
 
 def _config_routes(app: FastAPI) -> None:
@@ -263,27 +319,59 @@ def _config_routes(app: FastAPI) -> None:
 def _run_routes(app: FastAPI) -> None:
     runs: RunManager = app.state.runs
 
-    @app.post("/api/runs", status_code=201)
-    def launch(body: RunBody) -> dict[str, Any]:
+    @app.post("/api/runs", status_code=201, response_model=None)
+    def launch(body: RunBody) -> dict[str, Any] | JSONResponse:
         _valid(body)  # field errors as a list before anything is written
-        return runs.launch(body.mode, body.config, body.rewards, name=body.name)
+        run = runs.launch(body.mode, body.config, body.rewards, name=body.name, queue=body.queue)
+        return JSONResponse(run, status_code=202) if run["status"] == "queued" else run
+
+    @app.post("/api/sweep", status_code=202)
+    def sweep(body: SweepBody) -> dict[str, Any]:
+        _mode(body.mode)
+        return runs.sweep(body.mode, body.config, body.rewards, body.field, body.values)
 
     @app.get("/api/runs")
-    def run_list() -> dict[str, Any]:
-        return {"runs": runs.list(), "max_runs": runs.max_runs}
+    def run_list(columns: str = Query("", max_length=2000)) -> dict[str, Any]:
+        """Every run; `columns=a.b,c.d` adds each run's value of those config keys (`columns`)."""
+        keys = [k for k in columns.split(",") if k][:16]
+        listed = runs.list()
+        return {"runs": compare.config_columns(listed, keys) if keys else listed, "max_runs": runs.max_runs}
 
     @app.get("/api/compare")
     def compare_runs(ids: str = Query(..., max_length=2000)) -> dict[str, Any]:
         return compare.compare(runs, [i for i in ids.split(",") if i])
+
+    @app.get("/api/compare/samples")
+    def compare_samples(ids: str = Query(..., max_length=2000), prompt: str | None = Query(None, max_length=20_000)
+                        ) -> dict[str, Any]:
+        return compare.shared_samples(runs, [i for i in ids.split(",") if i], prompt)
 
     # a run id may be a nested folder ("sweep/a"): the routes that add a suffix come before the bare one
     @app.post("/api/runs/{run_id:path}/stop")
     def stop(run_id: str) -> dict[str, Any]:
         return runs.stop(run_id)
 
+    @app.post("/api/runs/{run_id:path}/resume")
+    def resume(run_id: str, queue: int = Query(0, ge=0, le=1)) -> dict[str, Any]:
+        return runs.resume(run_id, queue=bool(queue))
+
     @app.post("/api/runs/{run_id:path}/labels")
     def labels(run_id: str, body: LabelsBody) -> dict[str, Any]:
-        return compare.set_labels(runs, run_id, body.name, body.tags)
+        return compare.set_labels(runs, run_id, body.name, body.tags, archived=body.archived)
+
+    @app.get("/api/runs/{run_id:path}/clone")
+    def clone(run_id: str) -> dict[str, Any]:
+        return compare.clone(runs, run_id)
+
+    @app.post("/api/runs/{run_id:path}/try")
+    def try_result(run_id: str, body: TryBody) -> dict[str, Any]:
+        """The run's result and its base model answer one prompt (greedy), side by side."""
+        model = compare.run_config(runs.folder(run_id)).get("model")
+        base = model.get("path") if isinstance(model, dict) else None
+        try:
+            return app.state.trial.compare(runs, run_id, base, body.prompt, body.max_tokens)
+        except ConfigError as exc:
+            raise RunError(422, f"run {run_id!r}: {exc}") from None
 
     @app.get("/api/runs/{run_id:path}/report")
     def report(run_id: str) -> dict[str, Any]:

@@ -5,6 +5,7 @@ four-model diagram. Pure functions over the pydantic schema (no torch), so the C
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -84,11 +85,36 @@ def command_for(mode: str, filename: str) -> str:
     return f"tokenmill {MODES[mode].command} {filename}"
 
 
+# the config keys that hold a local path (or a `file.py:function` reference), in every section
+_PATH_KEY = ("path", "tokenizer_path", "eval_path", "function", "resume_from", "init_from")
+
+
+def anchored(tree: Any, base: Path | None = None, key: str = "") -> Any:
+    """`tree` with every relative path under a path key (`_PATH_KEY`) that names an existing file or folder from
+    `base` (the Composer's working directory) made absolute, `file.py:function` references included: the
+    exported YAML then validates from whatever folder it is saved in. Hub ids, and paths that do not exist from
+    `base` (a page reward's `rewards/<name>.py`, saved beside the YAML), are left as they are."""
+    base = base or Path.cwd()
+    if isinstance(tree, dict):
+        return {k: anchored(v, base, str(k)) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [anchored(v, base, key) for v in tree]
+    if key not in _PATH_KEY or not isinstance(tree, str) or not tree or len(tree) > 4096:
+        return tree
+    head, sep, function = tree.rpartition(":") if tree.count(":") == 1 and ".py:" in tree else (tree, "", "")
+    try:
+        if Path(head).is_absolute() or head.startswith("~") or not (base / head).exists():
+            return tree
+        return str((base / head).resolve()) + sep + function
+    except (OSError, ValueError):
+        return tree
+
+
 def export_yaml(mode: str, cfg: BaseModel) -> str:
     """The YAML that `tokenmill train|sft|preference` and `tokenmill estimate` read unchanged: its `mode:`, then
     the values that differ from the defaults (required ones always), in schema order, behind a comment naming
-    the command."""
-    tree = {"mode": mode, **cfg.model_dump(mode="json", exclude_defaults=True)}
+    the command. Local paths are absolute (`anchored`)."""
+    tree = anchored({"mode": mode, **cfg.model_dump(mode="json", exclude_defaults=True)})
     tree.update(fixed_values(mode))
     header = f"# {command_for(mode, config_filename(mode))}   (written by tokenmill composer)\n"
     return header + yaml.safe_dump(tree, sort_keys=False, allow_unicode=True)

@@ -28,6 +28,7 @@ from pydantic import BaseModel
 
 from tokenmill.composer.configs import RewardCode, code_reward_entries, export_yaml, validate
 from tokenmill.config.modes import MODES
+from tokenmill.config.safe_yaml import load_yaml_text
 from tokenmill.types import TokenmillError
 
 FINAL = ("finished", "failed", "stopped")
@@ -41,6 +42,7 @@ STOP_GRACE_S = 25.0  # above checkpoint.preempt_timeout_s (20 s): a stopped run 
 DEFAULT_MAX_RUNS = 1  # one training run already takes every core of a workstation (torch threads)
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_DEPTH = 3  # run folders are found this deep under runs_dir (runs/<sweep>/<group>/<run>)
+MAX_SWEEP = 16  # runs one sweep may queue
 _MAX_LINES_PER_READ = 2000  # bounds one poll's work on a huge backlog; the next poll reads on
 
 
@@ -292,20 +294,98 @@ class RunManager:
         return [r["id"] for r in self.list() if r["status"] == "running"]
 
     def launch(self, mode: str, config: dict[str, Any], rewards: list[RewardCode] | None = None,
-               name: str | None = None) -> dict[str, Any]:
-        """Start a run; RunError 409 (with the running ids) when `max_runs` are running already."""
+               name: str | None = None, *, queue: bool = False, tags: list[str] | None = None) -> dict[str, Any]:
+        """Start a run; when `max_runs` are running already, RunError 409 (with the running ids), or with
+        `queue` the run is written and waits ("queued", started in launch order as runs end)."""
         if mode not in MODES:
             raise RunError(400, f"mode: unknown mode {mode!r}; expected one of {', '.join(MODES)}")
         with self._launching:
             running = self.running()
-            if len(running) >= self.max_runs:
+            if len(running) >= self.max_runs and not queue:
                 raise RunError(409, f"runs: {len(running)} run(s) already running, the most this Composer "
                                f"starts at once (--max-runs {self.max_runs}); stop one or wait for it to end: "
                                f"{', '.join(running)}", running=running, max_runs=self.max_runs)
-            return self._launch(mode, config, rewards or [], name)
+            now = len(running) < self.max_runs and not self.queued()
+            run_id, meta = self._create(mode, config, rewards or [], name, tags, queued=not now)
+            if now:
+                return self._start(run_id, meta)
+            position = len(self.queued())
+        self.start_queued()
+        return {"id": run_id, "output_dir": str(self.runs_dir / run_id), "status": "queued", "position": position}
 
-    def _launch(self, mode: str, config: dict[str, Any], rewards: list[RewardCode], name: str | None
-                ) -> dict[str, Any]:
+    def sweep(self, mode: str, config: dict[str, Any], rewards: list[RewardCode], field: str, values: list[Any]
+              ) -> dict[str, Any]:
+        """One run per value of the dotted `field`, all queued (they start as slots free up) and tagged
+        `sweep:<time>`; every config is validated before any run is written (RunError 422 names the value)."""
+        if not 2 <= len(values) <= MAX_SWEEP:
+            raise RunError(422, f"values: sweep 2 to {MAX_SWEEP} values (got {len(values)})")
+        configs = [_with(config, field, v) for v in values]
+        for value, tree in zip(values, configs, strict=True):
+            _, errors = validate(mode, tree)
+            if errors:
+                raise RunError(422, f"{field} = {value!r}: " + "; ".join(f"{e['path']}: {e['message']}" for e in errors))
+        tag = "sweep:" + time.strftime("%H%M%S")
+        leaf = field.rsplit(".", 1)[-1]
+        runs = [self.launch(mode, tree, rewards, f"{leaf}={value}", queue=True, tags=[tag])
+                for value, tree in zip(values, configs, strict=True)]
+        return {"tag": tag, "runs": runs}
+
+    def resume(self, run_id: str, *, queue: bool = False) -> dict[str, Any]:
+        """Launch an ended run again in its own folder with `checkpoint.resume: true`: it continues from its
+        newest complete checkpoint (the same files grow). RunError 409 while it runs or has no checkpoint."""
+        from tokenmill.checkpoint import list_checkpoints
+
+        run_dir = self.folder(run_id)
+        info = self.describe(run_id)
+        if info["status"] in ("running", "queued"):
+            raise RunError(409, f"run {run_id!r}: it is {info['status']}; stop it first")
+        if not any(list_checkpoints(d / "checkpoints") for d in (run_dir, run_dir / "model")):
+            raise RunError(409, f"run {run_id!r}: no complete checkpoint to resume from (checkpoint.every saves "
+                                "them during a run; a stopped run saves one)")
+        tree = load_yaml_text((run_dir / "run.yaml").read_text()) or {}
+        mode = tree.pop("mode", info["mode"])
+        tree["checkpoint"] = {**(tree.get("checkpoint") or {}), "resume": True}
+        cfg, errors = validate(mode, tree)
+        if cfg is None:
+            raise RunError(422, "; ".join(f"{e['path']}: {e['message']}" for e in errors))
+        with self._launching:
+            running = self.running()
+            if len(running) >= self.max_runs and not queue:
+                raise RunError(409, f"runs: {len(running)} run(s) already running (--max-runs {self.max_runs}): "
+                               f"{', '.join(running)}", running=running, max_runs=self.max_runs)
+            (run_dir / "run.yaml").write_text(export_yaml(mode, cfg))
+            (run_dir / "status.json").unlink(missing_ok=True)
+            meta = {k: v for k, v in _read_json(run_dir / "composer.json").items() if k not in ("pid", "argv")}
+            meta = {**meta, "mode": mode, "total_steps": _total_steps(cfg)}
+            if len(running) < self.max_runs and not self.queued():
+                return self._start(run_id, meta)
+            _write_json(run_dir / "composer.json", {**meta, "queued": time.time()})
+        self.start_queued()
+        return {"id": run_id, "output_dir": str(run_dir), "status": "queued"}
+
+    def queued(self) -> list[str]:
+        """Ids of the runs waiting for a free slot, oldest first."""
+        waiting = [(meta.get("queued", 0), path.relative_to(self.runs_dir).as_posix())
+                   for path in _run_folders(self.runs_dir)
+                   if (meta := _read_json(path / "composer.json")).get("queued") and "pid" not in meta
+                   and not (path / "status.json").exists()]
+        return [run_id for _, run_id in sorted(waiting)]
+
+    def start_queued(self) -> list[str]:
+        """Start queued runs, oldest first, while fewer than `max_runs` run; the ids started."""
+        started = []
+        with self._launching:
+            waiting = self.queued()
+            free = self.max_runs - len(self.running())
+            for run_id in waiting[:max(free, 0)]:
+                self._start(run_id)
+                started.append(run_id)
+        return started
+
+    def _create(self, mode: str, config: dict[str, Any], rewards: list[RewardCode], name: str | None,
+                tags: list[str] | None, *, queued: bool) -> tuple[str, dict[str, Any]]:
+        """The run's folder with its run.yaml, and its composer.json's first keys (written now when it waits:
+        no pid yet)."""
         run_id = self._new_id(mode, name)
         run_dir = self.runs_dir / run_id
         run_dir.mkdir(parents=True)
@@ -314,17 +394,26 @@ class RunManager:
         except RunError:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
+        (run_dir / "run.yaml").write_text(export_yaml(mode, cfg))
+        if tags:
+            _write_json(run_dir / LABELS, {"name": name, "tags": tags})
+        meta = {"id": run_id, "mode": mode, "output_dir": str(run_dir), "total_steps": _total_steps(cfg)}
+        if queued:
+            meta["queued"] = time.time()
+            _write_json(run_dir / "composer.json", meta)
+        return run_id, meta
+
+    def _start(self, run_id: str, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+        run_dir = self.runs_dir / run_id
+        meta = meta if meta is not None else _read_json(run_dir / "composer.json")
         config_path = run_dir / "run.yaml"
-        config_path.write_text(export_yaml(mode, cfg))
-        argv = [sys.executable, "-m", "tokenmill.cli", MODES[mode].command, str(config_path)]
+        argv = [sys.executable, "-m", "tokenmill.cli", MODES[meta["mode"]].command, str(config_path)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("TOKENMILL_COMPOSER_TOKEN", None)  # the run does not need the Composer's secret
         with open(run_dir / FILES["log"], "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)
-        meta = {"id": run_id, "mode": mode, "argv": argv, "pid": proc.pid, "started": time.time(),
-                "output_dir": str(run_dir), "total_steps": _total_steps(cfg)}
-        _write_json(run_dir / "composer.json", meta)
+        _write_json(run_dir / "composer.json", {**meta, "argv": argv, "pid": proc.pid, "started": time.time()})
         with self._lock:
             self._procs[run_id] = proc
         threading.Thread(target=self._wait, args=(run_id, proc, run_dir), daemon=True,
@@ -340,12 +429,17 @@ class RunManager:
         _write_json(run_dir / "status.json", self._ended(run_id, code))
         with self._lock:
             self._procs.pop(run_id, None)
+        self.start_queued()  # a slot is free: the oldest queued run starts
 
     def stop(self, run_id: str) -> dict[str, Any]:
         """SIGINT to the run's trainer (it closes cleanly), then SIGKILL to what is left of its process group
         once it has exited, or after STOP_GRACE_S."""
         run_dir = self.folder(run_id)
         info = self.describe(run_id)
+        if info["status"] == "queued":  # it never started: it leaves the queue
+            with self._launching:
+                _write_json(run_dir / "status.json", {"status": "stopped", "returncode": None, "ended": time.time()})
+            return {"id": run_id, "status": "stopped"}
         if info["status"] != "running":
             return {"id": run_id, "status": info["status"]}
         pid = _read_json(run_dir / "composer.json").get("pid")
@@ -378,16 +472,18 @@ class RunManager:
             final = self._ended(run_id, proc.returncode)  # exited; the waiter thread has not written it yet
         if final.get("status") in FINAL:
             status = final["status"]
+        elif meta.get("queued") and "pid" not in meta:  # waiting for a free slot
+            status = "queued"
         elif meta:  # not alive and no status.json: it ended while no Composer was watching it
             status = "running" if _alive(proc, meta.get("pid")) else "failed"
         else:  # a folder written by `tokenmill train` itself
             status = "finished" if (run_dir / "final").is_dir() else "unknown"
-        started = meta.get("started", _mtime(run_dir, "config.yaml"))
+        started = meta.get("started", meta.get("queued", _mtime(run_dir, "config.yaml")))
         ended = final.get("ended") or (None if status == "running" else _mtime(run_dir, FILES["metrics"]))
         labels = _read_json(run_dir / LABELS)
         return {
             "id": run_id, "mode": meta.get("mode", "rl"), "status": status, "returncode": final.get("returncode"),
-            "name": labels.get("name"), "tags": labels.get("tags", []),
+            "name": labels.get("name"), "tags": labels.get("tags", []), "archived": bool(labels.get("archived")),
             "duration_s": round((ended or time.time()) - started, 1) if started else None,
             "started": started, "ended": ended,
             "step": row.get("step") if row else None, "total_steps": meta.get("total_steps"),
@@ -421,6 +517,19 @@ class RunManager:
         """Leave running runs alone (they outlive the Composer, like `nohup`); only forget them."""
         with self._lock:
             self._procs.clear()
+
+
+def _with(config: dict[str, Any], field: str, value: Any) -> dict[str, Any]:
+    """A deep copy of `config` with the dotted `field` set to `value` (sections made as needed)."""
+    tree = json.loads(json.dumps(config))
+    node = tree
+    *parents, leaf = field.split(".")
+    for key in parents:
+        if not isinstance(node.get(key), dict):
+            node[key] = {}
+        node = node[key]
+    node[leaf] = value
+    return tree
 
 
 def _run_folders(folder: Path, depth: int = MAX_DEPTH) -> list[Path]:

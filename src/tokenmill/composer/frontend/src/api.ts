@@ -102,7 +102,7 @@ export interface Diagram {
 export interface RunInfo {
   id: string;
   mode: string;
-  status: "running" | "finished" | "failed" | "stopped" | "unknown";
+  status: "queued" | "running" | "finished" | "failed" | "stopped" | "unknown";
   returncode: number | null;
   started: number | null;
   ended: number | null;
@@ -113,13 +113,44 @@ export interface RunInfo {
   last_metrics?: Record<string, unknown> | null;
   name?: string | null;
   tags?: string[];
+  archived?: boolean;
   duration_s?: number | null;
+  /** The effective values of the config keys asked for (`/api/runs?columns=`). */
+  columns?: Record<string, unknown>;
 }
 
 export interface Comparison {
-  runs: (RunInfo & { curves: Record<string, [number, number][]> })[];
+  /** Each run's curves ([step, value]) and its other x axes ([step, x]: wall_s, tokens). */
+  runs: (RunInfo & { curves: Record<string, [number, number][]>; axes?: Record<string, [number, number][]> })[];
   metrics: string[];
+  /** Shared metrics with one value throughout (hidden from the picker). */
+  constant?: string[];
   config_diff: { path: string; values: Record<string, unknown> }[];
+  /** Rewards whose code differs: each run's source and a unified diff against the first run's. */
+  reward_code: { name: string; code: Record<string, string | null>; diff: Record<string, string> }[];
+}
+
+export interface TrialAnswer {
+  path: string;
+  text: string;
+  tokens: { text: string; logprob: number }[];
+  stop: string;
+  seconds: number;
+}
+
+export interface SharedSample {
+  step?: number;
+  completion: string;
+  reward?: number | null;
+  advantage?: number | null;
+  stop?: string;
+  rewards?: Record<string, number | null>;
+}
+
+export interface SharedSamples {
+  prompts: string[];
+  prompt: string | null;
+  completions: Record<string, SharedSample[]>;
 }
 
 /** A health alarm the trainer wrote to events.jsonl. */
@@ -222,17 +253,30 @@ export const api = {
     }),
   preview: (mode: Mode, config: Config, rewards: RewardDraft[], prompts: number, samples: number, signal?: AbortSignal) =>
     call<Preview>("POST", "/api/rewards/preview", { mode, config, rewards, prompts, samples }, signal),
-  launch: (mode: Mode, config: Config, rewards?: RewardDraft[]) =>
-    call<{ id: string; argv: string[]; output_dir: string; status: string }>("POST", "/api/runs", {
+  launch: (mode: Mode, config: Config, rewards?: RewardDraft[], queue = false) =>
+    call<{ id: string; argv?: string[]; output_dir: string; status: string; position?: number }>("POST", "/api/runs", {
       mode,
       config,
       ...(rewards && rewards.length ? { rewards } : {}),
+      ...(queue ? { queue } : {}),
+    }),
+  sweep: (mode: Mode, config: Config, rewards: RewardDraft[] | undefined, field: string, values: unknown[]) =>
+    call<{ tag: string; runs: { id: string; status: string }[] }>("POST", "/api/sweep", {
+      mode, config, field, values, ...(rewards && rewards.length ? { rewards } : {}),
     }),
   stop: (id: string) => call<unknown>("POST", `/api/runs/${runPath(id)}/stop`),
-  runs: () => call<{ runs: RunInfo[] }>("GET", "/api/runs"),
-  labels: (id: string, name: string | null, tags: string[]) =>
-    call<RunInfo>("POST", `/api/runs/${runPath(id)}/labels`, { name, tags }),
+  runs: (columns: string[] = []) =>
+    call<{ runs: RunInfo[] }>("GET", columns.length ? `/api/runs?columns=${columns.map(encodeURIComponent).join(",")}` : "/api/runs"),
+  labels: (id: string, name: string | null, tags: string[], archived?: boolean) =>
+    call<RunInfo>("POST", `/api/runs/${runPath(id)}/labels`, { name, tags, ...(archived === undefined ? {} : { archived }) }),
   compare: (ids: string[]) => call<Comparison>("GET", `/api/compare?ids=${ids.map(encodeURIComponent).join(",")}`),
+  compareSamples: (ids: string[], prompt: string | null) =>
+    call<SharedSamples>("GET", `/api/compare/samples?ids=${ids.map(encodeURIComponent).join(",")}` +
+      (prompt === null ? "" : `&prompt=${encodeURIComponent(prompt)}`)),
+  resume: (id: string) => call<{ id: string; status: string }>("POST", `/api/runs/${runPath(id)}/resume`),
+  clone: (id: string) => call<{ mode: Mode; config: Config; rewards: RewardDraft[] }>("GET", `/api/runs/${runPath(id)}/clone`),
+  tryResult: (id: string, prompt: string, max_tokens: number) =>
+    call<{ result: TrialAnswer; base: TrialAnswer }>("POST", `/api/runs/${runPath(id)}/try`, { prompt, max_tokens }),
   report: (id: string) => call<{ report: Record<string, unknown> | null }>("GET", `/api/runs/${runPath(id)}/report`),
 };
 

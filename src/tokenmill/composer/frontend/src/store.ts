@@ -121,8 +121,25 @@ export function navigate(page: Page, runId?: string): void {
 }
 
 export function pageFromHash(): { page: Page; runId?: string } {
-  const [, page, id] = location.hash.split("/");
+  const [, page, id] = location.hash.split("?")[0].split("/");
   const pages: Page[] = ["compose", "rewards", "models", "watch", "runs"];
   const p = (pages as string[]).includes(page) ? (page as Page) : "compose";
   return id ? { page: p, runId: decodeURIComponent(id) } : { page: p };
+}
+
+/** The page's own state in the address after `?` (`#/runs?compare=a,b&x=wall_s`): a reload or a shared link
+ * opens the same view. */
+export function hashParams(): URLSearchParams {
+  const q = location.hash.indexOf("?");
+  return new URLSearchParams(q < 0 ? "" : location.hash.slice(q + 1));
+}
+
+/** Put `params` in the address of the current page; `push` makes a new history entry (Back returns). */
+export function setHashParams(params: URLSearchParams, push = false): void {
+  const base = location.hash.split("?")[0] || "#/compose";
+  const query = params.toString();
+  const hash = query ? `${base}?${query}` : base;
+  if (hash === location.hash) return;
+  if (push) history.pushState(null, "", hash);
+  else history.replaceState(null, "", hash);
 }

@@ -64,6 +64,10 @@ export function LineChart(props: {
   note?: string;
   unit?: string;
   smoothing?: number;
+  /** The x axis' title ("step" unless the x values are something else: wall time, tokens). */
+  xLabel?: string;
+  /** Called with the x value of the point clicked (the nearest one to the cursor); a drag still zooms. */
+  onPick?: (x: number) => void;
 }) {
   const host = useRef<HTMLDivElement>(null);
   const plot = useRef<uPlot | null>(null);
@@ -74,7 +78,10 @@ export function LineChart(props: {
   const data = () =>
     [props.steps, ...shown.map((s) => s.values), ...(weight > 0 ? props.series.map((s) => s.values) : [])] as uPlot.AlignedData;
   const yLabel = props.unit ? `${props.title} (${props.unit})` : props.title;
-  const key = `${props.series.map((s) => s.label).join("|")}:${weight > 0}`;
+  const xLabel = props.xLabel ?? "step";
+  const key = `${props.series.map((s) => s.label).join("|")}:${weight > 0}:${xLabel}`;
+  const onPick = useRef(props.onPick);
+  onPick.current = props.onPick;
   useEffect(() => {
     const el = host.current!;
     const lines = shown.map((s) => ({ label: s.label, stroke: s.color, width: 2, spanGaps: true, points: { size: 5 } }));
@@ -87,10 +94,10 @@ export function LineChart(props: {
       cursor: { drag: { x: true, y: false, setScale: true } },
       scales: { x: { time: false }, y: { range: yRange } },
       axes: [
-        { ...axis, label: "step", incrs: STEP_INCRS },
+        xLabel === "step" ? { ...axis, label: "step", incrs: STEP_INCRS } : { ...axis, label: xLabel },
         { ...axis, size: 52, label: props.unit || props.title }, // the card's head names the chart: the axis its unit
       ],
-      series: [{ label: "step" }, ...lines, ...raw],
+      series: [{ label: xLabel }, ...lines, ...raw],
       hooks: {
         setCursor: [(u) => setHover(u.cursor.idx ?? null)],
         setScale: [
@@ -105,6 +112,16 @@ export function LineChart(props: {
       },
     };
     plot.current = new uPlot(opts, data(), el);
+    // a click (no drag) on the plot picks the point under the cursor
+    let down: number | null = null;
+    const over = plot.current.over;
+    over.addEventListener("mousedown", (e) => (down = e.clientX));
+    over.addEventListener("click", (e) => {
+      const u = plot.current;
+      const idx = u?.cursor.idx;
+      if (!u || !onPick.current || down === null || Math.abs(e.clientX - down) > 3 || idx == null) return;
+      onPick.current((u.data[0] as number[])[idx]);
+    });
     const resize = new ResizeObserver(() => plot.current?.setSize({ width: Math.max(260, el.clientWidth), height: 180 }));
     resize.observe(el);
     return () => {
@@ -121,14 +138,14 @@ export function LineChart(props: {
   };
   const first = valueAt(shown[0]?.values ?? []);
   return (
-    <div class="chart card" data-testid={props.testId} data-points={props.steps.length} data-zoomed={String(zoomed)}>
+    <div class={`chart card${props.onPick ? " pickable" : ""}`} data-testid={props.testId} data-points={props.steps.length} data-zoomed={String(zoomed)}>
       <div class="chart-head">
         <h3>{props.title}</h3>
         <span class="mono">{props.note ?? (first === null ? "—" : formatNumber(first))}</span>
       </div>
-      <div ref={host} class="chart-body" role="img" aria-label={`${yLabel} against step`} />
+      <div ref={host} class="chart-body" role="img" aria-label={`${yLabel} against ${xLabel}`} />
       <div class="chart-legend" data-testid={`${props.testId}-legend`}>
-        {hover !== null && props.steps[hover] !== undefined && <span class="muted">step {props.steps[hover]}</span>}
+        {hover !== null && props.steps[hover] !== undefined && <span class="muted">{xLabel} {formatNumber(props.steps[hover])}</span>}
         {shown.map((s) => {
           const v = valueAt(s.values);
           return (

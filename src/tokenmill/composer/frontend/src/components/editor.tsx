@@ -11,6 +11,16 @@ import { python } from "@codemirror/lang-python";
 import { EditorView, basicSetup } from "codemirror";
 import { useEffect, useLayoutEffect, useRef } from "preact/hooks";
 
+/** Multi-line text inserted by one input event (an IME commit, dictation, an automation's insertText) goes in
+ * as one transaction, as a paste does: left to the browser, a 2,000-line block became a DOM mutation that
+ * CodeMirror read back line by line, blocking the page for seconds. */
+function insertAsTransaction(e: InputEvent, view: EditorView): boolean {
+  if ((e.inputType !== "insertText" && e.inputType !== "insertReplacementText") || !e.data || !e.data.includes("\n")) return false;
+  e.preventDefault();
+  view.dispatch({ ...view.state.replaceSelection(e.data), userEvent: "input.paste", scrollIntoView: true });
+  return true;
+}
+
 export function CodeEditor(props: { value: string; onChange: (code: string) => void; testId: string; label: string }) {
   const host = useRef<HTMLDivElement>(null);
   const view = useRef<EditorView | null>(null);
@@ -25,6 +35,7 @@ export function CodeEditor(props: { value: string; onChange: (code: string) => v
         basicSetup,
         python(),
         EditorView.contentAttributes.of({ "aria-label": props.label }),
+        EditorView.domEventHandlers({ beforeinput: insertAsTransaction }),
         EditorView.updateListener.of((u) => {
           if (!u.docChanged) return;
           emitted.current = u.state.doc.toString();

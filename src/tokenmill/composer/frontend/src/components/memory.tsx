@@ -147,9 +147,12 @@ function BudgetSlider({ budget }: { budget: Budget | null }) {
           <div class="stat"><div class="muted small">per token</div><div class="v">{(budget.bytes_per_token / 1024).toFixed(0)} KiB</div></div>
         </div>
       )}
-      {budget && budget.fits && path && (
+      {budget && budget.fits && path && current === budget.suggested_micro_batch_tokens && (
+        <p class="muted small" data-testid="budget-applied">{path} is {budget.suggested_micro_batch_tokens.toLocaleString()}: what this budget allows.</p>
+      )}
+      {budget && budget.fits && path && current !== budget.suggested_micro_batch_tokens && (
         <div class="row" style={{ marginTop: "8px" }}>
-          <button class="btn" data-testid="budget-apply" disabled={current === budget.suggested_micro_batch_tokens}
+          <button class="btn" data-testid="budget-apply"
             onClick={() => update({ config: setPath(getState().config, path, budget.suggested_micro_batch_tokens) })}>
             Set {path} = {budget.suggested_micro_batch_tokens.toLocaleString()}
           </button>
@@ -249,7 +252,7 @@ export function MemoryPanel() {
             <div>
               <b>{m.role}</b>{" "}
               <span class="muted small">
-                {m.device} · {(m.params / 1e9).toFixed(2)}B{m.trainable ? "" : " · frozen"}
+                {m.device} · <span data-testid={`memory-params-${m.role}`}>{formatCount(m.params)}</span> parameters{m.trainable ? "" : " · frozen"}
               </span>
             </div>
             <Bar items={Object.entries(m.bytes)} scale={scale} />
@@ -283,4 +286,16 @@ export function MemoryPanel() {
       <BudgetSlider budget={estimate.budget} />
     </div>
   );
+}
+
+/** A count in human units: 312, 20.3K, 0.5M, 494M, 1.2B (three significant digits at most). */
+export function formatCount(n: number): string {
+  const units: [number, string][] = [[1e12, "T"], [1e9, "B"], [1e6, "M"], [1e3, "K"]];
+  for (const [size, unit] of units) {
+    if (n >= size / 2) { // 500,000 is 0.5M; 494,032,768 is 494M
+      const v = n / size;
+      return `${v >= 100 ? v.toFixed(0) : v >= 10 ? Number(v.toFixed(1)) : Number(v.toFixed(2))}${unit}`;
+    }
+  }
+  return String(n);
 }

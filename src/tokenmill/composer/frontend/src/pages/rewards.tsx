@@ -148,22 +148,30 @@ export function RewardsPage() {
   const [busy, setBusy] = useState(false);
   const [error, setError] = useState<string | null>(null);
   const [cancelled, setCancelled] = useState(false);
+  // a cancelled preview still runs on the server, which scores one preview at a time: the next one waits
+  const [queued, setQueued] = useState(false);
+  const draining = useRef(false);
   const pending = useRef<AbortController | null>(null);
   const total = s.rewards.reduce((a, r) => a + Math.abs(r.weight), 0);
   const run = async () => {
     setBusy(true);
     setError(null);
     setCancelled(false);
+    setQueued(draining.current);
     const abort = new AbortController();
     pending.current = abort;
     try {
       setPreview(await api.preview(s.mode, s.config, s.rewards, prompts, samples, abort.signal));
+      draining.current = false; // answered: the server is done with the cancelled one too
     } catch (e) {
-      if (abort.signal.aborted) setCancelled(true);
-      else setError((e as Error).message);
+      if (abort.signal.aborted) {
+        setCancelled(true);
+        draining.current = true;
+      } else setError((e as Error).message);
     } finally {
       if (pending.current === abort) pending.current = null;
       setBusy(false);
+      setQueued(false);
     }
   };
   const topErrors = (preview?.errors ?? []).map((e) => (typeof e === "string" ? e : JSON.stringify(e)));
@@ -211,6 +219,12 @@ export function RewardsPage() {
         </div>
         <p class="help">Samples a few completions from the chosen model and runs every reward on them in the sandbox, with a timeout.</p>
         {error && <div class="alert error" data-testid="preview-error">{error}</div>}
+        {busy && queued && (
+          <p class="alert warn small" role="status" data-testid="preview-waiting">
+            Waiting for the server to finish the cancelled preview (each reward within its timeout); this one starts
+            right after it.
+          </p>
+        )}
         {cancelled && (
           <p class="muted small" data-testid="preview-cancelled">
             Cancelled. The server still finishes the samples it started (each reward within its timeout) and

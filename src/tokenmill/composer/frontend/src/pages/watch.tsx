@@ -5,9 +5,13 @@ import { api, runEvents } from "../api";
 import type { Alarm, RunStatus } from "../api";
 import { formatNumber, formatSeconds, LineChart, SmoothingControl } from "../components/chart";
 import type { Series } from "../components/chart";
+import { Inspect } from "../components/inspect";
+import { Launcher } from "../components/launcher";
+import { Timeline } from "../components/timeline";
+import { TryPanel } from "../components/trypanel";
 import { AlarmBanner, EfficiencyPanel, Startup, startupPhase } from "../components/runpanels";
 import type { Row } from "../components/runpanels";
-import { getPath, getState, navigate, useStore } from "../store";
+import { getPath, useStore } from "../store";
 
 const STAGES = ["generate", "reward", "train", "critic", "sync"];
 const ADVICE: Record<string, string> = {
@@ -68,7 +72,7 @@ function useRun(id: string | null): Live {
       stage: () => setLive((l) => (l.stageSeen ? l : { ...l, stageSeen: true })),
       alarm: (a: Alarm) => setLive((l) => ({ ...l, alarms: [...l.alarms, a] })),
       efficiency: (row: Row) => setLive((l) => ({ ...l, efficiency: row })),
-      samples: (row: Row) => setLive((l) => ({ ...l, samples: [...l.samples.slice(-199), row] })),
+      samples: (row: Row) => setLive((l) => ({ ...l, samples: [...l.samples.slice(-1999), row] })),
       log: (d: { line?: string } | string) =>
         setLive((l) => ({ ...l, log: [...l.log.slice(-299), typeof d === "string" ? d : d.line ?? ""] })),
       status: (st: RunStatus) => {
@@ -144,7 +148,8 @@ function numericKeys(rows: Row[]): string[] {
   return [...keys];
 }
 
-function Charts({ rows, klOff, smoothing, mode }: { rows: Row[]; klOff: boolean; smoothing: number; mode?: string }) {
+function Charts({ rows, klOff, smoothing, mode, onPick }: { rows: Row[]; klOff: boolean; smoothing: number; mode?: string;
+  onPick?: (step: number) => void }) {
   const steps = rows.map((r) => num(r, "step") ?? 0);
   const col = (key: string) => rows.map((r) => num(r, key));
   const keys = numericKeys(rows);
@@ -164,7 +169,7 @@ function Charts({ rows, klOff, smoothing, mode }: { rows: Row[]; klOff: boolean;
     color: COLORS[i % COLORS.length],
   }));
   const chart = (k: string, i: number) => (
-    <LineChart title={k} testId={`chart-${k.replace(/[^A-Za-z0-9_-]/g, "_")}`} steps={steps} unit={UNITS[k]} smoothing={smoothing}
+    <LineChart title={k} testId={`chart-${k.replace(/[^A-Za-z0-9_-]/g, "_")}`} steps={steps} unit={UNITS[k]} smoothing={smoothing} onPick={onPick}
       series={[{ label: k, values: col(k), color: COLORS[i % COLORS.length] }]} />
   );
   return (
@@ -172,13 +177,13 @@ function Charts({ rows, klOff, smoothing, mode }: { rows: Row[]; klOff: boolean;
       <div class="chart-grid">
         {rl && (
           <>
-            <LineChart title="Reward" testId="chart-reward" steps={steps} smoothing={smoothing} unit="score"
+            <LineChart title="Reward" testId="chart-reward" onPick={onPick} steps={steps} smoothing={smoothing} unit="score"
               series={[{ label: "total", values: col("reward/mean"), color: COLORS[0] }, ...perReward]} />
-            <LineChart title="KL to reference" testId="chart-kl" steps={steps} note={klOff ? "off (kl_coef 0)" : undefined}
+            <LineChart title="KL to reference" testId="chart-kl" onPick={onPick} steps={steps} note={klOff ? "off (kl_coef 0)" : undefined}
               smoothing={smoothing} unit="nats/token" series={[{ label: "kl", values: col("kl"), color: COLORS[4] }]} />
-            <LineChart title="Entropy" testId="chart-entropy" steps={steps} smoothing={smoothing} unit="nats/token"
+            <LineChart title="Entropy" testId="chart-entropy" onPick={onPick} steps={steps} smoothing={smoothing} unit="nats/token"
               series={[{ label: "entropy", values: col("entropy"), color: COLORS[2] }]} />
-            <LineChart title="Response length" testId="chart-length" steps={steps} smoothing={smoothing} unit="tokens"
+            <LineChart title="Response length" testId="chart-length" onPick={onPick} steps={steps} smoothing={smoothing} unit="tokens"
               series={[
                 { label: "mean", values: col("response_len/mean"), color: COLORS[3] },
                 { label: "max", values: col("response_len/max"), color: COLORS[5] },
@@ -201,90 +206,6 @@ function Charts({ rows, klOff, smoothing, mode }: { rows: Row[]; klOff: boolean;
   );
 }
 
-function Samples({ samples }: { samples: Row[] }) {
-  const [stop, setStop] = useState("");
-  const [minReward, setMinReward] = useState("");
-  const stops = [...new Set(samples.map((s) => String(s.stop ?? "")))].filter(Boolean);
-  const shown = samples
-    .filter((s) => !stop || s.stop === stop)
-    .filter((s) => minReward === "" || (num(s, "reward") ?? -Infinity) >= Number(minReward))
-    .slice(-20)
-    .reverse();
-  return (
-    <div class="card">
-      <div class="card-head">
-        <h2>Recent samples</h2>
-        <div class="row">
-          <select class="input narrow" value={stop} onChange={(e) => setStop((e.target as HTMLSelectElement).value)} data-testid="samples-stop" aria-label="stop reason">
-            <option value="">any stop</option>
-            {stops.map((s) => (
-              <option value={s}>{s}</option>
-            ))}
-          </select>
-          <input class="input narrow" type="number" step="any" placeholder="min reward" value={minReward}
-            onInput={(e) => setMinReward((e.target as HTMLInputElement).value)} data-testid="samples-min-reward" aria-label="minimum reward" />
-        </div>
-      </div>
-      <div class="table-wrap">
-        <table class="table" data-testid="samples-table">
-          <thead>
-            <tr><th>step</th><th>prompt</th><th>completion</th><th class="num">reward</th><th class="num">advantage</th><th>stop</th><th class="num">chars</th></tr>
-          </thead>
-          <tbody>
-            {shown.map((s) => (
-              <tr>
-                <td class="mono">{String(s.step ?? "")}</td>
-                <td class="text">{String(s.prompt ?? "")}</td>
-                <td class="text mono">{String(s.completion ?? "")}</td>
-                <td class="num mono">{num(s, "reward") === null ? "—" : formatNumber(num(s, "reward")!)}</td>
-                <td class="num mono">{num(s, "advantage") === null ? "—" : formatNumber(num(s, "advantage")!)}</td>
-                <td>{String(s.stop ?? "")}</td>
-                <td class="num mono">{String(s.completion ?? "").length}</td>
-              </tr>
-            ))}
-          </tbody>
-        </table>
-      </div>
-      {shown.length === 0 && <p class="muted small">No samples yet.</p>}
-    </div>
-  );
-}
-
-function Launcher() {
-  const s = useStore();
-  const [error, setError] = useState<string | null>(null);
-  const [busy, setBusy] = useState(false);
-  const launch = async () => {
-    setBusy(true);
-    setError(null);
-    try {
-      const st = getState();
-      const run = await api.launch(st.mode, st.config, st.mode === "rl" ? st.rewards : undefined);
-      navigate("watch", run.id);
-    } catch (e) {
-      setError((e as Error).message);
-    } finally {
-      setBusy(false);
-    }
-  };
-  const steps = getPath(s.config, s.mode === "rl" ? "controller.steps" : "steps");
-  return (
-    <div class="card launcher">
-      <div>
-        <h2>Launch</h2>
-        <p class="muted">
-          The composed <b>{s.mode}</b> config{typeof steps === "number" ? `, ${steps} steps` : ""}
-          {s.mode === "rl" && s.rewards.length ? `, with ${s.rewards.length} code reward(s)` : ""}.
-        </p>
-      </div>
-      <button class="btn primary" data-testid="launch-run" disabled={busy} onClick={launch}>
-        {busy ? "Launching…" : "Launch run"}
-      </button>
-      {error && <div class="alert error" data-testid="launch-error">{error}</div>}
-    </div>
-  );
-}
-
 export function WatchPage() {
   const s = useStore();
   const live = useRun(s.runId);
@@ -292,6 +213,11 @@ export function WatchPage() {
   const klOff = s.mode === "rl" && Number(getPath(s.config, "algorithm.kl_coef") ?? 0) === 0;
   const [stopping, setStopping] = useState(false);
   const [smoothing, setSmoothing] = useState(0);
+  const [picked, setPicked] = useState<number | null>(null);
+  const pick = (step: number) => {
+    setPicked(step);
+    requestAnimationFrame(() => document.querySelector("[data-testid=inspect]")?.scrollIntoView({ block: "start" }));
+  };
   const ended = ENDED.has(status?.status ?? "");
   const phase = startupPhase({ logLines: live.log.length, stageSeen: live.stageSeen || status?.stage_source === "reported",
     evals: live.evals.length, rows: live.rows.length, ended });
@@ -303,7 +229,7 @@ export function WatchPage() {
           <p class="muted">{s.runId ? <span class="mono" data-testid="run-id">{s.runId}</span> : "No run selected: launch one, or open one from Runs."}</p>
         </div>
         {s.runId && (
-          <div class="row">
+          <div class="row" role="status" aria-live="polite" aria-label="run status">
             <span class={`badge status-${status?.status ?? "unknown"}`} data-testid="run-status">
               {status?.status ?? "connecting"}
             </span>
@@ -325,18 +251,20 @@ export function WatchPage() {
           <AlarmBanner alarms={live.alarms} />
           {phase < 4 && <Startup phase={phase} since={live.opened} />}
           <Stages rows={live.rows} status={status} />
+          <Timeline rows={live.rows} alarms={live.alarms} />
           <div class="row">
             <SmoothingControl value={smoothing} onChange={setSmoothing} />
-            <span class="muted small">drag across a chart to zoom, double-click to zoom out</span>
+            <span class="muted small">click a point for that step's samples; drag across a chart to zoom, double-click to zoom out</span>
           </div>
-          <Charts rows={live.rows} klOff={klOff} smoothing={smoothing} mode={status?.mode} />
+          <Charts rows={live.rows} klOff={klOff} smoothing={smoothing} mode={status?.mode} onPick={pick} />
           {live.evals.length > 0 && (
             <p class="muted small" data-testid="evals">
               held-out: {live.evals.map((r) => `step ${r.step}: accuracy ${num(r, "eval/accuracy") === null ? "—" : formatNumber(num(r, "eval/accuracy")!)}`).join(" · ")}
             </p>
           )}
           <EfficiencyPanel runId={s.runId} row={live.efficiency} />
-          {live.samples.length > 0 && <Samples samples={live.samples} />}
+          {status?.status === "finished" && <TryPanel runId={s.runId} />}
+          {live.samples.length > 0 && <Inspect samples={live.samples} step={picked} onStep={setPicked} />}
           <details class="card" open={status?.status === "failed" || phase < 4} data-testid="run-log-box">
             <summary>Log ({live.log.length} lines)</summary>
             <pre class="code log" data-testid="run-log">{live.log.join("\n")}</pre>
