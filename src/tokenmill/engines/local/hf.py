@@ -24,6 +24,8 @@ from tokenmill.engines.local.fast_decode import (
     has_forward_hooks,
     has_sliding_layers,
 )
+from tokenmill.engines.local.paged import PagedKV
+from tokenmill.engines.local.paged_decode import PagedOptions, decode_on_device
 from tokenmill.engines.local.prefix_cache import PrefixCache
 from tokenmill.engines.local.sampling import sample_tokens
 from tokenmill.types import Completion, PromptLogprobs, SamplingParams, StopReason
@@ -79,6 +81,11 @@ class HFEngine:
         cuda_graphs: bool = True,
         compile_step: bool = True,
         max_batch_tokens: int = 0,
+        kv_cache: str = "static",
+        kv_block_size: int = 16,
+        paged_attention: str = "auto",
+        sample_on_device: bool = False,
+        sample_chunk: int = 8,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -108,6 +115,8 @@ class HFEngine:
                                 or graphs_blocker(self.device))
         self._graphed = (GraphedDecode(self._fast, compile=compile_step) if self.cuda_graphs_off is None
                          else None)
+        # the paged key/value cache (`engines.local.paged`) and sampling on the device (`device_sampling`)
+        self.paged = PagedOptions.of(self, kv_cache, kv_block_size, paged_attention, sample_on_device, sample_chunk)
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of key/value state one token takes in the cache (all layers)."""
@@ -223,7 +232,9 @@ class HFEngine:
             mask = prefill_allowed(mask_P_L)[:, None] if padded else None
             hidden_P_1_H = self._fast.hidden(ids_P_L, pos_P_L, mask, static, positions=width)[:, -1:]
             logits_P_V = self._fast.head(hidden_P_1_H)[:, 0, :]
-            return logits_P_V, StaticKV.from_dynamic(static, extra, repeat), mask_P_L, pos_P_L[:, -1] + 1
+            if extra or repeat > 1:
+                static = StaticKV.from_dynamic(static, extra, repeat)
+            return logits_P_V, static, mask_P_L, pos_P_L[:, -1] + 1
         cache = DynamicCache(config=self.model.config)
         if past:
             self._load_prefixes(cache, prefixes, past)
@@ -265,9 +276,15 @@ class HFEngine:
             self.prefix_cache.insert(prompt, kv)
 
     def _decode(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        paged = self.paged.off is None and not has_forward_hooks(self.model)
+        if paged and self.paged.on_device_off is None and not params.stop:
+            return decode_on_device(self, prompts, params)
         n = params.n
-        logits_B_V, cache, mask_B_L, next_pos_B = self._prefill(prompts, extra=params.max_tokens, repeat=n)
-        if not isinstance(cache, StaticKV):  # the transformers prefill (the fast one is a StaticKV already)
+        logits_B_V, cache, mask_B_L, next_pos_B = self._prefill(prompts, extra=0 if paged else params.max_tokens,
+                                                                repeat=1 if paged else n)
+        if paged:  # n rows per prompt sharing its full blocks
+            cache = self.paged.cache(cache, mask_B_L, n, params.max_tokens)
+        elif not isinstance(cache, StaticKV):  # the transformers prefill (the fast one is a StaticKV already)
             if self._fast is not None and not has_forward_hooks(self.model):  # buffers for the whole completion
                 cache = StaticKV.from_dynamic(cache, extra=params.max_tokens, repeat=n)
             elif n > 1:
@@ -307,7 +324,8 @@ class HFEngine:
                 live = [live[r] for r in keep]
                 done_in_batch = 0
                 padded = not bool(mask_B_L.all())
-            mask_B_L = torch.cat([mask_B_L, mask_B_L.new_ones((len(live), 1))], dim=1)
+            if not paged:  # (a paged cache knows each row's length)
+                mask_B_L = torch.cat([mask_B_L, mask_B_L.new_ones((len(live), 1))], dim=1)
             logits_B_V = self._step(tok_B, next_pos_B, mask_B_L if padded else None, cache)
             next_pos_B = next_pos_B + 1
         texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
@@ -316,6 +334,8 @@ class HFEngine:
     def _step(self, tok_B: torch.Tensor, pos_B: torch.Tensor, mask_B_K: torch.Tensor | None, cache) -> torch.Tensor:
         """One decode step: each row's next-token logits `[B, V]`; `mask_B_K` (None: no padding) covers the cached
         keys and the new one."""
+        if isinstance(cache, PagedKV):
+            return self._fast.step(tok_B, pos_B, None, cache)
         if self._graphed is not None and isinstance(cache, StaticKV):
             return self._graphed.step(tok_B, pos_B, None if mask_B_K is None else mask_B_K.bool(), cache)
         if self._fast is not None and (isinstance(cache, StaticKV) or not has_forward_hooks(self.model)):

@@ -1,0 +1,280 @@
+"""A paged key/value cache: fixed-size blocks in one pool per layer, a block table and a length per row.
+
+The static cache (`fast_decode.StaticKV`) gives every row a buffer as wide as the longest prompt plus
+`max_tokens`, and a decode step attends over the whole buffer with a mask. Here a row owns only the blocks
+it has written (`block_size` tokens each, allocated as it grows), attention reads only those, rows that
+finish give their blocks back at once, and the rows of one prompt (a GRPO group of n samples) share that
+prompt's full blocks (reference-counted; each row copies only the partly filled last block, which it
+writes into). This is the vLLM layout (Kwon et al., 2023, "PagedAttention").
+
+Two decode attentions over the blocks, same numbers (1e-5 in fp32):
+
+- `gather`: each row's written keys are gathered into `[rows, heads, longest row, head_dim]` (the block
+  table read through an index) and attended with a length mask: reads the written positions up to the
+  longest live row, not the buffer's capacity. The CPU's choice (docs/performance.md has the numbers).
+- `flex`: PyTorch's FlexAttention over the pool itself, the block table as the block mask's key indices and
+  a mask that maps each physical position to the row's logical one (so blocks shared by rows, or belonging
+  to other rows, are handled): compiled by Triton on a GPU it visits only the row's own blocks. Uncompiled
+  (the CPU) it computes a score for every position of the pool, so it is there for equality tests and as
+  the fixed-shape step a CUDA graph records.
+
+    >>> pool = BlockPool(layers=2, blocks=64, block_size=16)                  # doctest: +SKIP
+    >>> cache = PagedKV(pool)                                                 # doctest: +SKIP
+    >>> cache.add_rows(prompt_keys, prompt_values, columns, source=[0, 0, 0]) # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Literal
+
+import torch
+
+from tokenmill.engines.local.fast_decode import attention
+
+Backend = Literal["gather", "flex"]
+SCRATCH = 0  # block 0 is never handed out: padding rows (graph buckets) write and read it
+
+
+class BlockPool:
+    """`blocks` key/value blocks of `block_size` tokens per layer, stored as `[1, kv_heads, blocks x
+    block_size, head_dim]` (the layout FlexAttention takes), allocated at the first write. Blocks are
+    reference-counted: `allocate` hands out one with one reference, `share` adds one, `release` drops one
+    and frees the block at zero. A full pool grows (doubles), which moves the buffers: `generation` counts
+    the moves (a recorded CUDA graph reads the old ones)."""
+
+    def __init__(self, layers: int, blocks: int, block_size: int = 16) -> None:
+        if blocks < 2 or block_size < 1:
+            raise ValueError(f"need blocks >= 2 and block_size >= 1, got {blocks}, {block_size}")
+        self.block_size, self.capacity = block_size, blocks
+        self.keys: list[torch.Tensor | None] = [None] * layers
+        self.values: list[torch.Tensor | None] = [None] * layers
+        self.refs = [0] * blocks
+        self.refs[SCRATCH] = 1
+        self.free = list(range(blocks - 1, 0, -1))  # popped from the end: low ids first
+        self.generation = 0
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks held by rows (the scratch block not counted)."""
+        return self.capacity - 1 - len(self.free)
+
+    def allocate(self) -> int:
+        if not self.free:
+            self._grow(self.capacity)
+        block = self.free.pop()
+        self.refs[block] = 1
+        return block
+
+    def share(self, block: int) -> None:
+        self.refs[block] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free.append(block)
+
+    def ensure_buffers(self, layer: int, like: torch.Tensor) -> None:
+        """Allocate layer `layer`'s buffers (zeros: a padding row's scratch reads must be finite) shaped after
+        `like` `[kv_heads, tokens, head_dim]`."""
+        if self.keys[layer] is None:
+            heads, _, dim = like.shape
+            shape = (1, heads, self.capacity * self.block_size, dim)
+            self.keys[layer] = like.new_zeros(shape)
+            self.values[layer] = like.new_zeros(shape)
+
+    def _grow(self, extra: int) -> None:
+        for store in (self.keys, self.values):
+            for i, buf in enumerate(store):
+                if buf is not None:
+                    pad = buf.new_zeros((1, buf.shape[1], extra * self.block_size, buf.shape[3]))
+                    store[i] = torch.cat([buf, pad], dim=2)
+        self.refs += [0] * extra
+        self.free = list(range(self.capacity + extra - 1, self.capacity - 1, -1)) + self.free
+        self.capacity += extra
+        self.generation += 1
+
+
+def blocks_needed(prompt_lens: list[int], copies: int, max_tokens: int, block_size: int) -> int:
+    """Blocks that `copies` rows of each prompt need at most (shared full prompt blocks counted once), plus
+    the scratch block."""
+    total = 1
+    for length in prompt_lens:
+        total += length // block_size + copies * -(-(length % block_size + max_tokens) // block_size)
+    return total
+
+
+class PagedKV:
+    """The rows of one decode batch over a `BlockPool`: a block table and a length per row. The step's
+    interface is `StaticKV`'s (`update` per layer, `advance` after the step) plus `attend`, which
+    `FastDecoder` calls instead of attending over the returned keys."""
+
+    def __init__(self, pool: BlockPool, backend: Backend = "gather") -> None:
+        if backend not in ("gather", "flex"):
+            raise ValueError(f"paged attention: 'gather' or 'flex', got {backend!r}")
+        self.pool, self.backend = pool, backend
+        self.tables: list[list[int]] = []
+        self.lengths: list[int] = []
+        self._meta: dict[str, torch.Tensor] | None = None  # this step's index tensors (built at layer 0)
+        self.device: torch.device | None = None
+
+    def __len__(self) -> int:
+        return len(self.tables)
+
+    # ------------------------------------------------------------------------------------------ rows
+    def add_rows(self, keys: list[torch.Tensor], values: list[torch.Tensor], columns: list[torch.Tensor],
+                 source: list[int]) -> None:
+        """Append one row per entry of `source`, each holding prompt `source[i]`'s key/value states: `keys[l]`,
+        `values[l]` are layer l's `[prompts, kv_heads, width, head_dim]`, `columns[p]` the (long) indices of
+        prompt p's real columns. Rows of one prompt share its full blocks; each gets its own last block."""
+        bs = self.pool.block_size
+        self.device = keys[0].device
+        slots, cols, seen = [], [], {}
+        for p in source:
+            length = columns[p].numel()
+            full = length // bs
+            if p not in seen:  # the prompt's full blocks: written once, shared by its rows
+                seen[p] = [self.pool.allocate() for _ in range(full)]
+                slots += [b * bs + j for b in seen[p] for j in range(bs)]
+                cols.append(p * keys[0].shape[2] + columns[p][: full * bs])
+            else:
+                for b in seen[p]:
+                    self.pool.share(b)
+            table = list(seen[p])
+            if length % bs:  # the row's own partly filled block
+                table.append(self.pool.allocate())
+                slots += [table[-1] * bs + j for j in range(length % bs)]
+                cols.append(p * keys[0].shape[2] + columns[p][full * bs :])
+            self.tables.append(table)
+            self.lengths.append(length)
+        if not slots:
+            return
+        slot_S = torch.tensor(slots, device=self.device)
+        col_S = torch.cat(cols).to(self.device)
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            flat_k = k.transpose(0, 1).reshape(k.shape[1], -1, k.shape[3])  # [heads, prompts x width, D]
+            flat_v = v.transpose(0, 1).reshape(v.shape[1], -1, v.shape[3])
+            self.pool.ensure_buffers(layer, flat_k)
+            self.pool.keys[layer][0].index_copy_(1, slot_S, flat_k[:, col_S].to(self.pool.keys[layer].dtype))
+            self.pool.values[layer][0].index_copy_(1, slot_S, flat_v[:, col_S].to(self.pool.values[layer].dtype))
+        self._meta = None
+
+    def batch_select_indices(self, index: torch.Tensor | list[int]) -> None:
+        """Keep only the rows at `index`, in that order; the others' blocks go back to the pool."""
+        keep = index.tolist() if isinstance(index, torch.Tensor) else list(index)
+        kept = set(keep)
+        for r, table in enumerate(self.tables):
+            if r not in kept:
+                self.pool.release(table)
+        self.tables = [self.tables[r] for r in keep]
+        self.lengths = [self.lengths[r] for r in keep]
+        self._meta = None
+
+    def release_all(self) -> None:
+        self.batch_select_indices([])
+
+    # ------------------------------------------------------------------------------------------ the step
+    def reserve(self) -> None:
+        """Give every row whose last block is full a new one (the next token's slot)."""
+        bs = self.pool.block_size
+        for table, length in zip(self.tables, self.lengths, strict=True):
+            if length == len(table) * bs:
+                table.append(self.pool.allocate())
+
+    def step_meta(self) -> dict[str, torch.Tensor]:
+        """This step's index tensors: the slot each row's new token goes to, and the attention's view of
+        the written positions (the new token included)."""
+        self.reserve()
+        bs, device = self.pool.block_size, self.device
+        lengths = [n + 1 for n in self.lengths]
+        width = -(-max(lengths) // bs)
+        table_B_M = torch.tensor([t[:width] + [SCRATCH] * (width - len(t[:width])) for t in self.tables],
+                                 device=device)
+        length_B = torch.tensor(lengths, device=device)
+        write_B = torch.tensor([t[n // bs] * bs + n % bs for t, n in zip(self.tables, self.lengths, strict=True)],
+                               device=device)
+        return attention_meta(table_B_M, length_B, write_B, bs, self.pool.capacity, self.backend)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write one new token per row (`key`, `value`: `[B, kv_heads, 1, head_dim]`)."""
+        if key.shape[2] != 1:
+            raise ValueError("a paged cache is written one token per row per step (prefill writes with add_rows)")
+        if self._meta is None:
+            self._meta = self.step_meta()
+        self.pool.ensure_buffers(layer, key[:, :, 0].transpose(0, 1))
+        write_kv(self.pool, layer, key, value, self._meta["write_B"])
+        return key, value
+
+    def attend(self, q_B_H_1_D: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+        return paged_attention(self.pool, layer, q_B_H_1_D, self._meta, scale, self.backend)
+
+    def advance(self, columns: int = 1) -> None:
+        self.lengths = [n + columns for n in self.lengths]
+        self._meta = None
+
+
+def write_kv(pool: BlockPool, layer: int, key: torch.Tensor, value: torch.Tensor, write_B: torch.Tensor) -> None:
+    """Scatter one token per row into its slot (`write_B`: flat pool positions)."""
+    keys, values = pool.keys[layer], pool.values[layer]
+    keys[0].index_copy_(1, write_B, key[:, :, 0].transpose(0, 1).to(keys.dtype))
+    values[0].index_copy_(1, write_B, value[:, :, 0].transpose(0, 1).to(values.dtype))
+
+
+def attention_meta(table_B_M: torch.Tensor, length_B: torch.Tensor, write_B: torch.Tensor, block_size: int,
+                   capacity: int, backend: Backend) -> dict[str, torch.Tensor]:
+    """The tensors one decode step's attention reads, from the block tables (`[B, M]`, padded with the
+    scratch block), the lengths after the step and the write slots. Device arithmetic only, so a CUDA graph
+    can record it over fixed-shape inputs."""
+    meta = {"write_B": write_B, "length_B": length_B, "table_B_M": table_B_M}
+    rows, width = table_B_M.shape
+    offsets_S = torch.arange(width * block_size, device=table_B_M.device)
+    if backend == "gather":
+        meta["slots_B_S"] = table_B_M.repeat_interleave(block_size, dim=1) * block_size + offsets_S % block_size
+        meta["mask_B_1_1_S"] = (offsets_S[None] < length_B[:, None])[:, None, None]
+    else:  # each row's logical block of every physical block (-1: not the row's); one column more for padding
+        logical_B_N = torch.full((rows, capacity + 1), -1, dtype=torch.long, device=table_B_M.device)
+        in_row_B_M = torch.arange(width, device=table_B_M.device)[None] * block_size < length_B[:, None]
+        target_B_M = torch.where(in_row_B_M, table_B_M, capacity)
+        logical_B_N.scatter_(1, target_B_M, torch.arange(width, device=table_B_M.device).expand(rows, -1))
+        meta["logical_B_N"] = logical_B_N[:, :capacity]
+        meta["table_B_M"] = table_B_M
+    return meta
+
+
+def paged_attention(pool: BlockPool, layer: int, q_B_H_1_D: torch.Tensor, meta: dict[str, torch.Tensor],
+                    scale: float, backend: Backend) -> torch.Tensor:
+    """Attention output `[B, 1, heads x head_dim]` of one query per row over its written positions."""
+    keys, values = pool.keys[layer], pool.values[layer]
+    if backend == "gather":
+        slots_B_S = meta["slots_B_S"]
+        rows, width = slots_B_S.shape
+        flat = slots_B_S.reshape(-1)
+        k = keys[0][:, flat].view(keys.shape[1], rows, width, -1).transpose(0, 1)
+        v = values[0][:, flat].view(values.shape[1], rows, width, -1).transpose(0, 1)
+        return attention(q_B_H_1_D.to(k.dtype), k, v, meta["mask_B_1_1_S"], scale)
+    return _flex(pool, q_B_H_1_D, keys, values, meta, scale)
+
+
+def _flex(pool: BlockPool, q_B_H_1_D, keys, values, meta, scale: float) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    bs = pool.block_size
+    table_B_M, length_B, logical_B_N = meta["table_B_M"], meta["length_B"], meta["logical_B_N"]
+    rows = table_B_M.shape[0]
+
+    def written(b, h, q_idx, kv_idx):
+        logical = logical_B_N[b, kv_idx // bs]
+        return (logical >= 0) & (logical * bs + kv_idx % bs < length_B[b])
+
+    num_B_1_1 = (-(-length_B // bs)).to(torch.int32).view(rows, 1, 1)
+    indices = table_B_M.new_zeros((rows, 1, 1, pool.capacity), dtype=torch.int32)  # one column per pool block
+    indices[:, 0, 0, : table_B_M.shape[1]] = table_B_M
+    mask = BlockMask.from_kv_blocks(num_B_1_1, indices, BLOCK_SIZE=(1, bs), mask_mod=written,
+                                    seq_lengths=(1, keys.shape[2]))
+    batch, heads, _, dim = q_B_H_1_D.shape
+    with warnings.catch_warnings():  # uncompiled use (the CPU) warns once that it is the slow reference path
+        warnings.simplefilter("ignore", UserWarning)
+        out = flex_attention(q_B_H_1_D.to(keys.dtype), keys, values, block_mask=mask, scale=scale,
+                             enable_gqa=heads != keys.shape[1])
+    return out.transpose(1, 2).reshape(batch, 1, heads * dim)
