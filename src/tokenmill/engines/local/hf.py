@@ -24,6 +24,7 @@ from tokenmill.engines.local.fast_decode import (
     has_forward_hooks,
     has_sliding_layers,
 )
+from tokenmill.engines.local.graph_buckets import BucketedGraphs
 from tokenmill.engines.local.paged import PagedKV
 from tokenmill.engines.local.paged_decode import PagedOptions, decode_on_device
 from tokenmill.engines.local.prefix_cache import PrefixCache
@@ -117,6 +118,8 @@ class HFEngine:
                          else None)
         # the paged key/value cache (`engines.local.paged`) and sampling on the device (`device_sampling`)
         self.paged = PagedOptions.of(self, kv_cache, kv_block_size, paged_attention, sample_on_device, sample_chunk)
+        self._buckets = (BucketedGraphs(self._fast, compile=compile_step)
+                         if self.paged.off is None and self.cuda_graphs_off is None else None)
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of key/value state one token takes in the cache (all layers)."""
@@ -197,6 +200,8 @@ class HFEngine:
             self.model.train(was_training)
             if self._graphed is not None:  # its recording reads this call's buffers (and autocast's copies)
                 self._graphed.reset()
+            if self._buckets is not None:
+                self._buckets.reset()
         n = params.n
         return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
 
@@ -334,7 +339,9 @@ class HFEngine:
     def _step(self, tok_B: torch.Tensor, pos_B: torch.Tensor, mask_B_K: torch.Tensor | None, cache) -> torch.Tensor:
         """One decode step: each row's next-token logits `[B, V]`; `mask_B_K` (None: no padding) covers the cached
         keys and the new one."""
-        if isinstance(cache, PagedKV):
+        if isinstance(cache, PagedKV):  # one CUDA graph per batch-size bucket, or the eager step
+            if self._buckets is not None:
+                return self._buckets.step(tok_B, pos_B, cache)
             return self._fast.step(tok_B, pos_B, None, cache)
         if self._graphed is not None and isinstance(cache, StaticKV):
             return self._graphed.step(tok_B, pos_B, None if mask_B_K is None else mask_B_K.bool(), cache)

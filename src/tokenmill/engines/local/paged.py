@@ -185,6 +185,13 @@ class PagedKV:
     def step_meta(self) -> dict[str, torch.Tensor]:
         """This step's index tensors: the slot each row's new token goes to, and the attention's view of
         the written positions (the new token included)."""
+        inputs = self.step_inputs()
+        return attention_meta(inputs["table_B_M"], inputs["length_B"], inputs["write_B"], self.pool.block_size,
+                              self.pool.capacity, self.backend)
+
+    def step_inputs(self) -> dict[str, torch.Tensor]:
+        """The block tables `[B, blocks of the longest row]` (padded with the scratch block), the lengths
+        after this step and the slot of each row's new token, as device tensors."""
         self.reserve()
         bs, device = self.pool.block_size, self.device
         lengths = [n + 1 for n in self.lengths]
@@ -194,7 +201,7 @@ class PagedKV:
         length_B = torch.tensor(lengths, device=device)
         write_B = torch.tensor([t[n // bs] * bs + n % bs for t, n in zip(self.tables, self.lengths, strict=True)],
                                device=device)
-        return attention_meta(table_B_M, length_B, write_B, bs, self.pool.capacity, self.backend)
+        return {"table_B_M": table_B_M, "length_B": length_B, "write_B": write_B}
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Write one new token per row (`key`, `value`: `[B, kv_heads, 1, head_dim]`)."""

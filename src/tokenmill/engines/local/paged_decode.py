@@ -63,19 +63,25 @@ class PagedOptions:
     def cache(self, prefill_cache, mask_P_L: torch.Tensor, n: int, max_tokens: int) -> PagedKV:
         """A `PagedKV` of n rows per prompt holding the prompt's states (a `StaticKV` or a `DynamicCache`
         from the prefill; `mask_P_L` marks the real columns)."""
-        if isinstance(prefill_cache, StaticKV):
-            keys = [k[:, :, : prefill_cache.length] for k in prefill_cache.keys]
-            values = [v[:, :, : prefill_cache.length] for v in prefill_cache.values]
-        else:
-            keys = [layer.keys for layer in prefill_cache.layers]
-            values = [layer.values for layer in prefill_cache.layers]
-        columns = [row.nonzero().squeeze(1) for row in mask_P_L.bool()]
+        keys, values, columns = prefill_states(prefill_cache, mask_P_L)
         blocks = blocks_needed([c.numel() for c in columns], n, max_tokens, self.block_size)
         self.last_pool = BlockPool(len(keys), blocks, self.block_size)
         self.pools += 1
         cache = PagedKV(self.last_pool, self.backend)
         cache.add_rows(keys, values, columns, [p for p in range(len(columns)) for _ in range(n)])
         return cache
+
+
+def prefill_states(prefill_cache, mask_P_L: torch.Tensor) -> tuple[list, list, list[torch.Tensor]]:
+    """The prompts' key and value states per layer `[P, kv_heads, width, head_dim]` (from a `StaticKV` or a
+    transformers `DynamicCache`) and each prompt's real columns (`mask_P_L`: 1 = a real key)."""
+    if isinstance(prefill_cache, StaticKV):
+        keys = [k[:, :, : prefill_cache.length] for k in prefill_cache.keys]
+        values = [v[:, :, : prefill_cache.length] for v in prefill_cache.values]
+    else:
+        keys = [layer.keys for layer in prefill_cache.layers]
+        values = [layer.values for layer in prefill_cache.layers]
+    return keys, values, [row.nonzero().squeeze(1) for row in mask_P_L.bool()]
 
 
 class DeviceSampler:
@@ -128,7 +134,7 @@ def decode_on_device(engine, prompts: list[list[int]], params: SamplingParams) -
                 keep_K = torch.tensor(keep, device=device)
                 cache.batch_select_indices(keep_K)
                 live_B, tok_B, pos_B, done_B = live_B[keep_K], tok_B[keep_K], pos_B[keep_K], done_B[keep_K]
-        logits_B_V = engine._fast.step(tok_B, pos_B, None, cache)
+        logits_B_V = engine._step(tok_B, pos_B, None, cache)
         pos_B = pos_B + 1
     cache.release_all()
     texts = engine.tokenizer.batch_decode(rows.tokens, skip_special_tokens=True)
