@@ -43,6 +43,8 @@ class PagedOptions:
     on_device_off: str | None
     chunk: int
     pools: int = 0  # pools made (one per decode batch)
+    copies: int = 0  # chunks of sampled tokens copied to the host (sampling on the device)
+    steps: int = 0  # tokens sampled on the device (per row)
     last_pool: BlockPool | None = None
 
     @classmethod
@@ -123,10 +125,12 @@ def decode_on_device(engine, prompts: list[list[int]], params: SamplingParams) -
         tok_B, logp_B = sampler.sample(logits_B_V, live_B)
         done_B = done_B | sampler.stopped(tok_B)
         chunk.append((tok_B, logp_B))
+        engine.paged.steps += 1
         all_done.copy(done_B.all())
         last = step == max_tokens - 1
         if last or len(chunk) == engine.paged.chunk or all_done.ready():
             keep = rows.take(live_B.tolist(), chunk, max_tokens, engine.eos_ids)
+            engine.paged.copies += 1
             chunk = []
             if last or not keep:
                 break
