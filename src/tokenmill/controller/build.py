@@ -130,7 +130,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
             model, tokenizer, seed=cfg.training.seed + (dist.rank() if sharded else 0), autocast_dtype=amp,
             fast_decode=cfg.engine.fast_decode, cuda_graphs=cfg.engine.cuda_graphs,
             compile_step=cfg.engine.compile_step,
-            max_batch_tokens=cfg.engine.max_batch_tokens)
+            max_batch_tokens=cfg.engine.max_batch_tokens, **cfg.engine.paged_options())
     teacher = build_teacher(cfg.distillation, model, tokenizer, device, autocast_dtype=amp)
     trainer = build_trainer(cfg, model, device, amp, teacher, ray_group=trainer_group)
     generator = build_generator(cfg, engine, tokenizer, reward_set)

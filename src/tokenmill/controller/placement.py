@@ -183,7 +183,7 @@ def build_placement(run) -> Placement:
         from tokenmill.engines.local.hf import HFEngine
 
         copied = HFEngine(copy.deepcopy(model), run.tokenizer, seed=cfg.training.seed,
-                          autocast_dtype=engine.autocast_dtype)
+                          autocast_dtype=engine.autocast_dtype, **cfg.engine.paged_options())
         # one sampling stream: what a checkpoint saves (the run's engine's) is what the producer draws from
         copied.generator = engine.generator
         copied.version = engine.version

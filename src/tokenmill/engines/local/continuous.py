@@ -460,34 +460,25 @@ class ContinuousEngine(HFEngine):
         """`_admit` over the paged cache: the rows of one prompt share its full blocks; rows that finish at
         their first token give theirs back at once."""
         logits_P_V, prefill, mask_P_L, pos_P = self._prefill(prompts, extra=0)
-        if self._pool is None:
-            blocks = max(64, -(-self.max_batch_tokens // self.paged.block_size) + 1)
-            self._pool = BlockPool(len(self._fast.layers), blocks, self.paged.block_size)
-        if self._cache is None:
-            self._cache = PagedKV(self._pool, self.paged.backend)
+        self._pool = self._pool or self.paged.pool(len(self._fast.layers), self.max_batch_tokens)
+        self._cache = self._cache if self._cache is not None else PagedKV(self._pool, self.paged.backend)
         before = len(self._cache)
         self._cache.add_rows(*prefill_states(prefill, mask_P_L), source)
         index_N = torch.tensor(source, device=self.device)
         tok_N, keep = self._advance(rows, logits_P_V[index_N])
         self._cache.batch_select_indices(list(range(before)) + [before + k for k in keep])
-        if keep:
-            keep_K = torch.tensor(keep, dtype=torch.long, device=self.device)
-            pos_N, tok_N = pos_P[index_N][keep_K], tok_N[keep_K]
-            self._rows = self._rows + [rows[k] for k in keep]
-            self._pos_B = pos_N if self._pos_B is None else torch.cat([self._pos_B, pos_N])
-            self._tok_B = tok_N if self._tok_B is None else torch.cat([self._tok_B, tok_N])
+        keep_K = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self._rows = self._rows + [rows[k] for k in keep]
+        self._pos_B = torch.cat([*([] if self._pos_B is None else [self._pos_B]), pos_P[index_N][keep_K]])
+        self._tok_B = torch.cat([*([] if self._tok_B is None else [self._tok_B]), tok_N[keep_K]])
 
     def _decode_step_paged(self) -> None:
         logits_B_V = self._step(self._tok_B, self._pos_B, None, self._cache)  # graphed per bucket where it can
-        self._pos_B = self._pos_B + 1
-        self.steps += 1
+        self._pos_B, self.steps = self._pos_B + 1, self.steps + 1
         tok_B, keep = self._advance(self._rows, logits_B_V)
-        if len(keep) < len(self._rows):  # finished rows leave; their blocks go back to the pool
-            keep_K = torch.tensor(keep, dtype=torch.long, device=self.device)
-            self._cache.batch_select_indices(keep)
-            self._rows = [self._rows[r] for r in keep]
-            self._pos_B, tok_B = self._pos_B[keep_K], tok_B[keep_K]
-        self._tok_B = tok_B
+        keep_K = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self._cache.batch_select_indices(keep)  # finished rows leave; their blocks go back to the pool
+        self._rows, self._pos_B, self._tok_B = [self._rows[r] for r in keep], self._pos_B[keep_K], tok_B[keep_K]
 
     def _decode_step(self) -> None:
         if isinstance(self._cache, PagedKV):

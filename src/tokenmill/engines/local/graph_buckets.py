@@ -24,7 +24,14 @@ import logging
 import torch
 
 from tokenmill.engines.local.fast_decode import FastDecoder
-from tokenmill.engines.local.paged import SCRATCH, BlockPool, PagedKV, attention_meta, paged_attention, write_kv
+from tokenmill.engines.local.paged import (
+    SCRATCH,
+    BlockPool,
+    PagedKV,
+    attention_meta,
+    paged_attention,
+    write_kv,
+)
 
 logger = logging.getLogger(__name__)
 WARMUP_STEPS = 2

@@ -62,6 +62,11 @@ class PagedOptions:
         backend = attention if attention != "auto" else "flex" if engine.device.type == "cuda" else "gather"
         return cls(off, block_size, backend, on_device_off, chunk)
 
+    def pool(self, layers: int, max_batch_tokens: int) -> BlockPool:
+        """A pool for a long-lived batch (the continuous engine's): `max_batch_tokens` of blocks (at least 64),
+        growing when full."""
+        return BlockPool(layers, max(64, -(-max_batch_tokens // self.block_size) + 1), self.block_size)
+
     def cache(self, prefill_cache, mask_P_L: torch.Tensor, n: int, max_tokens: int) -> PagedKV:
         """A `PagedKV` of n rows per prompt holding the prompt's states (a `StaticKV` or a `DynamicCache`
         from the prefill; `mask_P_L` marks the real columns)."""

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from tokenmill.engines import HFEngine
 from tokenmill.engines.local.paged import blocks_needed
+from tokenmill.testing.reference import assert_same_completions as assert_same
 from tokenmill.types import SamplingParams
 
 PROMPTS = ["12+34=", "7+5=", "The sum of 100 and 23 is "]  # different lengths: padded rows in the static path
@@ -28,20 +29,6 @@ def qwen3(tokenizer):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = list(range(2, len(tokenizer), 7))
     return model
-
-
-def _flat(groups):
-    return [c for group in groups for c in group]
-
-
-def assert_same(a, b, tol=1e-5):
-    a, b = _flat(a), _flat(b)
-    assert [c.token_ids for c in a] == [c.token_ids for c in b]
-    assert [c.stop_reason for c in a] == [c.stop_reason for c in b]
-    worst = max(abs(x - y) for ca, cb in zip(a, b) for x, y in zip(ca.logprobs, cb.logprobs))
-    assert worst < tol, f"largest logprob difference {worst:.2e}"
-    lengths = {len(c.token_ids) for c in a}
-    assert len(lengths) > 1 or max(lengths) > 1  # rows stopped at different steps, or several were decoded
 
 
 CASES = [SamplingParams(max_tokens=14, n=4, temperature=0.9), SamplingParams(max_tokens=10, n=3, greedy=True),
@@ -65,7 +52,7 @@ def test_paged_cache_gives_the_static_paths_tokens(qwen3, tokenizer, prompts, ba
 
 def test_paged_cache_with_stop_strings_prefix_cache_and_the_tiny_model(tiny_model, tokenizer, prompts):
     params = SamplingParams(max_tokens=12, n=3, temperature=0.8, stop=("9",))
-    kw = dict(seed=2, prefix_cache_tokens=256)  # the prefill runs through transformers (a DynamicCache)
+    kw = {"seed": 2, "prefix_cache_tokens": 256}  # the prefill runs through transformers (a DynamicCache)
     paged, static = HFEngine(tiny_model, tokenizer, kv_cache="paged", **kw), HFEngine(tiny_model, tokenizer, **kw)
     for _ in range(2):  # the second call reuses stored prefixes
         assert_same(paged.generate(prompts, params), static.generate(prompts, params))
@@ -89,6 +76,16 @@ def test_switches_off_say_why(tiny_model, tokenizer):
     no_fast = HFEngine(tiny_model, tokenizer, fast_decode=False, kv_cache="paged", sample_on_device=True)
     assert no_fast.paged.off.startswith("no fast decode step") and no_fast.paged.on_device_off.startswith("needs")
     assert HFEngine(tiny_model, tokenizer).paged.on_device_off == "turned off"
-    for bad in (dict(kv_cache="ring"), dict(paged_attention="dense"), dict(kv_block_size=0)):
+    for bad in ({"kv_cache": "ring"}, {"paged_attention": "dense"}, {"kv_block_size": 0}):
         with pytest.raises(ValueError):
             HFEngine(tiny_model, tokenizer, **bad)
+
+
+def test_the_engine_section_selects_the_paged_cache(tiny_model, tokenizer):
+    from tokenmill.config.schema import EngineConfig
+
+    assert EngineConfig().paged_options()["kv_cache"] == "static"  # existing runs decode as before
+    section = EngineConfig.model_validate({"kv_cache": "paged", "kv_block_size": 8, "sample_on_device": True})
+    engine = HFEngine(tiny_model, tokenizer, **section.paged_options())
+    assert engine.paged.off is None and engine.paged.on_device_off is None and engine.paged.block_size == 8
+    assert engine.paged.backend == "gather"  # auto, on the CPU
