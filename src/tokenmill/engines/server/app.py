@@ -412,9 +412,11 @@ def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, token: s
 
 
 def spawn_servers(model_dir: str, count: int, *, threads: int = 0, timeout_s: float = 120.0, seed: int = 0,
-                  device: str = "cpu", log_dir: Path | None = None) -> tuple[list[str], list[subprocess.Popen]]:
+                  device: str = "cpu", log_dir: Path | None = None,
+                  extra_args: tuple[str, ...] = ()) -> tuple[list[str], list[subprocess.Popen]]:
     """Start `count` `tokenmill serve MODEL_DIR --port 0` processes (each binds a free loopback port and names
-    it in its ready line, so no port can be taken in between) and wait until each is ready."""
+    it in its ready line, so no port can be taken in between) and wait until each is ready. `extra_args`: more
+    `tokenmill serve` flags (e.g. `--kv-cache paged`)."""
     urls, procs = [], []
     env = parent_env(dict(os.environ))  # `tokenmill serve` watches for this process
     if threads:
@@ -423,7 +425,7 @@ def spawn_servers(model_dir: str, count: int, *, threads: int = 0, timeout_s: fl
         for i in range(count):
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "tokenmill.cli", "serve", model_dir, "--port", "0", "--seed",
-                 str(seed + i), "--device", device], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                 str(seed + i), "--device", device, *extra_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                 # a kill -9 of the trainer takes its servers along; the hook only calls prctl and getppid
                 preexec_fn=preexec_die_with_parent(),  # noqa: PLW1509
             ))

@@ -131,3 +131,31 @@ def test_recorded_bucket_graphs_match_the_eager_paged_step_on_gpu(tokenizer, pro
         assert (graphed._buckets.compile_off is None) == compile_step, graphed._buckets.compile_off
     eager, _ = _run_continuous(model, tokenizer, prompts, params, cuda_graphs=False, **kw)
     assert_same(got, eager, tol=1e-4)
+
+
+def test_served_over_http_the_paged_engine_answers_what_the_static_one_does(tiny_model_path, tokenizer):
+    import httpx
+
+    from tokenmill.cli import build_parser
+    from tokenmill.engines.server.app import create_app
+    from tokenmill.serving import start_in_thread
+
+    args = build_parser().parse_args(["serve", tiny_model_path, "--kv-cache", "paged", "--kv-block-size", "4"])
+    assert (args.kv_cache, args.kv_block_size) == ("paged", 4)
+    body = {"prompt": tokenizer("12+34=", add_special_tokens=False)["input_ids"], "max_tokens": 9, "n": 3,
+            "temperature": 0.9, "seed": 11, "logprobs": 1}
+    answers = []
+    for kv_cache in ("static", "paged"):
+        engine = ContinuousEngine.from_pretrained(tiny_model_path, kv_cache=kv_cache, kv_block_size=args.kv_block_size)
+        server, _ = start_in_thread(create_app(engine, model_name="tiny"))
+        try:
+            with httpx.Client(base_url=server.url, timeout=60) as client:
+                answers.append(client.post("/v1/completions", json=body).json()["choices"])
+        finally:
+            server.stop()
+            engine.close()
+        assert (engine.paged.off is None) == (kv_cache == "paged")
+    static, paged = answers
+    assert [c["token_ids"] for c in paged] == [c["token_ids"] for c in static]
+    for a, b in zip(paged, static, strict=True):
+        assert a["logprobs"]["token_logprobs"] == pytest.approx(b["logprobs"]["token_logprobs"], abs=1e-5)
