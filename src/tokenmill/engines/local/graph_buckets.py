@@ -118,7 +118,7 @@ class BucketedGraphs:
     def __init__(self, fast: FastDecoder, max_rows: int = 256, record: bool = True, compile: bool = True) -> None:
         self.fast, self.record = fast, record
         self.sizes = bucket_sizes(max_rows)
-        self._compiled = torch.compile(fast.step, dynamic=False, fullgraph=False) if compile else None
+        self._compiled = torch.compile(fast.step) if compile else None
         self.compile_off: str | None = None if compile else "turned off"
         self._buckets: dict[int, _Bucket] = {}
         self._generation: int | None = None

@@ -288,7 +288,7 @@ class HFEngine:
         logits_B_V, cache, mask_B_L, next_pos_B = self._prefill(prompts, extra=0 if paged else params.max_tokens,
                                                                 repeat=1 if paged else n)
         if paged:  # n rows per prompt sharing its full blocks
-            cache = self.paged.cache(cache, mask_B_L, n, params.max_tokens)
+            cache = self.paged.cache(cache, mask_B_L, n, params.max_tokens, round_up=self._buckets is not None)
         elif not isinstance(cache, StaticKV):  # the transformers prefill (the fast one is a StaticKV already)
             if self._fast is not None and not has_forward_hooks(self.model):  # buffers for the whole completion
                 cache = StaticKV.from_dynamic(cache, extra=params.max_tokens, repeat=n)

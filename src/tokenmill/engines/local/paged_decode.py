@@ -67,11 +67,13 @@ class PagedOptions:
         growing when full."""
         return BlockPool(layers, max(64, -(-max_batch_tokens // self.block_size) + 1), self.block_size)
 
-    def cache(self, prefill_cache, mask_P_L: torch.Tensor, n: int, max_tokens: int) -> PagedKV:
+    def cache(self, prefill_cache, mask_P_L: torch.Tensor, n: int, max_tokens: int, round_up: bool = False) -> PagedKV:
         """A `PagedKV` of n rows per prompt holding the prompt's states (a `StaticKV` or a `DynamicCache`
-        from the prefill; `mask_P_L` marks the real columns)."""
+        from the prefill; `mask_P_L` marks the real columns). `round_up`: a pool of a power of two blocks (a
+        compiled step then meets few pool shapes)."""
         keys, values, columns = prefill_states(prefill_cache, mask_P_L)
         blocks = blocks_needed([c.numel() for c in columns], n, max_tokens, self.block_size)
+        blocks = 1 << (blocks - 1).bit_length() if round_up else blocks
         self.last_pool = BlockPool(len(keys), blocks, self.block_size)
         self.pools += 1
         cache = PagedKV(self.last_pool, self.backend)
@@ -114,7 +116,7 @@ def decode_on_device(engine, prompts: list[list[int]], params: SamplingParams) -
     """`HFEngine._decode` with sampling and stop checks on the device and the tokens copied in chunks."""
     n = params.n
     logits_P_V, prefill, mask_P_L, pos_P = engine._prefill(prompts, extra=0)
-    cache = engine.paged.cache(prefill, mask_P_L, n, params.max_tokens)
+    cache = engine.paged.cache(prefill, mask_P_L, n, params.max_tokens, round_up=engine._buckets is not None)
     total, device = len(prompts) * n, engine.device
     max_tokens = params.max_tokens
     if engine.max_positions:

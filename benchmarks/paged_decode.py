@@ -1,0 +1,132 @@
+"""Decode over the paged key/value cache against the static one: tokens/s of `HFEngine.generate`, same model.
+
+    python benchmarks/paged_decode.py                        # CPU, a small Qwen3-shaped model (~2 min)
+    python benchmarks/paged_decode.py --batches 1 8 --new-tokens 32 --variants static paged_gather
+
+Variants (each an `HFEngine` on the same model, prompts and seed):
+
+- static:          the default: one buffer per call, attention over all of it with a mask (on a GPU: the
+                   compiled step in a CUDA graph)
+- paged_gather:    `kv_cache: paged`, attention over the rows' gathered blocks
+- paged_flex:      `kv_cache: paged`, FlexAttention over the pool (uncompiled on a CPU: the reference path,
+                   which scores every position of the pool; on a GPU compiled, in a CUDA graph per bucket)
+- paged_device:    `paged_gather` (`paged_flex` on a GPU) with `sample_on_device: true`, tokens copied every 8 steps
+- static_groups / paged_groups: the same with GRPO-shaped groups (batch/8 prompts, n = 8 samples each), where
+  the paged cache stores each prompt once
+
+Rows decode exactly `new_tokens` (end-of-sequence is switched off), prompts of `prompt_tokens` random ids.
+Each variant runs once untimed at the timed size first (compiling, allocator, rotary tables). Printed: tokens/s
+per variant and batch, and each variant's ratio to `static` (`static_groups` for the group variants). The GPU
+suite calls `run_decode_bench(model, batch_sizes, new_tokens, device)`. Results:
+benchmarks/results/paged_decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from tokenmill.engines import HFEngine
+from tokenmill.recipes.tiny import build_tokenizer
+from tokenmill.types import SamplingParams
+
+VARIANTS = ("static", "paged_gather", "paged_flex", "paged_device", "static_groups", "paged_groups")
+SHAPE = {"vocab_size": 2000, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32, "max_position_embeddings": 4096}
+
+
+def engine_options(variant: str, device: str) -> dict:
+    """The `HFEngine` keyword arguments of a variant."""
+    flex_or_gather = "flex" if device.startswith("cuda") else "gather"
+    return {"static": {}, "static_groups": {},
+            "paged_gather": {"kv_cache": "paged", "paged_attention": "gather"},
+            "paged_flex": {"kv_cache": "paged", "paged_attention": "flex"},
+            "paged_device": {"kv_cache": "paged", "paged_attention": flex_or_gather, "sample_on_device": True},
+            "paged_groups": {"kv_cache": "paged", "paged_attention": flex_or_gather}}[variant]
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _time_generate(engine: HFEngine, prompts: list[list[int]], params: SamplingParams, device: str) -> tuple[float, int]:
+    engine.generate(prompts, params)  # warm-up at the timed size
+    engine.generator.manual_seed(1)
+    _sync(device)
+    start = time.perf_counter()
+    out = engine.generate(prompts, params)
+    _sync(device)
+    return time.perf_counter() - start, sum(len(c.token_ids) for group in out for c in group)
+
+
+def run_decode_bench(model, batch_sizes: list[int], new_tokens: int, device: str, *, tokenizer=None,
+                     prompt_tokens: int = 128, variants: tuple[str, ...] = VARIANTS, group: int = 8) -> dict:
+    """Decode tokens/s of each variant at each batch size (rows = prompts x samples), and the ratio of each
+    to the static cache. `model`: a Llama/Qwen-family causal LM already on `device` (its dtype is used)."""
+    tokenizer = tokenizer or build_tokenizer()
+    rng = random.Random(0)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    prompts = [[rng.randrange(7, vocab) for _ in range(prompt_tokens)] for _ in range(max(batch_sizes))]
+    rows = []
+    for variant in variants:
+        engine = HFEngine(model, tokenizer, seed=0, **engine_options(variant, device))
+        engine.eos_ids = set()  # every row decodes new_tokens
+        for batch in batch_sizes:
+            n = group if variant.endswith("_groups") else 1
+            if batch % n:
+                continue
+            params = SamplingParams(max_tokens=new_tokens, temperature=1.0, n=n)
+            seconds, tokens = _time_generate(engine, prompts[: batch // n], params, device)
+            row = {"variant": variant, "batch": batch, "samples_per_prompt": n, "tokens": tokens,
+                   "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1)}
+            if engine.paged.last_pool is not None:
+                row["kv_blocks"] = engine.paged.last_pool.capacity
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    by = {(r["variant"], r["batch"]): r["tokens_per_s"] for r in rows}
+    for r in rows:
+        base = by.get(("static_groups" if r["variant"].endswith("_groups") else "static", r["batch"]))
+        r["vs_static"] = round(r["tokens_per_s"] / base, 3) if base else None
+    return {"device": device, "torch": torch.__version__, "new_tokens": new_tokens, "prompt_tokens": prompt_tokens,
+            "threads": torch.get_num_threads(), "rows": rows}
+
+
+def build_model(device: str, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**SHAPE), dtype=dtype)
+    return model.eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--out", default="benchmarks/results/paged_decode.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    report = run_decode_bench(build_model(args.device), args.batches, args.new_tokens, args.device,
+                              prompt_tokens=args.prompt_tokens, variants=tuple(args.variants))
+    report |= {"shape": SHAPE, "machine": platform.processor() or platform.machine()}
+    print(f"\n{'variant':<14} {'batch':>5} {'tokens/s':>10} {'vs static':>9}")
+    for r in report["rows"]:
+        print(f"{r['variant']:<14} {r['batch']:>5} {r['tokens_per_s']:>10} {r['vs_static'] or '':>9}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
