@@ -16,8 +16,8 @@ Variants (each an `HFEngine` on the same model, prompts and seed):
   the paged cache stores each prompt once
 
 Rows decode exactly `new_tokens` (end-of-sequence is switched off), prompts of `prompt_tokens` random ids.
-Each variant runs once untimed at the timed size first (compiling, allocator, rotary tables). Printed: tokens/s
-per variant and batch, and each variant's ratio to `static` (`static_groups` for the group variants). The GPU
+Each variant runs once untimed at the timed size first (compiling, allocator, rotary tables), then `repeats`
+rounds in which the variants take turns. Printed: the best round's tokens/s per variant and batch, and each variant's ratio to `static` (`static_groups` for the group variants). The GPU
 suite calls `run_decode_bench(model, batch_sizes, new_tokens, device)`. Results:
 benchmarks/results/paged_decode.json.
 """
@@ -28,6 +28,7 @@ import argparse
 import json
 import platform
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -59,7 +60,6 @@ def _sync(device: str) -> None:
 
 
 def _time_generate(engine: HFEngine, prompts: list[list[int]], params: SamplingParams, device: str) -> tuple[float, int]:
-    engine.generate(prompts, params)  # warm-up at the timed size
     engine.generator.manual_seed(1)
     _sync(device)
     start = time.perf_counter()
@@ -69,27 +69,37 @@ def _time_generate(engine: HFEngine, prompts: list[list[int]], params: SamplingP
 
 
 def run_decode_bench(model, batch_sizes: list[int], new_tokens: int, device: str, *, tokenizer=None,
-                     prompt_tokens: int = 128, variants: tuple[str, ...] = VARIANTS, group: int = 8) -> dict:
-    """Decode tokens/s of each variant at each batch size (rows = prompts x samples), and the ratio of each
-    to the static cache. `model`: a Llama/Qwen-family causal LM already on `device` (its dtype is used)."""
+                     prompt_tokens: int = 128, variants: tuple[str, ...] = VARIANTS, group: int = 8,
+                     repeats: int = 3) -> dict:
+    """Decode tokens/s of each variant at each batch size (rows = prompts x samples), the fastest of
+    `repeats` rounds (the variants take turns within a round, so a busy machine slows them alike), and the
+    ratio of each to the static cache. `model`: a Llama/Qwen-family causal LM already on `device` (its
+    dtype is used)."""
     tokenizer = tokenizer or build_tokenizer()
     rng = random.Random(0)
     vocab = model.get_input_embeddings().weight.shape[0]
     prompts = [[rng.randrange(7, vocab) for _ in range(prompt_tokens)] for _ in range(max(batch_sizes))]
-    rows = []
-    for variant in variants:
-        engine = HFEngine(model, tokenizer, seed=0, **engine_options(variant, device))
+    engines = {v: HFEngine(model, tokenizer, seed=0, **engine_options(v, device)) for v in variants}
+    for engine in engines.values():
         engine.eos_ids = set()  # every row decodes new_tokens
-        for batch in batch_sizes:
-            n = group if variant.endswith("_groups") else 1
-            if batch % n or (variant == "paged_flex" and not device.startswith("cuda") and batch > CPU_FLEX_ROWS):
-                continue
-            params = SamplingParams(max_tokens=new_tokens, temperature=1.0, n=n)
-            seconds, tokens = _time_generate(engine, prompts[: batch // n], params, device)
-            row = {"variant": variant, "batch": batch, "samples_per_prompt": n, "tokens": tokens,
-                   "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1)}
-            if engine.paged.last_pool is not None:
-                row["kv_blocks"] = engine.paged.last_pool.capacity
+    rows = []
+    for batch in batch_sizes:
+        runs: dict[str, list[float]] = {}
+        for round_ in range(repeats + 1):  # round 0 warms up (compiling, allocator, rotary tables)
+            for variant, engine in engines.items():
+                n = group if variant.endswith("_groups") else 1
+                if batch % n or (variant == "paged_flex" and not device.startswith("cuda") and batch > CPU_FLEX_ROWS):
+                    continue
+                params = SamplingParams(max_tokens=new_tokens, temperature=1.0, n=n)
+                seconds, tokens = _time_generate(engine, prompts[: batch // n], params, device)
+                if round_:
+                    runs.setdefault(variant, []).append(tokens / seconds)
+        for variant, speeds in runs.items():
+            row = {"variant": variant, "batch": batch, "tokens_per_s": round(max(speeds), 1),
+                   "tokens_per_s_median": round(statistics.median(speeds), 1),
+                   "samples_per_prompt": group if variant.endswith("_groups") else 1}
+            if engines[variant].paged.last_pool is not None:
+                row["kv_blocks"] = engines[variant].paged.last_pool.capacity
             rows.append(row)
             print(json.dumps(row), flush=True)
     by = {(r["variant"], r["batch"]): r["tokens_per_s"] for r in rows}
@@ -97,7 +107,7 @@ def run_decode_bench(model, batch_sizes: list[int], new_tokens: int, device: str
         base = by.get(("static_groups" if r["variant"].endswith("_groups") else "static", r["batch"]))
         r["vs_static"] = round(r["tokens_per_s"] / base, 3) if base else None
     return {"device": device, "torch": torch.__version__, "new_tokens": new_tokens, "prompt_tokens": prompt_tokens,
-            "threads": torch.get_num_threads(), "rows": rows}
+            "threads": torch.get_num_threads(), "repeats": repeats, "rows": rows}
 
 
 def build_model(device: str, dtype: torch.dtype = torch.float32):
@@ -116,12 +126,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--out", default="benchmarks/results/paged_decode.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     report = run_decode_bench(build_model(args.device), args.batches, args.new_tokens, args.device,
-                              prompt_tokens=args.prompt_tokens, variants=tuple(args.variants))
+                              prompt_tokens=args.prompt_tokens, variants=tuple(args.variants),
+                              repeats=args.repeats)
     report |= {"shape": SHAPE, "machine": platform.processor() or platform.machine()}
     print(f"\n{'variant':<14} {'batch':>5} {'tokens/s':>10} {'vs static':>9}")
     for r in report["rows"]:
