@@ -17,8 +17,9 @@ Variants (each an `HFEngine` on the same model, prompts and seed):
 
 Rows decode exactly `new_tokens` (end-of-sequence is switched off), prompts of `prompt_tokens` random ids.
 Each variant runs once untimed at the timed size first (compiling, allocator, rotary tables), then `repeats`
-rounds in which the variants take turns. Printed: the best round's tokens/s per variant and batch, and each variant's ratio to `static` (`static_groups` for the group variants). The GPU
-suite calls `run_decode_bench(model, batch_sizes, new_tokens, device)`. Results:
+rounds in which the variants take turns. Printed: the best round's tokens/s per variant and batch, the
+median tokens per CPU-second of this process (steadier than wall time on a shared machine), and each
+variant's ratio to `static` (`static_groups` for the group variants). The GPU suite calls `run_decode_bench(model, batch_sizes, new_tokens, device)`. Results:
 benchmarks/results/paged_decode.json.
 """
 
@@ -59,13 +60,15 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time_generate(engine: HFEngine, prompts: list[list[int]], params: SamplingParams, device: str) -> tuple[float, int]:
+def _time_generate(engine: HFEngine, prompts: list[list[int]], params: SamplingParams,
+                   device: str) -> tuple[float, float, int]:
+    """(wall seconds, this process's CPU seconds, generated tokens) of one `generate`."""
     engine.generator.manual_seed(1)
     _sync(device)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     out = engine.generate(prompts, params)
     _sync(device)
-    return time.perf_counter() - start, sum(len(c.token_ids) for group in out for c in group)
+    return time.perf_counter() - start, time.process_time() - cpu, sum(len(c.token_ids) for g in out for c in g)
 
 
 def run_decode_bench(model, batch_sizes: list[int], new_tokens: int, device: str, *, tokenizer=None,
@@ -84,28 +87,31 @@ def run_decode_bench(model, batch_sizes: list[int], new_tokens: int, device: str
         engine.eos_ids = set()  # every row decodes new_tokens
     rows = []
     for batch in batch_sizes:
-        runs: dict[str, list[float]] = {}
+        runs: dict[str, list[tuple[float, float]]] = {}
         for round_ in range(repeats + 1):  # round 0 warms up (compiling, allocator, rotary tables)
             for variant, engine in engines.items():
                 n = group if variant.endswith("_groups") else 1
                 if batch % n or (variant == "paged_flex" and not device.startswith("cuda") and batch > CPU_FLEX_ROWS):
                     continue
                 params = SamplingParams(max_tokens=new_tokens, temperature=1.0, n=n)
-                seconds, tokens = _time_generate(engine, prompts[: batch // n], params, device)
+                seconds, cpu_seconds, tokens = _time_generate(engine, prompts[: batch // n], params, device)
                 if round_:
-                    runs.setdefault(variant, []).append(tokens / seconds)
+                    runs.setdefault(variant, []).append((tokens / seconds, tokens / max(cpu_seconds, 1e-9)))
         for variant, speeds in runs.items():
-            row = {"variant": variant, "batch": batch, "tokens_per_s": round(max(speeds), 1),
-                   "tokens_per_s_median": round(statistics.median(speeds), 1),
+            wall, cpu = [w for w, _ in speeds], [c for _, c in speeds]
+            row = {"variant": variant, "batch": batch, "tokens_per_s": round(max(wall), 1),
+                   "tokens_per_s_median": round(statistics.median(wall), 1),
+                   "tokens_per_cpu_s": round(statistics.median(cpu), 1),
                    "samples_per_prompt": group if variant.endswith("_groups") else 1}
             if engines[variant].paged.last_pool is not None:
                 row["kv_blocks"] = engines[variant].paged.last_pool.capacity
             rows.append(row)
             print(json.dumps(row), flush=True)
-    by = {(r["variant"], r["batch"]): r["tokens_per_s"] for r in rows}
-    for r in rows:
-        base = by.get(("static_groups" if r["variant"].endswith("_groups") else "static", r["batch"]))
-        r["vs_static"] = round(r["tokens_per_s"] / base, 3) if base else None
+    for key, ratio in (("tokens_per_s", "vs_static"), ("tokens_per_cpu_s", "vs_static_cpu")):
+        by = {(r["variant"], r["batch"]): r[key] for r in rows}
+        for r in rows:
+            base = by.get(("static_groups" if r["variant"].endswith("_groups") else "static", r["batch"]))
+            r[ratio] = round(r[key] / base, 3) if base else None
     return {"device": device, "torch": torch.__version__, "new_tokens": new_tokens, "prompt_tokens": prompt_tokens,
             "threads": torch.get_num_threads(), "repeats": repeats, "rows": rows}
 
@@ -135,9 +141,10 @@ def main() -> None:
                               prompt_tokens=args.prompt_tokens, variants=tuple(args.variants),
                               repeats=args.repeats)
     report |= {"shape": SHAPE, "machine": platform.processor() or platform.machine()}
-    print(f"\n{'variant':<14} {'batch':>5} {'tokens/s':>10} {'vs static':>9}")
+    print(f"\n{'variant':<14} {'batch':>5} {'tokens/s':>10} {'vs static':>9} {'tokens/CPU s':>12} {'vs static':>9}")
     for r in report["rows"]:
-        print(f"{r['variant']:<14} {r['batch']:>5} {r['tokens_per_s']:>10} {r['vs_static'] or '':>9}")
+        print(f"{r['variant']:<14} {r['batch']:>5} {r['tokens_per_s']:>10} {r['vs_static'] or '':>9} "
+              f"{r['tokens_per_cpu_s']:>12} {r['vs_static_cpu'] or '':>9}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
 
