@@ -19,8 +19,8 @@ Rows decode exactly `new_tokens` (end-of-sequence is switched off), prompts of `
 Each variant runs once untimed at the timed size first (compiling, allocator, rotary tables), then `repeats`
 rounds in which the variants take turns. Printed: the best round's tokens/s per variant and batch, the
 median tokens per CPU-second of this process (steadier than wall time on a shared machine), and each
-variant's ratio to `static` (`static_groups` for the group variants). The GPU suite calls `run_decode_bench(model, batch_sizes, new_tokens, device)`. Results:
-benchmarks/results/paged_decode.json.
+variant's ratio to `static` (`static_groups` for the group variants). The GPU suite calls
+`run_decode_bench(model, batch_sizes, new_tokens, device)`. Results: benchmarks/results/paged_decode.json.
 """
 
 from __future__ import annotations
