@@ -29,8 +29,9 @@ import warnings
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
-from tokenmill.engines.local.fast_decode import attention
+from tokenmill.engines.local.fast_decode import MANUAL_ATTENTION_KEYS
 
 Backend = Literal["gather", "flex"]
 SCRATCH = 0  # block 0 is never handed out: padding rows (graph buckets) write and read it
@@ -252,15 +253,31 @@ def paged_attention(pool: BlockPool, layer: int, q_B_H_1_D: torch.Tensor, meta: 
                     scale: float, backend: Backend) -> torch.Tensor:
     """Attention output `[B, 1, heads x head_dim]` of one query per row over its written positions."""
     keys, values = pool.keys[layer], pool.values[layer]
-    if backend == "gather":  # whole blocks by index (index_select: contiguous copies, ~6x a per-token gather)
-        table_B_M = meta["table_B_M"]
-        rows, width = table_B_M.shape
-        heads, dim, bs = keys.shape[1], keys.shape[3], pool.block_size
-        flat = table_B_M.reshape(-1)
-        k = keys[0].view(heads, -1, bs, dim).index_select(1, flat).view(heads, rows, width * bs, dim).transpose(0, 1)
-        v = values[0].view(heads, -1, bs, dim).index_select(1, flat).view(heads, rows, width * bs, dim).transpose(0, 1)
-        return attention(q_B_H_1_D.to(k.dtype), k, v, meta["mask_B_1_1_S"], scale)
+    if backend == "gather":
+        return _gathered(pool, q_B_H_1_D, keys, values, meta, scale)
     return _flex(pool, q_B_H_1_D, keys, values, meta, scale)
+
+
+def _gathered(pool: BlockPool, q_B_H_1_D, keys, values, meta, scale: float) -> torch.Tensor:
+    """The rows' blocks copied whole (`index_select`: contiguous copies, ~6x a per-token gather on the CPU)
+    into `[kv_heads, rows, positions, head_dim]`, kept in that order (contiguous for the matmuls), each key/value
+    head's query heads standing in the query axis (grouped queries, no repeat)."""
+    table_B_M = meta["table_B_M"]
+    rows, width = table_B_M.shape
+    kv_heads, dim, bs = keys.shape[1], keys.shape[3], pool.block_size
+    flat = table_B_M.reshape(-1)
+    k_K_B_S_D = keys[0].view(kv_heads, -1, bs, dim).index_select(1, flat).view(kv_heads, rows, width * bs, dim)
+    v_K_B_S_D = values[0].view(kv_heads, -1, bs, dim).index_select(1, flat).view(kv_heads, rows, width * bs, dim)
+    heads = q_B_H_1_D.shape[1]
+    q_K_B_G_D = q_B_H_1_D.to(k_K_B_S_D.dtype).view(rows, kv_heads, heads // kv_heads, dim).transpose(0, 1)
+    mask_1_B_1_S = meta["mask_B_1_1_S"].view(1, rows, 1, -1)
+    if q_K_B_G_D.device.type == "cpu" and width * bs <= MANUAL_ATTENTION_KEYS:  # as the fast step does
+        scores = (q_K_B_G_D @ k_K_B_S_D.transpose(-1, -2)) * scale
+        out_K_B_G_D = scores.masked_fill(~mask_1_B_1_S, float("-inf")).softmax(dim=-1) @ v_K_B_S_D
+    else:
+        out_K_B_G_D = F.scaled_dot_product_attention(q_K_B_G_D, k_K_B_S_D, v_K_B_S_D, attn_mask=mask_1_B_1_S,
+                                                     scale=scale)
+    return out_K_B_G_D.transpose(0, 1).reshape(rows, 1, heads * dim)
 
 
 def _flex(pool: BlockPool, q_B_H_1_D, keys, values, meta, scale: float) -> torch.Tensor:
