@@ -140,7 +140,8 @@ class ContinuousEngine(HFEngine):
         # over the paged cache, one CUDA graph per batch-size bucket (`engines.local.graph_buckets`)
         self.cuda_graphs_off = ("the continuous batch changes shape every step (rows join and leave): "
                                 "graphs need kv_cache: paged" if self.paged.off is not None else
-                                "turned off" if not cuda_graphs else graphs_blocker(self.device))
+                                "turned off" if not cuda_graphs else graphs_blocker(self.device) or (
+                                    None if self.paged.backend == "flex" else "graphs need paged_attention: flex"))
         self._buckets = (BucketedGraphs(self._fast, max_batch, compile=compile_step) if self.cuda_graphs_off is None
                          else None)
         self._pool: BlockPool | None = None  # the paged cache's blocks, kept across steps and requests

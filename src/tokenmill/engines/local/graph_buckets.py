@@ -9,6 +9,10 @@ nothing. The attention's index tensors are computed inside the recorded step fro
 (`paged.attention_meta`), so a replay attends over each row's current blocks. A bucket is recorded again
 when the pool grows (its buffers move: `BlockPool.generation`).
 
+The engines record buckets over FlexAttention only (`paged_attention: flex`, the GPU's `auto`): its index
+tensors have one column per pool block and the compiled kernel visits only a row's own blocks, while the
+gather attention at a fixed width would copy the whole pool for every row.
+
 With `record=False` (any device) the same padded fixed-shape step runs without a graph: what the CPU tests
 check against the unpadded step. On a GPU the step is compiled first (`torch.compile`: FlexAttention needs
 it to visit only the rows' blocks), falling back to the uncompiled step where compiling fails.

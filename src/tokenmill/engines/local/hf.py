@@ -118,8 +118,8 @@ class HFEngine:
                          else None)
         # the paged key/value cache (`engines.local.paged`) and sampling on the device (`device_sampling`)
         self.paged = PagedOptions.of(self, kv_cache, kv_block_size, paged_attention, sample_on_device, sample_chunk)
-        self._buckets = (BucketedGraphs(self._fast, compile=compile_step)
-                         if self.paged.off is None and self.cuda_graphs_off is None else None)
+        self._buckets = (BucketedGraphs(self._fast, compile=compile_step) if self.paged.off is None and
+                         self.cuda_graphs_off is None and self.paged.backend == "flex" else None)
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of key/value state one token takes in the cache (all layers)."""

@@ -291,11 +291,15 @@ def _flex(pool: BlockPool, q_B_H_1_D, keys, values, meta, scale: float) -> torch
         logical = logical_B_N[b, kv_idx // bs]
         return (logical >= 0) & (logical * bs + kv_idx % bs < length_B[b])
 
-    num_B_1_1 = (-(-length_B // bs)).to(torch.int32).view(rows, 1, 1)
-    indices = table_B_M.new_zeros((rows, 1, 1, pool.capacity), dtype=torch.int32)  # one column per pool block
-    indices[:, 0, 0, : table_B_M.shape[1]] = table_B_M
-    mask = BlockMask.from_kv_blocks(num_B_1_1, indices, BLOCK_SIZE=(1, bs), mask_mod=written,
-                                    seq_lengths=(1, keys.shape[2]))
+    # every block of a row but its last is full (the kernel skips the mask there); the last is checked
+    blocks_B = -(-length_B // bs)
+    full_B_1_1 = (blocks_B - 1).to(torch.int32).view(rows, 1, 1)
+    full = table_B_M.new_zeros((rows, 1, 1, pool.capacity), dtype=torch.int32)  # one column per pool block
+    full[:, 0, 0, : table_B_M.shape[1]] = table_B_M
+    last = torch.zeros_like(full)
+    last[:, 0, 0, 0] = table_B_M.gather(1, (blocks_B - 1)[:, None])[:, 0]
+    mask = BlockMask.from_kv_blocks(torch.ones_like(full_B_1_1), last, full_B_1_1, full, BLOCK_SIZE=(1, bs),
+                                    mask_mod=written, seq_lengths=(1, keys.shape[2]), compute_q_blocks=False)
     batch, heads, _, dim = q_B_H_1_D.shape
     with warnings.catch_warnings():  # uncompiled use (the CPU) warns once that it is the slow reference path
         warnings.simplefilter("ignore", UserWarning)
