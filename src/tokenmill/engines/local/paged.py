@@ -192,17 +192,23 @@ class PagedKV:
 
     def step_inputs(self) -> dict[str, torch.Tensor]:
         """The block tables `[B, blocks of the longest row]` (padded with the scratch block), the lengths
-        after this step and the slot of each row's new token, as device tensors."""
+        after this step and the slot of each row's new token, as device tensors (one copy from pinned memory
+        that does not wait for the device)."""
         self.reserve()
-        bs, device = self.pool.block_size, self.device
+        bs = self.pool.block_size
         lengths = [n + 1 for n in self.lengths]
         width = -(-max(lengths) // bs)
-        table_B_M = torch.tensor([t[:width] + [SCRATCH] * (width - len(t[:width])) for t in self.tables],
-                                 device=device)
-        length_B = torch.tensor(lengths, device=device)
-        write_B = torch.tensor([t[n // bs] * bs + n % bs for t, n in zip(self.tables, self.lengths, strict=True)],
-                               device=device)
-        return {"table_B_M": table_B_M, "length_B": length_B, "write_B": write_B}
+        rows = len(self.tables)
+        packed = [b for t in self.tables for b in t[:width] + [SCRATCH] * (width - len(t[:width]))]
+        packed += lengths + [t[n // bs] * bs + n % bs for t, n in zip(self.tables, self.lengths, strict=True)]
+        host = torch.tensor(packed)
+        if self.device is not None and self.device.type == "cuda":
+            flat = host.pin_memory().to(self.device, non_blocking=True)
+        else:
+            flat = host.to(self.device)
+        table_B_M = flat[: rows * width].view(rows, width)
+        return {"table_B_M": table_B_M, "length_B": flat[rows * width : rows * (width + 1)],
+                "write_B": flat[rows * (width + 1) :]}
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Write one new token per row (`key`, `value`: `[B, kv_heads, 1, head_dim]`)."""
