@@ -116,7 +116,7 @@ class HFEngine:
                                 or graphs_blocker(self.device))
         self._graphed = (GraphedDecode(self._fast, compile=compile_step) if self.cuda_graphs_off is None
                          else None)
-        # the paged key/value cache (`engines.local.paged`) and sampling on the device (`device_sampling`)
+        # the paged key/value cache (`engines.local.paged`) and sampling on the device (`paged_decode`)
         self.paged = PagedOptions.of(self, kv_cache, kv_block_size, paged_attention, sample_on_device, sample_chunk)
         self._buckets = (BucketedGraphs(self._fast, compile=compile_step) if self.paged.off is None and
                          self.cuda_graphs_off is None and self.paged.backend == "flex" else None)

@@ -89,3 +89,20 @@ def test_the_engine_section_selects_the_paged_cache(tiny_model, tokenizer):
     engine = HFEngine(tiny_model, tokenizer, **section.paged_options())
     assert engine.paged.off is None and engine.paged.on_device_off is None and engine.paged.block_size == 8
     assert engine.paged.backend == "gather"  # auto, on the CPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bucket_graphs_and_device_sampling_on_gpu(qwen3, tokenizer, prompts):
+    model = qwen3.to("cuda")
+    params = SamplingParams(max_tokens=16, n=4, temperature=0.9)
+    kw = {"seed": 3, "kv_cache": "paged", "paged_attention": "flex", "compact_fraction": 1.0}
+    graphed = HFEngine(model, tokenizer, **kw)
+    eager = HFEngine(model, tokenizer, cuda_graphs=False, **kw)
+    on_device = HFEngine(model, tokenizer, sample_on_device=True, **kw)
+    assert graphed._buckets is not None and eager._buckets is None
+    reference = eager.generate(prompts, params)
+    assert_same(graphed.generate(prompts, params), reference, tol=1e-4)
+    assert graphed._buckets.compile_off is None, graphed._buckets.compile_off
+    assert_same(on_device.generate(prompts, params), reference, tol=1e-4)
+    assert on_device.paged.copies < on_device.paged.steps
