@@ -92,3 +92,21 @@ def test_attention_over_written_positions_matches_dense_attention(backend):
 def test_bad_backend_is_refused():
     with pytest.raises(ValueError, match="'gather' or 'flex'"):
         PagedKV(BlockPool(1, 4), "dense")
+
+
+@pytest.mark.slow
+def test_compiled_flex_attention_matches_gather():
+    """Compiled (inductor's CPU template; Triton on a GPU), FlexAttention visits only the rows' blocks: the
+    same output as the gather path (about a minute of compiling, hence slow)."""
+    pool = BlockPool(layers=1, blocks=24, block_size=4)
+    cache = PagedKV(pool, "flex")
+    keys, values, columns = _prompt_states([10, 3, 7], layers=1, seed=3)
+    cache.add_rows(keys, values, columns, source=[0, 1, 0, 2])
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(4, HEADS, 1, DIM, generator=gen)
+    cache.update(torch.randn(4, KV_HEADS, 1, DIM, generator=gen), torch.randn(4, KV_HEADS, 1, DIM, generator=gen), 0)
+    flex_meta = cache._meta
+    cache.backend = "gather"
+    want = paged_attention(pool, 0, q, cache.step_meta(), 0.3, "gather")
+    got = torch.compile(lambda q_: paged_attention(pool, 0, q_, flex_meta, 0.3, "flex"))(q)
+    assert torch.allclose(got, want, atol=1e-6)
