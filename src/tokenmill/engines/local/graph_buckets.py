@@ -15,7 +15,8 @@ gather attention at a fixed width would copy the whole pool for every row.
 
 With `record=False` (any device) the same padded fixed-shape step runs without a graph: what the CPU tests
 check against the unpadded step. On a GPU the step is compiled first (`torch.compile`: FlexAttention needs
-it to visit only the rows' blocks), falling back to the uncompiled step where compiling fails.
+it to visit only the rows' blocks), falling back to the uncompiled step where compiling fails
+(`compile_off` says why), and to the step without graphs where capturing fails (`record_off`).
 
     >>> graphs = BucketedGraphs(fast)                            # doctest: +SKIP
     >>> logits_B_V = graphs.step(tok_B, pos_B, paged_cache)      # doctest: +SKIP
@@ -124,6 +125,7 @@ class BucketedGraphs:
         self.sizes = bucket_sizes(max_rows)
         self._compiled = torch.compile(fast.step) if compile else None
         self.compile_off: str | None = None if compile else "turned off"
+        self.record_off: str | None = None if record else "turned off"  # why steps replay from no graph
         self._buckets: dict[int, _Bucket] = {}
         self._generation: int | None = None
         self._pool_handle = None
@@ -163,6 +165,16 @@ class BucketedGraphs:
         self._try_compiled(bucket)
         if not self.record:
             return bucket
+        try:
+            self._record(bucket)
+        except Exception as exc:  # noqa: BLE001 - a step that cannot be captured: decode on, without graphs
+            self.record = False
+            self.record_off = f"CUDA graph capture failed: {type(exc).__name__}: {str(exc)[:300]}"
+            logger.warning("paged decode step not recorded (%s)", self.record_off)
+            bucket.graph = None
+        return bucket
+
+    def _record(self, bucket: _Bucket) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -176,7 +188,6 @@ class BucketedGraphs:
             bucket.logits_B_V = bucket.run()
         bucket.graph = graph
         self.recordings += 1
-        return bucket
 
     def _try_compiled(self, bucket: _Bucket) -> None:
         if self._compiled is None:

@@ -129,6 +129,7 @@ def test_recorded_bucket_graphs_match_the_eager_paged_step_on_gpu(tokenizer, pro
         got = [f.result(timeout=600) for f in futures]
         assert graphed._buckets.recordings >= 2  # rows left: a smaller bucket was recorded
         assert (graphed._buckets.compile_off is None) == compile_step, graphed._buckets.compile_off
+        assert graphed._buckets.record_off is None, graphed._buckets.record_off
     eager, _ = _run_continuous(model, tokenizer, prompts, params, cuda_graphs=False, **kw)
     assert_same(got, eager, tol=1e-4)
 
