@@ -159,7 +159,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model, tok = load_policy(cfg.model, device)
     engine = HFEngine(model, tok, seed=cfg.training.seed, autocast_dtype=autocast_dtype(cfg.model, device),
                       fast_decode=cfg.engine.fast_decode, cuda_graphs=cfg.engine.cuda_graphs,
-                      compile_step=cfg.engine.compile_step, max_batch_tokens=cfg.engine.max_batch_tokens)
+                      compile_step=cfg.engine.compile_step, max_batch_tokens=cfg.engine.max_batch_tokens,
+                      **cfg.engine.paged_options())
     try:
         result = evaluate_config(cfg, engine, tok, rewards, eval_rows if eval_rows is not None else train_rows)
     finally:
@@ -242,6 +243,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve(args.model_dir, host=args.host, port=args.port, token=token, allow_remote=args.allow_remote,
               served_model_name=args.served_model_name, dtype=args.dtype, max_batch=args.max_batch,
               max_batch_tokens=args.max_batch_tokens, seed=args.seed, device=args.device,
+              kv_cache=args.kv_cache, kv_block_size=args.kv_block_size,
               max_body_bytes=int(args.max_body_mb * 2**20), limits=_limits(args))
     except ValueError as exc:  # an unsafe exposure, a bad folder or flag: one line, no traceback
         print(f"tokenmill serve: {exc}", file=sys.stderr)
@@ -291,6 +293,13 @@ def _server_args(parser: argparse.ArgumentParser, *, port: int, token_env: str) 
     parser.add_argument("--token", default=None, help=f"bearer token (default: ${token_env})")
     parser.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host (needs a token)")
     _limit_args(parser)
+
+
+def _kv_cache_args(parser: argparse.ArgumentParser) -> None:
+    """`tokenmill serve`'s key/value cache flags (engine.kv_cache, engine.kv_block_size)."""
+    parser.add_argument("--kv-cache", default="static", choices=["static", "paged"],
+                        help="decode key/value cache: static (one padded batch) or paged (blocks; docs/performance.md)")
+    parser.add_argument("--kv-block-size", type=_positive(int), default=16, help="tokens per block of the paged cache")
 
 
 def _positive(kind: type) -> Any:
@@ -384,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-batch", type=int, default=256, help="running sequences at most")
     srv.add_argument("--max-batch-tokens", type=int, default=0,
                      help="key/value tokens the running sequences may claim, each its prompt + max_tokens (0: no limit)")
+    _kv_cache_args(srv)
     srv.add_argument("--seed", type=int, default=0, help="seed of the sampling of requests without their own")
     srv.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
     srv.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (413 beyond)")

@@ -418,6 +418,24 @@ class EngineConfig(Section):
         0, ge=0, description="torch threads of the generation side (rollout thread, worker or each spawned server); "
         "0 = half the cores (shared by the servers). The trainer gets the rest."
     )
+    kv_cache: Literal["static", "paged"] = Field(
+        "static", description="The in-process engine's decode key/value cache: static (one buffer per call, as "
+        "wide as the longest prompt + max_tokens) or paged (blocks: a group's rows share its prompt blocks, finished "
+        "rows free theirs, attention reads only the written positions; docs/performance.md). Needs fast_decode.")
+    kv_block_size: int = Field(16, ge=1, description="Tokens per block of the paged key/value cache.")
+    paged_attention: Literal["auto", "gather", "flex"] = Field(
+        "auto", description="Decode attention over the paged cache: gather (the rows' blocks gathered, then "
+        "attention), flex (PyTorch FlexAttention over the blocks), auto (flex on a GPU, gather on the CPU).")
+    sample_on_device: bool = Field(
+        False, description="With kv_cache: paged, sample and check for end-of-sequence on the device, copying the "
+        "tokens to the host every sample_chunk steps (requests with stop strings sample on the host).")
+    sample_chunk: int = Field(8, ge=1, description="Decode steps between two copies of the sampled tokens to the host (sample_on_device).")
+
+    def paged_options(self) -> dict:
+        """The in-process engine's keyword arguments for the paged cache and sampling on the device."""
+        return {"kv_cache": self.kv_cache, "kv_block_size": self.kv_block_size,
+                "paged_attention": self.paged_attention, "sample_on_device": self.sample_on_device,
+                "sample_chunk": self.sample_chunk}
 
     @property
     def weight_sync(self) -> str:

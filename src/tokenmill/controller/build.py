@@ -137,7 +137,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
             model, tokenizer, seed=cfg.training.seed, autocast_dtype=amp,
             fast_decode=cfg.engine.fast_decode, cuda_graphs=cfg.engine.cuda_graphs,
             compile_step=cfg.engine.compile_step,
-            max_batch_tokens=cfg.engine.max_batch_tokens)
+            max_batch_tokens=cfg.engine.max_batch_tokens, **cfg.engine.paged_options())
         if cfg.training.router_replay == "r3":  # the experts it picks, replayed by the trainer
             engine.record_routing(True)
     teacher = build_teacher(cfg.distillation, model, tokenizer, device, autocast_dtype=amp)

@@ -183,7 +183,7 @@ def build_placement(run) -> Placement:
         from tokenmill.engines.local.hf import HFEngine
 
         copied = HFEngine(copy.deepcopy(model), run.tokenizer, seed=cfg.training.seed,
-                          autocast_dtype=engine.autocast_dtype)
+                          autocast_dtype=engine.autocast_dtype, **cfg.engine.paged_options())
         # one sampling stream: what a checkpoint saves (the run's engine's) is what the producer draws from
         copied.generator = engine.generator
         copied.version = engine.version
@@ -200,7 +200,7 @@ def build_placement(run) -> Placement:
         return WorkerPlacement(WorkerEngine(
             model, run.tokenizer, seed=cfg.training.seed, threads=thread_split(cfg)[0],
             fast_decode=cfg.engine.fast_decode, max_batch_tokens=cfg.engine.max_batch_tokens,
-            timeout_s=cfg.engine.timeout_s, version=engine.version))
+            timeout_s=cfg.engine.timeout_s, version=engine.version, engine_options=cfg.engine.paged_options()))
     if place in ("process", "remote"):
         return _server_placement(run)
     raise ConfigError(f"engine.placement: {place!r} has no producer (colocated runs in place)")
@@ -233,7 +233,9 @@ def _server_placement(run) -> ServerPlacement:
         elif cfg.engine.placement == "process":
             urls, procs = spawn_servers(cfg.model.path, cfg.engine.num_servers, threads=thread_split(cfg)[0],
                                         timeout_s=cfg.engine.timeout_s, seed=cfg.training.seed,
-                                        device=str(run.rollout.engine.device), log_dir=run.output_dir)
+                                        device=str(run.rollout.engine.device), log_dir=run.output_dir,
+                                        extra_args=("--kv-cache", cfg.engine.kv_cache,
+                                                    "--kv-block-size", str(cfg.engine.kv_block_size)))
         else:
             urls = list(cfg.engine.urls)
         # a LoRA run into vLLM pushes the adapters, sampled under their own name (tokenmill.engines.vllm); not

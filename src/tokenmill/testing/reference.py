@@ -14,3 +14,17 @@ def teacher_logprobs(model, prompt: Sequence[int], completion: Sequence[int], te
     logits = model(torch.tensor([list(prompt) + list(completion)])).logits[0].float()
     logp = torch.log_softmax(logits / temperature, dim=-1)
     return [logp[len(prompt) - 1 + k, t].item() for k, t in enumerate(completion)]
+
+
+def assert_same_completions(a, b, tol: float = 1e-5) -> None:
+    """Two engines' outputs (`list[list[Completion]]`, or flat lists) hold the same tokens and stop reasons,
+    and logprobs within `tol`; and the comparison is not vacuous (some row decoded more than one token, or
+    rows stopped at different steps)."""
+    flat_a = [c for group in a for c in (group if isinstance(group, list) else [group])]
+    flat_b = [c for group in b for c in (group if isinstance(group, list) else [group])]
+    assert [c.token_ids for c in flat_a] == [c.token_ids for c in flat_b]
+    assert [c.stop_reason for c in flat_a] == [c.stop_reason for c in flat_b]
+    worst = max(abs(x - y) for ca, cb in zip(flat_a, flat_b) for x, y in zip(ca.logprobs, cb.logprobs))
+    assert worst < tol, f"largest logprob difference {worst:.2e}"
+    lengths = {len(c.token_ids) for c in flat_a}
+    assert len(lengths) > 1 or max(lengths) > 1

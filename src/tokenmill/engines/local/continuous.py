@@ -39,8 +39,12 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.engines.base import EngineUnavailable
+from tokenmill.engines.local.cuda_graphs import graphs_blocker
 from tokenmill.engines.local.fast_decode import has_sliding_layers
+from tokenmill.engines.local.graph_buckets import BucketedGraphs
 from tokenmill.engines.local.hf import HFEngine
+from tokenmill.engines.local.paged import BlockPool, PagedKV
+from tokenmill.engines.local.paged_decode import prefill_states
 from tokenmill.engines.local.sampling import sample_rows
 from tokenmill.types import Completion, PromptLogprobs, SamplingParams, StopReason
 
@@ -120,7 +124,9 @@ class ContinuousEngine(HFEngine):
     def __init__(self, model, tokenizer, *, seed: int = 0, max_batch: int = 256, max_waiting: int = 4096,
                  max_prefill_tokens: int = 8192, interrupt_in_flight: bool = False,
                  request_timeout_s: float = 3600.0, autocast_dtype: torch.dtype | None = None,
-                 prefix_cache_tokens: int = 0, fast_decode: bool = True, max_batch_tokens: int = 0) -> None:
+                 prefix_cache_tokens: int = 0, fast_decode: bool = True, max_batch_tokens: int = 0,
+                 kv_cache: str = "static", kv_block_size: int = 16, paged_attention: str = "auto",
+                 cuda_graphs: bool = True, compile_step: bool = True) -> None:
         if has_sliding_layers(model.config):
             raise ValueError("ContinuousEngine needs full-attention layers (this model has sliding-window ones, "
                              "whose caches cannot be re-aligned); use HFEngine")
@@ -129,8 +135,16 @@ class ContinuousEngine(HFEngine):
                              f"{max_waiting}, {max_prefill_tokens}")
         super().__init__(model, tokenizer, seed=seed, autocast_dtype=autocast_dtype,
                          prefix_cache_tokens=prefix_cache_tokens, fast_decode=fast_decode,
-                         max_batch_tokens=max_batch_tokens, cuda_graphs=False)
-        self.cuda_graphs_off = "the continuous batch changes shape every step (rows join and leave)"
+                         max_batch_tokens=max_batch_tokens, cuda_graphs=False, kv_cache=kv_cache,
+                         kv_block_size=kv_block_size, paged_attention=paged_attention)
+        # over the paged cache, one CUDA graph per batch-size bucket (`engines.local.graph_buckets`)
+        self.cuda_graphs_off = ("the continuous batch changes shape every step (rows join and leave): "
+                                "graphs need kv_cache: paged" if self.paged.off is not None else
+                                "turned off" if not cuda_graphs else graphs_blocker(self.device) or (
+                                    None if self.paged.backend == "flex" else "graphs need paged_attention: flex"))
+        self._buckets = (BucketedGraphs(self._fast, max_batch, compile=compile_step) if self.cuda_graphs_off is None
+                         else None)
+        self._pool: BlockPool | None = None  # the paged cache's blocks, kept across steps and requests
         self.model.eval()
         self.max_batch, self.max_waiting, self.max_prefill_tokens = max_batch, max_waiting, max_prefill_tokens
         self.interrupt_in_flight = interrupt_in_flight
@@ -310,7 +324,8 @@ class ContinuousEngine(HFEngine):
 
     def stats(self) -> dict[str, int]:  # len() needs no lock
         return {"running_rows": len(self._rows), "waiting_requests": len(self._waiting), "steps": self.steps,
-                "prefills": self.prefills, "generated_tokens": self.generated_tokens, "policy_version": self.version}
+                "prefills": self.prefills, "generated_tokens": self.generated_tokens, "policy_version": self.version,
+                "kv_blocks_used": 0 if self._pool is None else self._pool.used_blocks}
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the loop; requests not finished fail with EngineUnavailable."""
@@ -427,10 +442,13 @@ class ContinuousEngine(HFEngine):
         for r in requests:
             unique.setdefault(tuple(r.prompt), len(unique))
             r.future.policy_version, r.future.admitted_step = self.version, self.steps
-        logits_P_V, cache, mask_P_L, pos_P = self._prefill([list(p) for p in unique])
-        self.prefills += 1
         source = [unique[tuple(r.prompt)] for r in requests for _ in range(r.params.n)]
         rows = [_Row(r, i) for r in requests for i in range(r.params.n)]
+        self.prefills += 1
+        if self.paged.off is None:
+            self._admit_paged([list(p) for p in unique], source, rows)
+            return
+        logits_P_V, cache, mask_P_L, pos_P = self._prefill([list(p) for p in unique])
         index_N = torch.tensor(source, device=self.device)
         if source != list(range(len(unique))):
             cache.batch_select_indices(index_N)
@@ -439,7 +457,34 @@ class ContinuousEngine(HFEngine):
         if keep:
             self._join(rows, keep, cache, mask_P_L, pos_P, tok_N)
 
+    def _admit_paged(self, prompts: list[list[int]], source: list[int], rows: list[_Row]) -> None:
+        """`_admit` over the paged cache: the rows of one prompt share its full blocks; rows that finish at
+        their first token give theirs back at once."""
+        logits_P_V, prefill, mask_P_L, pos_P = self._prefill(prompts, extra=0)
+        self._pool = self._pool or self.paged.pool(len(self._fast.layers), self.max_batch_tokens)
+        self._cache = self._cache if self._cache is not None else PagedKV(self._pool, self.paged.backend)
+        before = len(self._cache)
+        self._cache.add_rows(*prefill_states(prefill, mask_P_L), source)
+        index_N = torch.tensor(source, device=self.device)
+        tok_N, keep = self._advance(rows, logits_P_V[index_N])
+        self._cache.batch_select_indices(list(range(before)) + [before + k for k in keep])
+        keep_K = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self._rows = self._rows + [rows[k] for k in keep]
+        self._pos_B = torch.cat([*([] if self._pos_B is None else [self._pos_B]), pos_P[index_N][keep_K]])
+        self._tok_B = torch.cat([*([] if self._tok_B is None else [self._tok_B]), tok_N[keep_K]])
+
+    def _decode_step_paged(self) -> None:
+        logits_B_V = self._step(self._tok_B, self._pos_B, None, self._cache)  # graphed per bucket where it can
+        self._pos_B, self.steps = self._pos_B + 1, self.steps + 1
+        tok_B, keep = self._advance(self._rows, logits_B_V)
+        keep_K = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self._cache.batch_select_indices(keep)  # finished rows leave; their blocks go back to the pool
+        self._rows, self._pos_B, self._tok_B = [self._rows[r] for r in keep], self._pos_B[keep_K], tok_B[keep_K]
+
     def _decode_step(self) -> None:
+        if isinstance(self._cache, PagedKV):
+            self._decode_step_paged()
+            return
         mask_B_L = torch.cat([self._mask_B_L, self._mask_B_L.new_ones((len(self._rows), 1))], dim=1)
         logits_B_V = self._step(self._tok_B, self._pos_B, None if bool(mask_B_L.all()) else mask_B_L, self._cache)
         self._mask_B_L, self._pos_B = mask_B_L, self._pos_B + 1
@@ -451,7 +496,7 @@ class ContinuousEngine(HFEngine):
         if not keep:
             self._rows, self._cache = [], None
             return
-        keep_K = torch.tensor(keep, device=self.device)
+        keep_K = torch.tensor(keep, dtype=torch.long, device=self.device)
         self._cache.batch_select_indices(keep_K)
         self._rows = [self._rows[r] for r in keep]
         self._mask_B_L, self._pos_B, self._tok_B = self._mask_B_L[keep_K], self._pos_B[keep_K], tok_B[keep_K]
@@ -464,7 +509,7 @@ class ContinuousEngine(HFEngine):
     def _join(self, rows: list[_Row], keep: list[int], cache, mask_N_L, pos_N, tok_N) -> None:
         """Add the kept new rows to the running batch, both right-aligned to the wider of the two caches."""
         if len(keep) < len(rows):
-            keep_K = torch.tensor(keep, device=self.device)
+            keep_K = torch.tensor(keep, dtype=torch.long, device=self.device)
             cache.batch_select_indices(keep_K)
             mask_N_L, pos_N, tok_N = mask_N_L[keep_K], pos_N[keep_K], tok_N[keep_K]
         new_rows = [rows[r] for r in keep]
@@ -538,6 +583,8 @@ class ContinuousEngine(HFEngine):
     def _abort_running(self) -> None:
         for row in self._rows:
             self._finish(row, StopReason.ABORT)
+        if isinstance(self._cache, PagedKV):
+            self._cache.release_all()
         self._rows, self._cache = [], None
         self._mask_B_L = self._pos_B = self._tok_B = None
 

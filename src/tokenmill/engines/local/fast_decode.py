@@ -210,9 +210,9 @@ class FastDecoder:
         """The decoder's final-normed hidden states `[B, T, hidden]` of T tokens per row at positions `pos_B_T`,
         differentiable (the trainer's forward runs here too). `mask` (bool `[B, 1, T, keys]`, True = attend)
         covers the cached keys plus the new ones; None: the new tokens attend causally to each other and to
-        every cached key. `cache` (a `StaticKV`, a `ColumnKV`, a transformers `DynamicCache` or None: keep
-        nothing) gets the new key/value states. `positions`: a bound on `pos_B_T` (spares a device wait)."""
-        kv = None if cache is None else cache if isinstance(cache, (StaticKV, ColumnKV)) else _DynamicKV(cache)
+        every cached key. `cache` (a `StaticKV`, a `ColumnKV`, a `paged.PagedKV`, a transformers `DynamicCache`
+        or None: keep nothing) gets the new key/value states. `positions`: a bound on `pos_B_T` (spares a device wait)."""
+        kv = None if cache is None else cache if hasattr(cache, "advance") else _DynamicKV(cache)
         hidden_B_T_H = self.decoder.embed_tokens(ids_B_T)
         cos, sin = self._rotary(pos_B_T, hidden_B_T_H, positions)
         for i, layer in enumerate(self.layers):
@@ -244,6 +244,8 @@ class FastDecoder:
         q = q * cos + q.roll(half, dims=-1) * sin
         k = k * cos + k.roll(half, dims=-1) * sin
         keys, values = (k, v) if kv is None else kv.update(k, v, index)
+        if hasattr(kv, "attend"):  # a paged cache attends over its own blocks (`engines.local.paged`)
+            return attn.o_proj(kv.attend(q, index, attn.scaling))
         return attn.o_proj(attention(q, keys, values, mask, attn.scaling))
 
 

@@ -25,6 +25,9 @@ from tokenmill.engines.local.fast_decode import (
     has_forward_hooks,
     has_sliding_layers,
 )
+from tokenmill.engines.local.graph_buckets import BucketedGraphs
+from tokenmill.engines.local.paged import PagedKV
+from tokenmill.engines.local.paged_decode import PagedOptions, decode_on_device
 from tokenmill.engines.local.prefix_cache import PrefixCache
 from tokenmill.engines.local.sampling import sample_tokens
 from tokenmill.types import Completion, PromptLogprobs, SamplingParams, StopReason
@@ -80,6 +83,11 @@ class HFEngine:
         cuda_graphs: bool = True,
         compile_step: bool = True,
         max_batch_tokens: int = 0,
+        kv_cache: str = "static",
+        kv_block_size: int = 16,
+        paged_attention: str = "auto",
+        sample_on_device: bool = False,
+        sample_chunk: int = 8,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -109,6 +117,10 @@ class HFEngine:
                                 or graphs_blocker(self.device))
         self._graphed = (GraphedDecode(self._fast, compile=compile_step) if self.cuda_graphs_off is None
                          else None)
+        # the paged key/value cache (`engines.local.paged`) and sampling on the device (`paged_decode`)
+        self.paged = PagedOptions.of(self, kv_cache, kv_block_size, paged_attention, sample_on_device, sample_chunk)
+        self._buckets = (BucketedGraphs(self._fast, compile=compile_step) if self.paged.off is None and
+                         self.cuda_graphs_off is None and self.paged.backend == "flex" else None)
         self._routing = None  # a RoutingRecorder while `record_routing(True)`
 
     def record_routing(self, on: bool = True) -> None:
@@ -123,7 +135,7 @@ class HFEngine:
         if on:
             self._routing = RoutingRecorder(self.model)
             self._routing.active = False  # only while generating: the module may be the trainer's
-            self._fast = self._graphed = self.prefix_cache = None
+            self._fast = self._graphed = self.prefix_cache = self._buckets = None
             self.fast_decode_off = self.cuda_graphs_off = "recording the MoE routing"
 
     def kv_bytes_per_token(self) -> int:
@@ -210,6 +222,8 @@ class HFEngine:
                 self._routing.discard()
             if self._graphed is not None:  # its recording reads this call's buffers (and autocast's copies)
                 self._graphed.reset()
+            if self._buckets is not None:
+                self._buckets.reset()
         n = params.n
         return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
 
@@ -245,7 +259,9 @@ class HFEngine:
             mask = prefill_allowed(mask_P_L)[:, None] if padded else None
             hidden_P_1_H = self._fast.hidden(ids_P_L, pos_P_L, mask, static, positions=width)[:, -1:]
             logits_P_V = self._fast.head(hidden_P_1_H)[:, 0, :]
-            return logits_P_V, StaticKV.from_dynamic(static, extra, repeat), mask_P_L, pos_P_L[:, -1] + 1
+            if extra or repeat > 1:
+                static = StaticKV.from_dynamic(static, extra, repeat)
+            return logits_P_V, static, mask_P_L, pos_P_L[:, -1] + 1
         cache = DynamicCache(config=self.model.config)
         if past:
             self._load_prefixes(cache, prefixes, past)
@@ -287,10 +303,16 @@ class HFEngine:
             self.prefix_cache.insert(prompt, kv)
 
     def _decode(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        paged = self.paged.off is None and self._routing is None and not has_forward_hooks(self.model)
+        if paged and self.paged.on_device_off is None and not params.stop:
+            return decode_on_device(self, prompts, params)
         n = params.n
-        logits_B_V, cache, mask_B_L, next_pos_B = self._prefill(prompts, extra=params.max_tokens, repeat=n)
+        logits_B_V, cache, mask_B_L, next_pos_B = self._prefill(prompts, extra=0 if paged else params.max_tokens,
+                                                                repeat=1 if paged else n)
         routes = self._prompt_routes(prompts, n) if self._routing is not None else None
-        if not isinstance(cache, StaticKV):  # the transformers prefill (the fast one is a StaticKV already)
+        if paged:  # n rows per prompt sharing its full blocks
+            cache = self.paged.cache(cache, mask_B_L, n, params.max_tokens, round_up=self._buckets is not None)
+        elif not isinstance(cache, StaticKV):  # the transformers prefill (the fast one is a StaticKV already)
             if self._fast is not None and not has_forward_hooks(self.model):  # buffers for the whole completion
                 cache = StaticKV.from_dynamic(cache, extra=params.max_tokens, repeat=n)
             elif n > 1:
@@ -330,7 +352,8 @@ class HFEngine:
                 live = [live[r] for r in keep]
                 done_in_batch = 0
                 padded = not bool(mask_B_L.all())
-            mask_B_L = torch.cat([mask_B_L, mask_B_L.new_ones((len(live), 1))], dim=1)
+            if not paged:  # (a paged cache knows each row's length)
+                mask_B_L = torch.cat([mask_B_L, mask_B_L.new_ones((len(live), 1))], dim=1)
             logits_B_V = self._step(tok_B, next_pos_B, mask_B_L if padded else None, cache)
             if routes is not None:  # the routing of the token each live row just read
                 for seq, r in zip(live, self._routing.take().tolist(), strict=True):
@@ -353,6 +376,10 @@ class HFEngine:
     def _step(self, tok_B: torch.Tensor, pos_B: torch.Tensor, mask_B_K: torch.Tensor | None, cache) -> torch.Tensor:
         """One decode step: each row's next-token logits `[B, V]`; `mask_B_K` (None: no padding) covers the cached
         keys and the new one."""
+        if isinstance(cache, PagedKV):  # one CUDA graph per batch-size bucket, or the eager step
+            if self._buckets is not None:
+                return self._buckets.step(tok_B, pos_B, cache)
+            return self._fast.step(tok_B, pos_B, None, cache)
         if self._graphed is not None and isinstance(cache, StaticKV):
             return self._graphed.step(tok_B, pos_B, None if mask_B_K is None else mask_B_K.bool(), cache)
         if self._fast is not None and (isinstance(cache, StaticKV) or not has_forward_hooks(self.model)):

@@ -62,7 +62,7 @@ class WorkerEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, seed: int = 0, threads: int = 1,
                  fast_decode: bool = True, max_batch_tokens: int = 0, timeout_s: float = 120.0,
-                 version: int = 0) -> None:
+                 version: int = 0, engine_options: dict | None = None) -> None:
         device = next(model.parameters()).device
         if device.type != "cpu":
             raise ValueError(f"the worker engine runs on the CPU (the model is on {device})")
@@ -93,7 +93,7 @@ class WorkerEngine:
         self._conn = Connection(os.dup(mine.fileno()))
         mine.close()
         opts = {"threads": threads, "seed": seed, "fast_decode": fast_decode, "max_batch_tokens": max_batch_tokens,
-                "version": version}
+                "version": version, "engine_options": engine_options or {}}
         try:
             # the module by value (plain pickle: its tensors are copied, nothing of the trainer's is shared)
             self._conn.send_bytes(pickle.dumps((pickle.dumps(model), tokenizer, self._shm.name, layout, opts)))
@@ -188,7 +188,7 @@ def _serve(conn: Connection) -> None:
         resource_tracker.unregister(shm._name, "shared_memory")  # the trainer owns (and unlinks) the block
         model = pickle.loads(replica).eval().requires_grad_(False)
         engine = HFEngine(model, tokenizer, seed=opts["seed"], fast_decode=opts["fast_decode"],
-                          max_batch_tokens=opts["max_batch_tokens"])
+                          max_batch_tokens=opts["max_batch_tokens"], **opts["engine_options"])
         engine.version = opts["version"]
         own = dict(model.named_parameters())
         targets = [(own[name], view) for name, view in staging_views(shm.buf, layout).items()]

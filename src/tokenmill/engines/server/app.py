@@ -373,7 +373,8 @@ def _weight_routes(engine) -> APIRouter | None:
 def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
           allow_remote: bool = False, served_model_name: str | None = None, dtype: str = "float32",
           max_batch: int = 256, max_batch_tokens: int = 0, seed: int = 0, device: str = "cpu",
-          max_body_bytes: int = serving.DEFAULT_MAX_BODY_BYTES, limits: ConnectionLimits | None = None) -> None:
+          max_body_bytes: int = serving.DEFAULT_MAX_BODY_BYTES, limits: ConnectionLimits | None = None,
+          kv_cache: str = "static", kv_block_size: int = 16) -> None:
     """Load `model_dir` into a ContinuousEngine and serve it until interrupted; once it accepts connections,
     print its `serving.ready_line` (port 0 binds a free port, named there). Loopback only unless `allow_remote`
     and a token are both given (ValueError otherwise). `limits`: read timeout and connection cap."""
@@ -390,7 +391,8 @@ def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, token: s
     sock = serving.bind(host, port)
     try:
         engine = ContinuousEngine.from_pretrained(model_dir, dtype=dtypes[dtype], device=device, seed=seed,
-                                                  max_batch=max_batch, max_batch_tokens=max_batch_tokens)
+                                                  max_batch=max_batch, max_batch_tokens=max_batch_tokens,
+                                                  kv_cache=kv_cache, kv_block_size=kv_block_size)
     except (OSError, ValueError) as exc:
         sock.close()
         raise ValueError(f"MODEL_DIR {model_dir!r}: could not load it: {exc}".splitlines()[0]) from None
@@ -410,9 +412,11 @@ def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, token: s
 
 
 def spawn_servers(model_dir: str, count: int, *, threads: int = 0, timeout_s: float = 120.0, seed: int = 0,
-                  device: str = "cpu", log_dir: Path | None = None) -> tuple[list[str], list[subprocess.Popen]]:
+                  device: str = "cpu", log_dir: Path | None = None,
+                  extra_args: tuple[str, ...] = ()) -> tuple[list[str], list[subprocess.Popen]]:
     """Start `count` `tokenmill serve MODEL_DIR --port 0` processes (each binds a free loopback port and names
-    it in its ready line, so no port can be taken in between) and wait until each is ready."""
+    it in its ready line, so no port can be taken in between) and wait until each is ready. `extra_args`: more
+    `tokenmill serve` flags (e.g. `--kv-cache paged`)."""
     urls, procs = [], []
     env = parent_env(dict(os.environ))  # `tokenmill serve` watches for this process
     if threads:
@@ -421,7 +425,7 @@ def spawn_servers(model_dir: str, count: int, *, threads: int = 0, timeout_s: fl
         for i in range(count):
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "tokenmill.cli", "serve", model_dir, "--port", "0", "--seed",
-                 str(seed + i), "--device", device], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                 str(seed + i), "--device", device, *extra_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                 # a kill -9 of the trainer takes its servers along; the hook only calls prctl and getppid
                 preexec_fn=preexec_die_with_parent(),  # noqa: PLW1509
             ))
