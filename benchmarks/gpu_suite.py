@@ -13,8 +13,9 @@ run past it is recorded as skipped, and the JSON is written after every part):
    (`gpu_table.grpo_part`).
 4. largest: the largest Qwen3-shaped model (0.6B, 1.7B, 4B, 8B) that runs a GRPO step of 8 x 8 x 1,024 tokens
    on this device, full fine-tuning and LoRA (rank 16, every linear layer): generate, release the engine's
-   memory, update; peak memory measured beside `tokenmill estimate`'s prediction. A case the estimate says
-   will not fit is not run (the run would be refused the same way).
+   memory, update; peak memory measured beside `tokenmill estimate`'s prediction. Where the estimate finds
+   the configured micro-batch too large but a smaller one fitting, the step uses that one (what the run's
+   refusal advises); a case that fits at no micro-batch is not run (the run would be refused the same way).
 5. async: `engine.placement: thread` (one-step off-policy) against the ideal max(generate, train) of the
    synchronous run, over 20 steps each.
 
@@ -247,20 +248,26 @@ def table_config(folder: Path, cfg: dict, lora: bool, device_type: str) -> dict:
 
 
 def estimated_peak(shape: dict, cfg: dict, lora: bool, device_type: str, memory: int, workdir: Path) -> dict:
+    from dataclasses import replace
+
     from transformers import Qwen3Config
 
     from tokenmill.estimate.config import plan_from_config
-    from tokenmill.estimate.memory import estimate
+    from tokenmill.estimate.memory import estimate, solve_budget
 
     folder = workdir / f"shape_{shape['hidden_size']}_{shape['num_hidden_layers']}"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(Qwen3Config(**shape).to_json_string())
     plan, _ = plan_from_config(table_config(folder, cfg, lora, device_type), device_memory_gib=memory / GIB)
+    budget = solve_budget(plan)
+    if not estimate(plan).device.fits and budget is not None and budget.fits:  # what the refusal would advise
+        plan = replace(plan, micro_batch_tokens=budget.micro_batch * plan.seq_len)
     dev = estimate(plan).device
     # the estimate's total adds a fragmentation margin and the CUDA context; what torch allocates is the rest
     allocated = dev.persistent + max(dev.phases.values())
     return {"estimate_total_gib": round(dev.total / GIB, 2), "estimate_allocated_gib": round(allocated / GIB, 2),
-            "fits_by_estimate": bool(dev.fits), "peak_phase": dev.peak_phase}
+            "fits_by_estimate": bool(dev.fits), "peak_phase": dev.peak_phase,
+            "micro_batch_tokens": plan.micro_batch_tokens}
 
 
 def grpo_step_samples(engine, prompts: list[list[int]], cfg: dict):
@@ -278,7 +285,7 @@ def grpo_step_samples(engine, prompts: list[list[int]], cfg: dict):
     return samples
 
 
-def measured_step(shape: dict, cfg: dict, lora: bool, device: str) -> dict:
+def measured_step(shape: dict, cfg: dict, lora: bool, device: str, micro_batch_tokens: int | None = None) -> dict:
     """Generate 8 x 8 completions, release the engine's memory, update: seconds and peak memory."""
     from tokenmill.engines import HFEngine
     from tokenmill.training import collate
@@ -301,8 +308,8 @@ def measured_step(shape: dict, cfg: dict, lora: bool, device: str) -> dict:
     generated = time.perf_counter()
     peak_generate = _peak_gib(device)
     engine.release_memory()
-    backend = LocalBackend(model, learning_rate=1e-6, total_steps=1, micro_batch_tokens=cfg["table_micro_tokens"],
-                           autocast_dtype=amp)
+    backend = LocalBackend(model, learning_rate=1e-6, total_steps=1, autocast_dtype=amp,
+                           micro_batch_tokens=micro_batch_tokens or cfg["table_micro_tokens"])
     batch = collate(samples, [1.0 / sum(len(s.tokens) - s.prompt_len for s in samples)] * len(samples), tok.pad_token_id)
     backend.forward_backward(batch, ppo_loss)
     backend.optim_step()
@@ -327,7 +334,8 @@ def largest_part(args, cfg: dict, shapes: dict, stop_at: float) -> dict:
                 row["result"] = "skipped: time budget"
             else:
                 try:
-                    row |= measured_step(shape, cfg, mode == "lora", args.device) | {"result": "ran"}
+                    row |= measured_step(shape, cfg, mode == "lora", args.device, row["micro_batch_tokens"])
+                    row["result"] = "ran"
                     largest[mode] = name
                 except torch.OutOfMemoryError as exc:
                     row["result"] = f"out of memory: {str(exc)[:160]}"
