@@ -49,6 +49,8 @@ def apply_liger(model: torch.nn.Module) -> None:
         from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
     except ImportError:
         raise ConfigError("training.kernels: liger needs liger-kernel: pip install tokenmill[kernels]") from None
+    except Exception as exc:  # noqa: BLE001 - Triton without a driver, a version it does not know: one line
+        raise ConfigError(f"training.kernels: liger-kernel did not import ({type(exc).__name__}: {exc})") from None
     device = next(model.parameters()).device
     if device.type != "cuda":
         raise ConfigError(f"training.kernels: liger runs Triton kernels on a CUDA device, and the policy is on "
