@@ -10,6 +10,8 @@ through transformers' forward, so the fast forward (`training.logprobs.fast_forw
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from tokenmill.types import ConfigError
@@ -45,16 +47,16 @@ def set_activation_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
 def apply_liger(model: torch.nn.Module) -> None:
     """Patch the policy's RMS norms, SwiGLU MLPs and rotary embedding with liger-kernel's Triton ops (its
     cross-entropy stays off: tokenmill's chunked logprobs never build the logits a loss would take)."""
-    try:
-        from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
-    except ImportError:
-        raise ConfigError("training.kernels: liger needs liger-kernel: pip install tokenmill[kernels]") from None
-    except Exception as exc:  # noqa: BLE001 - Triton without a driver, a version it does not know: one line
-        raise ConfigError(f"training.kernels: liger-kernel did not import ({type(exc).__name__}: {exc})") from None
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ConfigError("training.kernels: liger needs liger-kernel: pip install tokenmill[kernels]")
     device = next(model.parameters()).device
-    if device.type != "cuda":
+    if device.type != "cuda":  # checked before the import: Triton needs no driver to be refused
         raise ConfigError(f"training.kernels: liger runs Triton kernels on a CUDA device, and the policy is on "
                           f"{device.type}; use training.kernels: none")
+    try:
+        from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+    except Exception as exc:  # noqa: BLE001 - a Triton or transformers version it does not know: one line
+        raise ConfigError(f"training.kernels: liger-kernel did not import ({type(exc).__name__}: {exc})") from None
     _apply_liger_kernel_to_instance(model=_base(model), rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=False)
 
