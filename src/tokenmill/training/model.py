@@ -52,10 +52,13 @@ def device_memory_bytes(device: torch.device) -> int | None:
 def check_memory(cfg: Any, device: torch.device) -> None:
     """Refuse (ConfigError) a run whose `tokenmill estimate` peak exceeds the device's memory, before any weight
     loads, naming the settings that would fit (`estimate.fit`). `training.memory_check: false` skips it; a
-    model the estimate cannot read (no config.json it knows) is not checked."""
+    model the estimate cannot read (no config.json it knows) and a sharded trainer (fsdp2, Ray) are not
+    checked."""
     from tokenmill.estimate.fit import fit_refusal, run_config
 
-    memory = device_memory_bytes(device) if cfg.training.memory_check else None
+    if not cfg.training.memory_check or cfg.training.backend != "local" or cfg.cluster.backend == "ray":
+        return  # sharded trainers: the estimate's per-device split is not what this rank holds
+    memory = device_memory_bytes(device)
     if memory is None:
         return
     name = torch.cuda.get_device_name(device) if device.type == "cuda" and not os.environ.get(MEMORY_ENV) else (

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from tokenmill.config import RLConfig, load_config
 from tokenmill.controller import build_run
@@ -79,6 +80,9 @@ def test_a_run_that_fits_or_turns_the_check_off_goes_on_to_load(weightless, tmp_
     assert _build(_cfg(weightless, tmp_path / "d")).startswith("model.path: cannot load")
     monkeypatch.setenv("TOKENMILL_DEVICE_MEMORY_GIB", "6")
     assert _build(_cfg(weightless, tmp_path / "e", memory_check=False)).startswith("model.path: cannot load")
+    from tokenmill.training.model import check_memory
+
+    check_memory(_cfg(weightless, tmp_path / "f", backend="fsdp2"), torch.device("cpu"))  # a rank: not checked
 
 
 def test_the_runs_own_switches_shrink_the_estimate(weightless, tmp_path, monkeypatch):
