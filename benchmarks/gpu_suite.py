@@ -17,7 +17,8 @@ run past it is recorded as skipped, and the JSON is written after every part):
    the configured micro-batch too large but a smaller one fitting, the step uses that one (what the run's
    refusal advises); a case that fits at no micro-batch is not run (the run would be refused the same way).
 5. async: `engine.placement: thread` (one-step off-policy) against the ideal max(generate, train) of the
-   synchronous run, over 20 steps each.
+   synchronous run, over 20 steps each (`ratio`), and against its own stages (`own_ratio`: on a shared
+   machine the two runs meet different loads).
 
     python benchmarks/gpu_suite.py --commit $(git rev-parse --short HEAD)   # one GPU -> results/gpu_suite.json
     python benchmarks/gpu_suite.py --small --device cpu                    # the same code, tiny shapes, CPU
@@ -372,6 +373,18 @@ def overlap_ratio(sync_run: dict, async_run: dict, warmup: int = 2) -> dict:
             "speedup_over_sync": round(sync_step / step, 3), "steps_counted": len(stages)}
 
 
+def own_stages(run_dir: Path, warmup: int = 2) -> dict:
+    """The async run's ratio against its own stages: the producer's generate + reward and the trainer's train +
+    sync, each a median over the steps (both sides slowed by sharing the device, which the sync run is not)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in records if "timing_s/step" in r][warmup:]
+    gen = statistics.median(r.get("async/producer_generate_s", 0) + r.get("async/producer_reward_s", 0) for r in steps)
+    train = statistics.median(r.get("timing_s/train", 0) + r.get("timing_s/sync", 0) for r in steps)
+    step = statistics.median(r["timing_s/step"] for r in steps)
+    return {"own_generate_s": round(gen, 4), "own_train_s": round(train, 4),
+            "own_ratio": round(step / max(gen, train), 3)}
+
+
 def async_part(args, cfg: dict, shape: dict, stop_at: float) -> dict:
     gpu_table.NEW_TOKENS = cfg["async_new"]
     workdir = Path(tempfile.mkdtemp(prefix="gpu_suite_async_"))
@@ -384,6 +397,7 @@ def async_part(args, cfg: dict, shape: dict, stop_at: float) -> dict:
     async_run = gpu_table.tokenmill_grpo(spec, model_dir, prompts, overlap=True)
     out = {"spec": {k: v for k, v in spec.items() if k != "workdir"}, "stream": "own CUDA stream" if
            args.device.startswith("cuda") else "none (CPU)"} | overlap_ratio(sync_run, async_run)
+    out |= own_stages(workdir / "tokenmill_run_11")  # gpu_table.tokenmill_grpo's folder for compiled + overlap
     out |= {"sync_step_seconds": sync_run["step_seconds"], "async_step_seconds": async_run["step_seconds"]}
     print("async", json.dumps({k: v for k, v in out.items() if not k.endswith("step_seconds")}), flush=True)
     return out

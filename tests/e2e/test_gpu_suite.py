@@ -28,6 +28,14 @@ def test_the_async_ratio_is_the_step_over_the_slower_side():
     assert got["speedup_over_sync"] == round(3.0 / 2.3, 3)
 
 
+def test_the_async_runs_own_ratio_reads_its_metrics(tmp_path):
+    rows = [{"timing_s/step": 9.0}] * 2 + [{"timing_s/step": 1.2, "timing_s/train": 0.9, "timing_s/sync": 0.1,
+                                             "async/producer_generate_s": 0.7, "async/producer_reward_s": 0.1}] * 3
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [{"eval": 1}, *rows]))
+    got = gpu_suite.own_stages(tmp_path)
+    assert got == {"own_generate_s": 0.8, "own_train_s": 1.0, "own_ratio": 1.2}
+
+
 def test_the_summary_sets_each_target_beside_the_measurement():
     report = {"parts": {"decode": {"by_batch": {256: {"fraction_of_bound": 0.55}, 32: {"fraction_of_bound": 0.2}}},
                         "train": {"rows": [{"seq_len": 16384, "mfu": {"tokenmill": 0.31, "prime_rl": 0.5}},
@@ -77,5 +85,6 @@ def test_the_small_suite_runs_end_to_end_on_a_cpu(tmp_path):
     assert report["machine"]["commit"] == "abc1234" and set(report["parts"]) == set(gpu_suite.PARTS)
     assert not [name for name, part in report["parts"].items() if "error" in part or "skipped" in part]
     assert report["parts"]["async"]["steps_counted"] == 20 and report["parts"]["async"]["ratio"] > 0
+    assert report["parts"]["async"]["own_ratio"] > 0
     assert report["parts"]["largest"]["largest"] == {"full": "tiny-128", "lora": "tiny-128"}
     assert report["parts"]["grpo"]["step_speedup_vs_trl"] > 0
