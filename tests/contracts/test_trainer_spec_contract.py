@@ -48,6 +48,11 @@ CHECKS = {
     "track_entropy": lambda b, m, s: b.track_entropy == s.track_entropy,
     "distill": lambda b, m, s: b.distill_teacher is not None and b.distill_coef == s.distill.kl_coef,
     "router_replay": lambda b, m, s: b.router_replay == s.router_replay,
+    "activation_checkpointing": lambda b, m, s: b.activation_checkpointing == s.activation_checkpointing and all(
+        layer.gradient_checkpointing == s.activation_checkpointing for layer in _decoder(m).layers),
+    "kernels": lambda b, m, s: b.kernels == s.kernels,
+    "optimizer_offload": lambda b, m, s: b.optimizer_offload == s.optimizer_offload and (
+        b.optimizer.param_groups[0]["params"][0].device.type == "cpu"),
 }
 
 
@@ -65,7 +70,7 @@ def spec(teacher_path):
         learning_rate=3e-4, total_steps=41, weight_decay=0.05, betas=(0.8, 0.95), warmup_steps=3,
         lr_schedule="linear", max_grad_norm=0.5, micro_batch_tokens=96, temperature=0.7,
         autocast_dtype=torch.bfloat16, share_prompts=False, logits_chunk_mib=2, fast_forward=False,
-        pack_sequences=True, track_entropy=False,
+        pack_sequences=True, track_entropy=False, activation_checkpointing=True, optimizer_offload=True,
         distill=DistillConfig(teacher={"path": teacher_path}, kl_coef=0.3), router_replay="r3",
     )
 
@@ -122,6 +127,9 @@ def test_the_local_backend_takes_every_field(spec, tiny_model_path, tokenizer):
 
 def test_an_fsdp2_rank_takes_every_field(spec, tiny_model_path, tokenizer, one_rank_group, tmp_path):
     model = _model(tiny_model_path)
+    with pytest.raises(ValueError, match="training.optimizer_offload: the local backend only"):
+        policy_backend(spec, _model(tiny_model_path), teacher=_teacher(spec, model, tokenizer), sharded=True)
+    spec = dataclasses.replace(spec, optimizer_offload=False)  # a rank's optimiser state is a shard already
     teacher = _teacher(spec, model, tokenizer)
     backend = policy_backend(spec, model, teacher=teacher, sharded=True, checkpoint_dir=tmp_path / "shards")
     _check_all(backend, spec)
@@ -130,6 +138,7 @@ def test_an_fsdp2_rank_takes_every_field(spec, tiny_model_path, tokenizer, one_r
 def test_a_ray_rank_takes_every_field_and_loads_its_own_teacher(spec, tiny_model_path, one_rank_group, tmp_path):
     """`rank_backend` is the body of the Ray rank actor's setup: the rank loads the teacher the spec names."""
     model = _model(tiny_model_path)
+    spec = dataclasses.replace(spec, optimizer_offload=False)  # refused on every FSDP2 rank (the test above)
     backend = rank_backend(BackendSpec(tiny_model_path, str(tmp_path / "shards"), trainer=spec), model,
                            torch.device("cpu"))
     _check_all(backend, spec)

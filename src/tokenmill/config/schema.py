@@ -322,6 +322,33 @@ class TrainingConfig(OptimConfig):
         "the trainer's own choice in a no-grad pass before the update, replayed in the update's passes "
         "(docs/health.md). off for a dense model."
     )
+    # --- keeping the GPU fed (docs/performance.md: "The trainer near peak", "One GPU, every GiB used")
+    activation_checkpointing: bool = Field(
+        False, description="Keep only each decoder layer's input for the backward and compute the rest again "
+        "(transformers' gradient checkpointing): less activation memory for about a third more compute. Same "
+        "gradients. The fast forward steps aside while it is on."
+    )
+    kernels: Literal["none", "liger"] = Field(
+        "none", description="liger: the policy's RMS norms, SwiGLU MLPs and rotary embeddings run liger-kernel's "
+        "fused Triton ops (a CUDA device; pip install tokenmill[kernels]). none: PyTorch's own."
+    )
+    optimizer_offload: bool = Field(
+        False, description="Keep AdamW's moments (and the step's fp32 parameter copy) in CPU memory: each "
+        "optimiser step copies the gradients there, steps on the CPU and copies the weights back. Same "
+        "weights; frees 8 bytes per trained parameter on the GPU for a slower step."
+    )
+    memory_check: bool = Field(
+        True, description="Before the policy loads on a GPU, compare tokenmill estimate's peak with the device's "
+        "memory and refuse a run that will not fit, naming the settings that would (false: load anyway). "
+        "TOKENMILL_DEVICE_MEMORY_GIB sets the memory to check against (any device)."
+    )
+
+    @model_validator(mode="after")
+    def _offload_local(self) -> TrainingConfig:
+        if self.optimizer_offload and self.backend != "local":
+            raise ValueError("training.optimizer_offload: the local backend only (training.backend: local); an "
+                             "FSDP2 rank holds a shard of the optimiser state already")
+        return self
 
 
 class ControllerConfig(Section):

@@ -33,7 +33,7 @@ from tokenmill.rollout.base import Rollout
 from tokenmill.rollout.generator import Generator, build_generator
 from tokenmill.rollout.record import ReplayEngine
 from tokenmill.tracking.logger import MetricsLogger
-from tokenmill.training.model import autocast_dtype, load_policy, resolve_device
+from tokenmill.training.model import autocast_dtype, check_memory, load_policy, resolve_device
 from tokenmill.training.teacher import build_teacher
 from tokenmill.types import ConfigError
 
@@ -123,6 +123,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     if lock is not None:  # room for a checkpoint and the export (checkpoint.space), also before the model loads
         check_free_space(cfg)
     device = resolve_device(cfg.model.device)
+    check_memory(cfg, device)  # a run that will not fit its device is refused here, before the weights load
     amp = autocast_dtype(cfg.model, device)
     model, tokenizer = load_policy(cfg.model, device)
     if cfg.training.router_replay != "off" and not moe_routers(model):

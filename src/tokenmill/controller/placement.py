@@ -17,6 +17,7 @@ placement is a `Placement` subclass here and one branch in `build_placement`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import subprocess
@@ -53,6 +54,11 @@ class Placement:
     def stamp_versions(self, groups: list[Group]) -> list[Group]:
         return groups
 
+    def stream(self) -> contextlib.AbstractContextManager:
+        """What the producer thread generates under: a CUDA stream of its own where the engine shares the
+        trainer's GPU (thread placement), else nothing."""
+        return contextlib.nullcontext()
+
     def describe(self) -> str:
         raise NotImplementedError
 
@@ -63,11 +69,17 @@ class Placement:
 class ThreadPlacement(Placement):
     """A copy of the policy in this process, updated by the producer thread from staged tensors. With
     `partial_chunk` > 0 the engine is wrapped in a `PartialRolloutEngine`, which has this placement apply
-    staged weights between chunks of that many tokens."""
+    staged weights between chunks of that many tokens.
+
+    On a GPU the producer generates on a CUDA stream of its own, so the next batch's decode kernels run
+    beside the trainer's update instead of queueing behind it on the default stream. Staged weights carry an
+    event recorded on the trainer's stream; the producer's stream waits for it before it reads them."""
 
     def __init__(self, engine, partial_chunk: int = 0) -> None:
         self._lock = threading.Lock()
-        self._staged: tuple[dict[str, torch.Tensor], int] | None = None
+        self._staged: tuple[dict[str, torch.Tensor], int, Any] | None = None
+        cuda = engine.device.type == "cuda"
+        self._stream = torch.cuda.Stream(device=engine.device) if cuda else None
         if partial_chunk:
             from tokenmill.engines.local.partial import PartialRolloutEngine
 
@@ -77,17 +89,29 @@ class ThreadPlacement(Placement):
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         with torch.no_grad():
             copied = {name: t.detach().clone() for name, t in named_tensors}
+        ready = None
+        if self._stream is not None:  # the copies are queued on the trainer's stream: mark where they end
+            ready = torch.cuda.Event()
+            ready.record()
         with self._lock:
-            self._staged = (copied, version)
+            self._staged = (copied, version, ready)
 
     def apply_pending(self) -> bool:
         with self._lock:
             staged, self._staged = self._staged, None
         if staged is None:
             return False
-        tensors, version = staged
+        tensors, version, ready = staged
+        if ready is not None:
+            current = torch.cuda.current_stream()
+            current.wait_event(ready)
+            for t in tensors.values():  # made on the trainer's stream, read on this one: not reused before
+                t.record_stream(current)
         self.engine.update_weights(tensors.items(), version=version)
         return True
+
+    def stream(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
     def stamp_versions(self, groups: list[Group]) -> list[Group]:
         stamp = getattr(self.engine, "stamp", None)  # partial rollouts: per-token versions

@@ -119,12 +119,15 @@ def plan_from_config(
         devices = cfg.cluster.trainer_ranks
     memory_gib = device_memory_gib if device_memory_gib is not None else opts.device_memory_gib
     on_cpu = cfg.model.device == "cpu"
+    training = getattr(cfg, "training", None)
     precision = opts.precision
     if precision == "auto":
         precision = "fp32" if on_cpu or cfg.model.dtype == "float32" else "amp"
     fields: dict[str, Any] = {
         "policy": policy, "mode": mode, "algorithm": mode, "precision": precision, "optimizer": opts.optimizer,
-        "gradient_checkpointing": opts.gradient_checkpointing, "logprobs": opts.logprobs,
+        # a run's own switches count too (training.activation_checkpointing, training.optimizer_offload)
+        "gradient_checkpointing": opts.gradient_checkpointing or getattr(training, "activation_checkpointing", False),
+        "optimizer_offload": bool(getattr(training, "optimizer_offload", False)), "logprobs": opts.logprobs,
         "lora_rank": cfg.model.lora.rank, "lora_targets": _lora_targets(cfg.model.lora.target_modules, policy, notes),
         "frozen_quant": opts.frozen_quant, "num_devices": devices,
         "sharding": ("fsdp" if devices > 1 else "none") if opts.sharding == "auto" else opts.sharding,

@@ -79,6 +79,7 @@ class MemoryPlan:
     engine_copy: bool = False  # hf engine of a thread / worker placement: its own copy of the policy's weights
     engine_memory_utilization: float = 0.5
     engine_sleep: bool = False
+    optimizer_offload: bool = False  # training.optimizer_offload: AdamW's state (and its fp32 copy) on the host
 
     @property
     def seq_len(self) -> int:
@@ -226,7 +227,8 @@ def model_memory(plan: MemoryPlan, role: Role) -> ModelMemory:
     weights, grads, optim = _sharded(plan, 0 if role.shares_actor_weights else stored, trainable * prec.grads, optim)
     parts = {"weights": math.ceil(weights)}
     if role.trainable:
-        parts |= {"gradients": math.ceil(grads), "optimizer": math.ceil(optim)}
+        offloaded = plan.optimizer_offload and role.name == "actor"  # the policy's optimiser steps on the host
+        parts |= {"gradients": math.ceil(grads), "optimizer": 0 if offloaded else math.ceil(optim)}
     if plan.sharding == "fsdp" and plan.num_devices > 1 and not role.shares_actor_weights:
         unit = max(shape.layer_params, shape.embedding_params, shape.lm_head_params)
         parts["fsdp_buffers"] = FSDP_UNITS_IN_FLIGHT * unit * prec.weights
@@ -382,9 +384,10 @@ def _shorter(plan: MemoryPlan, rl: bool) -> tuple[str, str, MemoryPlan] | None:
 
 
 def propose(plan: MemoryPlan) -> list[Proposal]:
-    """Cheapest first: checkpointing -> chunked log-probs -> LoRA -> engine sleep -> more GPUs -> shorter
-    completions. Each is applied on top of the earlier ones and listed with what it saves on the busiest device
-    at a one-sequence micro-batch; one that saves nothing is left out; the list ends at the first that fits."""
+    """Cheapest first: checkpointing -> chunked log-probs -> LoRA -> engine sleep -> optimizer offload -> more
+    GPUs -> shorter completions. Each is applied on top of the earlier ones and listed with what it saves on the
+    busiest device at a one-sequence micro-batch; one that saves nothing is left out; the list ends at the first
+    that fits."""
     steps = [
         lambda p: None if p.gradient_checkpointing else (
             "gradient checkpointing", "estimate.gradient_checkpointing: true", replace(p, gradient_checkpointing=True)),
@@ -395,6 +398,8 @@ def propose(plan: MemoryPlan) -> list[Proposal]:
         lambda p: None if p.engine != "vllm" or p.engine_sleep else (
             "engine sleeps while training (weights offloaded, KV freed)", "estimate.engine_sleep: true",
             replace(p, engine_sleep=True)),
+        lambda p: None if p.optimizer_offload or p.num_devices > 1 else (
+            "optimizer state in CPU memory", "training.optimizer_offload: true", replace(p, optimizer_offload=True)),
         _more_devices,
         lambda p: _shorter(p, plan.mode == "rl"),
     ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from tokenmill.training.base import BatchLoss
 from tokenmill.training.batch import Batch
 from tokenmill.training.logprobs import DEFAULT_CHUNK_MIB, sequence_token_stats, token_entropy, token_logprobs
+from tokenmill.training.offload import offloaded
 from tokenmill.training.packing import micro_packs, packed_token_stats, prompt_segments, sequence_segments
 from tokenmill.training.router_replay import replaying, trainer_routes
 
@@ -192,14 +194,27 @@ class LocalBackend:
         distill_teacher: Any = None,
         distill_coef: float = 1.0,
         router_replay: str = "off",
+        activation_checkpointing: bool = False,
+        kernels: str = "none",
+        optimizer_offload: bool = False,
     ) -> None:
+        from tokenmill.training.kernels import apply_trainer_kernels
+
         self.model = model
         self.router_replay = router_replay  # off | r2 | r3 (`training.router_replay`)
+        self.activation_checkpointing, self.kernels = activation_checkpointing, kernels
+        apply_trainer_kernels(model, activation_checkpointing=activation_checkpointing, kernels=kernels)
         self.distill_teacher, self.distill_coef = distill_teacher, distill_coef
         self.chunk_bytes = int(logits_chunk_mib * 2**20)  # 0: the model's full logits
         self.device = next(model.parameters()).device
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = _adamw(self.params, lr=learning_rate, betas=betas, weight_decay=weight_decay)
+        adamw = partial(_adamw, lr=learning_rate, betas=betas, weight_decay=weight_decay)
+        # training.optimizer_offload: AdamW steps on CPU copies (training.offload), its moments in host memory
+        self.host = None
+        if optimizer_offload:
+            self.optimizer, self.host = offloaded(self.params, adamw)
+        else:
+            self.optimizer = adamw(self.params)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(lr_schedule, warmup_steps, total_steps)
         )
@@ -275,9 +290,15 @@ class LocalBackend:
         lr = self.optimizer.param_groups[0]["lr"]  # what this step applies (set by the schedule, or by hand)
         skipped = not math.isfinite(grad_norm)
         if not skipped:
+            if self.host is not None:
+                self.host.to_host()
             self.optimizer.step()
+            if self.host is not None:
+                self.host.to_device()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.host is not None:
+            self.host.zero_grad()
         return {"grad_norm": grad_norm, "lr": lr} | ({"skipped_nonfinite": 1.0} if skipped else {})
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -294,3 +315,19 @@ class LocalBackend:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.host is not None:  # the weights were loaded into the module: the host copies follow
+            self.host.refresh()
+
+    @property
+    def optimizer_offload(self) -> bool:
+        return self.host is not None
+
+    def release_memory(self) -> None:
+        """Let go of what the update leaves on the device while the engine decodes (colocated): the gradients
+        (normally gone already after `optim_step`) and the blocks the CUDA allocator caches from the
+        backward's activations."""
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -3,6 +3,7 @@ adapters when asked), and its parameter counts."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -26,6 +27,48 @@ def autocast_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype | None
     if cfg.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else None
     return {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
+
+
+MEMORY_ENV = "TOKENMILL_DEVICE_MEMORY_GIB"  # the memory `check_memory` checks against, on any device
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Memory of `device` for the fit check: $TOKENMILL_DEVICE_MEMORY_GIB where set, a CUDA device's total,
+    else None (a CPU run is not checked)."""
+    override = os.environ.get(MEMORY_ENV, "").strip()
+    if override:
+        try:
+            gib = float(override)
+        except ValueError:
+            gib = -1.0
+        if not gib > 0:
+            raise ConfigError(f"{MEMORY_ENV}: expected the device memory in GiB (a positive number), got {override!r}")
+        return int(gib * 2**30)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return None
+
+
+def check_memory(cfg: Any, device: torch.device) -> None:
+    """Refuse (ConfigError) a run whose `tokenmill estimate` peak exceeds the device's memory, before any weight
+    loads, naming the settings that would fit (`estimate.fit`). `training.memory_check: false` skips it; a
+    model the estimate cannot read (no config.json it knows) and a sharded trainer (fsdp2, Ray) are not
+    checked."""
+    from tokenmill.estimate.fit import fit_refusal, run_config
+
+    if not cfg.training.memory_check or cfg.training.backend != "local" or cfg.cluster.backend == "ray":
+        return  # sharded trainers: the estimate's per-device split is not what this rank holds
+    memory = device_memory_bytes(device)
+    if memory is None:
+        return
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" and not os.environ.get(MEMORY_ENV) else (
+        f"{device.type} ({MEMORY_ENV})")
+    try:
+        refusal = fit_refusal(run_config(cfg, device.type), memory, name)
+    except (ConfigError, ValueError):
+        return
+    if refusal is not None:
+        raise ConfigError(refusal)
 
 
 def load_policy(cfg: ModelConfig, device: torch.device):

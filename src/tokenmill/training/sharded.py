@@ -200,6 +200,9 @@ class ShardedBackend:
 
     def __init__(self, model: torch.nn.Module, *, checkpoint_dir: str | Path | None = None, keep: int = 3,
                  **local_kwargs: Any) -> None:
+        if local_kwargs.get("optimizer_offload"):  # its checkpoints map the optimiser's own parameters to the shards
+            raise ValueError("training.optimizer_offload: the local backend only (training.backend: local); an "
+                             "FSDP2 rank holds a shard of the optimiser state already")
         self.model = shard_model(model)
         self.local = LocalBackend(self.model, **local_kwargs)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None

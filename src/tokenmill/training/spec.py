@@ -46,6 +46,10 @@ class TrainerSpec:
     pack_sequences: bool = False  # whole sequences side by side in a row (SFT) instead of shared-prompt packing
     track_entropy: bool = True  # report each micro-batch's token entropy (RL's metric; offline runs skip it)
     router_replay: str = "off"  # off | r2 | r3: route MoE tokens as recorded (`training.router_replay`)
+    # the trainer near peak, one GPU used to the last GiB (training.kernels, training.offload)
+    activation_checkpointing: bool = False
+    kernels: str = "none"  # none | liger
+    optimizer_offload: bool = False
     # on-policy distillation's full reverse KL in the loss
     distill: Any = None  # config.distill.DistillConfig or None
 
@@ -63,6 +67,8 @@ class TrainerSpec:
             lr_schedule=tr.lr_schedule, max_grad_norm=tr.max_grad_norm, micro_batch_tokens=tr.micro_batch_tokens,
             temperature=cfg.generation.temperature, autocast_dtype=autocast_dtype, share_prompts=tr.share_prompts,
             logits_chunk_mib=tr.logprob_chunk_mib if tr.chunked_logprobs else 0, fast_forward=tr.fast_forward,
+            activation_checkpointing=tr.activation_checkpointing, kernels=tr.kernels,
+            optimizer_offload=tr.optimizer_offload,
             distill=cfg.distillation if full_kl(cfg) else None, router_replay=tr.router_replay,
         )
 

@@ -10,6 +10,12 @@ from tokenmill.controller.feeds.base import Feed, RolloutFn
 from tokenmill.types import Group, TokenmillError
 
 
+def _call(obj, name: str) -> None:
+    method = getattr(obj, name, None)
+    if callable(method):
+        method()
+
+
 class InlineFeed:
     """Colocated: the engine shares the trainer's module, so rollouts happen in place, one step at a time."""
 
@@ -19,7 +25,15 @@ class InlineFeed:
         self.run, self.rollout = run, rollout
 
     def get(self, step: int) -> tuple[list[Group], dict[str, float]]:
-        return self.rollout(self.run.rollout, step)
+        """One step's rollouts. The engine and the trainer share one device's memory and take turns: the
+        trainer's leftovers (gradients, cached activation blocks) go before the engine decodes, the engine's
+        key/value cache and graphs after, before the update (`release_memory` on each, where it has one)."""
+        engine, backend = self.run.rollout.engine, self.run.trainer.backend
+        _call(backend, "release_memory")
+        _call(engine, "restore_memory")
+        got = self.rollout(self.run.rollout, step)
+        _call(engine, "release_memory")
+        return got
 
     def push(self, step: int) -> None:
         """A version bump: the engine already samples from the updated module."""

@@ -119,30 +119,34 @@ class AsyncFeed:
         if self.threads[0]:
             torch.set_num_threads(self.threads[0])
         try:
-            for step in range(first, last + 1):
-                if not self._wait_for_version(step - 1 - self.k):
-                    return
-                self.placement.apply_pending()
-                t0 = time.perf_counter()
-                self._mark(in_flight=step)
-                with step_timer(step, side="producer") as timer:
-                    groups, info = self.rollout(self.view, step)
-                groups = self.placement.stamp_versions(groups)
-                busy = time.perf_counter() - t0
-                self.producer_busy += busy
-                info = dict(info)
-                for name, sec in timer.seconds.items():
-                    info[f"async/producer_{name}_s"] = sec
-                batch = RolloutBatch(step, groups, info, self.view.source.state_dict(),
-                                     timer.tokens.get("generate", 0), busy)
-                self._mark(pending=batch)
-                queued = self._put(batch)
-                self._mark()
-                if not queued:
-                    return
+            with self.placement.stream():  # thread placement on a GPU: a CUDA stream beside the trainer's
+                self._produce_steps(first, last)
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which raises it with context
             self._mark()
             self._put(exc)
+
+    def _produce_steps(self, first: int, last: int) -> None:
+        for step in range(first, last + 1):
+            if not self._wait_for_version(step - 1 - self.k):
+                return
+            self.placement.apply_pending()
+            t0 = time.perf_counter()
+            self._mark(in_flight=step)
+            with step_timer(step, side="producer") as timer:
+                groups, info = self.rollout(self.view, step)
+            groups = self.placement.stamp_versions(groups)
+            busy = time.perf_counter() - t0
+            self.producer_busy += busy
+            info = dict(info)
+            for name, sec in timer.seconds.items():
+                info[f"async/producer_{name}_s"] = sec
+            batch = RolloutBatch(step, groups, info, self.view.source.state_dict(),
+                                 timer.tokens.get("generate", 0), busy)
+            self._mark(pending=batch)
+            queued = self._put(batch)
+            self._mark()
+            if not queued:
+                return
 
     def _mark(self, in_flight: int | None = None, pending: RolloutBatch | None = None) -> None:
         with self.cond:

@@ -104,6 +104,7 @@ class HFEngine:
         self.max_batch_tokens = max_batch_tokens  # rows x (longest prompt + max_tokens) per decode batch
         self.autocast_dtype = autocast_dtype
         self.version = 0
+        self.memory_releases = 0  # release_memory calls (a colocated run: one per step)
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self._cache_keyword = cache_keyword(model)
         self.prefix_cache: PrefixCache | None = None
@@ -183,6 +184,37 @@ class HFEngine:
 
     def close(self) -> None:
         """Nothing to release (the module belongs to the caller)."""
+
+    # what holds device memory between `generate` calls: (attribute, how it lets go, how it comes back or None:
+    # rebuilt by the next call as needed). A cache added to the engine adds its line here.
+    MEMORY_HOLDERS: tuple[tuple[str, str, str | None], ...] = (
+        ("_graphed", "reset", None),  # the recorded CUDA graph and the key/value buffers it was recorded over
+        ("prefix_cache", "clear", None),  # key/value states of prompts read before
+    )
+
+    def release_memory(self) -> int:
+        """Free what the engine keeps on the device between calls (`MEMORY_HOLDERS`), the in-process
+        counterpart of vLLM's sleep mode: a colocated run calls it before the trainer updates in the same
+        memory. The weights stay (they are the trainer's). Returns the bytes the CUDA allocator gave back to the
+        device (0 on a CPU)."""
+        for attr, release, _ in self.MEMORY_HOLDERS:
+            holder = getattr(self, attr, None)
+            if holder is not None:
+                getattr(holder, release)()
+        self.memory_releases += 1
+        if self.device.type != "cuda":
+            return 0
+        before = torch.cuda.memory_reserved(self.device)
+        torch.cuda.empty_cache()
+        return before - torch.cuda.memory_reserved(self.device)
+
+    def restore_memory(self) -> None:
+        """Before decoding again: the holders that allocate ahead (a restore method in `MEMORY_HOLDERS`) do;
+        the others are rebuilt by the next call."""
+        for attr, _, restore in self.MEMORY_HOLDERS:
+            holder = getattr(self, attr, None)
+            if holder is not None and restore is not None:
+                getattr(holder, restore)()
 
     def score(self, sequences: list[list[int]], top_k: int = 0) -> list[PromptLogprobs]:
         """`Scorer`: each token's teacher-forced logprob at temperature 1 (`tokenmill.engines.local.scoring`)."""
