@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-from typing import get_args
+from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 # Sanity bounds: far above any real run, low enough that a typo (10**12 tokens) is an error, not an OOM hours in.
 MAX_INT = 2**31 - 1  # every whole-number field (a 32-bit index or count)
@@ -46,3 +46,11 @@ def _number_kinds(cls: type[BaseModel]) -> dict[str, set[type]]:
                  for name, info in cls.model_fields.items()}
         _NUMBER_KINDS[cls] = {name: k for name, k in kinds.items() if k}
     return _NUMBER_KINDS[cls]
+
+class LoRAConfig(Section):
+    rank: int = Field(0, ge=0, description="LoRA rank; 0 trains every weight (full fine-tuning).")
+    alpha: float = Field(16.0, gt=0.0, description="LoRA scaling numerator (the update is scaled by alpha / rank).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names to adapt, or 'all-linear' (every linear layer but the output head)."
+    )
