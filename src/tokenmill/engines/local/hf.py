@@ -190,6 +190,7 @@ class HFEngine:
     MEMORY_HOLDERS: tuple[tuple[str, str, str | None], ...] = (
         ("_graphed", "reset", None),  # the recorded CUDA graph and the key/value buffers it was recorded over
         ("prefix_cache", "clear", None),  # key/value states of prompts read before
+        ("_buckets", "reset", None),  # the CUDA graphs per batch bucket over the paged cache, and their pool
     )
 
     def release_memory(self) -> int:
