@@ -112,24 +112,39 @@ def _paged_bench():
 
 
 def decode_part(args, cfg: dict, shape: dict, stop_at: float) -> dict:
-    bench = _paged_bench()
-    if bench is not None:
-        model, _ = gpu_table.build_model(shape, torch.bfloat16, args.device)
-        try:
-            return {"source": "benchmarks/paged_decode.py run_decode_bench",
-                    "result": bench(model, cfg["decode_batches"], cfg["decode_new"], args.device)}
-        except Exception as exc:  # noqa: BLE001 - fall back to gpu_table's bench, say why
-            fallback = f"paged_decode.run_decode_bench failed: {type(exc).__name__}: {exc}"
-        del model
-    else:
-        fallback = "benchmarks/paged_decode.py not present"
+    """gpu_table's decode bench (the static cache: the compiled step in a CUDA graph on a GPU, the bound per
+    batch), then the paged cache's variants of benchmarks/paged_decode.py over the same prompt and completion
+    lengths, each row's fraction of that batch's bound; `by_batch` keeps the fastest variant per batch."""
+    gpu_table.PROMPT_TOKENS, gpu_table.NEW_TOKENS = cfg["prompt_tokens"], cfg["decode_new"]
     cuda = args.device.startswith("cuda")
     ns = SimpleNamespace(device=args.device, batches=cfg["decode_batches"], transformers_batches=[],
                          variants=["compiled_graphs"] if cuda else ["fast_eager"])
     out = gpu_table.decode_part(ns, shape)
-    return {"source": f"gpu_table.decode_part ({fallback})", "result": out,
-            "by_batch": {r["batch"]: {k: r.get(k) for k in ("tokens_per_s", "fraction_of_bound")}
-                         for r in out["rows"]}}
+    by_batch = {r["batch"]: {"variant": r["variant"], "tokens_per_s": r["tokens_per_s"],
+                             "fraction_of_bound": r.get("fraction_of_bound")} for r in out["rows"]}
+    paged, bench = None, _paged_bench()
+    if bench is None:
+        paged = {"skipped": "benchmarks/paged_decode.py not present"}
+    elif time.monotonic() > stop_at:
+        paged = {"skipped": "over the part's time budget"}
+    else:
+        model, tok = gpu_table.build_model(shape, torch.bfloat16, args.device)
+        variants = ("static", "paged_flex", "paged_device") if cuda else ("static", "paged_gather", "paged_device")
+        try:
+            paged = bench(model, cfg["decode_batches"], cfg["decode_new"], args.device, tokenizer=tok,
+                          prompt_tokens=cfg["prompt_tokens"], variants=variants, repeats=1)
+        except Exception as exc:  # noqa: BLE001 - the static rows stand; say why the paged ones are missing
+            paged = {"error": f"{type(exc).__name__}: {exc}"}
+        del model
+        for row in paged.get("rows", []):
+            bound = next((r.get("bound_tokens_per_s") for r in out["rows"] if r["batch"] == row["batch"]), None)
+            if bound:
+                row["fraction_of_bound"] = round(row["tokens_per_s"] / bound, 4)
+            best = by_batch.get(row["batch"])
+            if row.get("samples_per_prompt", 1) == 1 and (best is None or row["tokens_per_s"] > best["tokens_per_s"]):
+                by_batch[row["batch"]] = {k: row.get(k) for k in ("variant", "tokens_per_s", "fraction_of_bound")}
+    return {"source": "gpu_table.decode_part + benchmarks/paged_decode.py run_decode_bench", "result": out,
+            "paged": paged, "by_batch": by_batch}
 
 
 # --- 2. train: MFU --------------------------------------------------------------------------------------------

@@ -75,6 +75,8 @@ def test_the_train_and_decode_parts_run_on_tiny_shapes():
     assert all(r["tokens_per_s"] > 0 for r in train["rows"]) and train["profile"]["seq_32"]
     decode = gpu_suite.decode_part(ARGS, TINY_CFG, gpu_suite.TINY["tiny-64"], stop)
     assert decode["by_batch"][2]["tokens_per_s"] > 0
+    paged = {(r["variant"], r["batch"]) for r in decode["paged"]["rows"]}  # the paged variants ran beside it
+    assert {("paged_gather", 2), ("paged_device", 2)} <= paged, decode["paged"]
 
 
 @pytest.mark.slow
