@@ -87,6 +87,25 @@ class RewardResult:
 
 
 @dataclass(frozen=True)
+class ImageInputs:
+    """A prompt's images as a vision-language model reads them (the processor's output, computed once per
+    prompt and shared by every sample of its group).
+
+    pixel_values:   float tensor `[patches, channels x temporal x patch x patch]`, every image's patches in order
+    image_grid_thw: long tensor `[images, 3]`: each image's (temporal, height, width) patch grid
+    sources:        where each image came from (a file, a data URL's media type, a column and row), for messages
+    """
+
+    pixel_values: Any
+    image_grid_thw: Any
+    sources: tuple[str, ...] = ()
+
+    @property
+    def num_images(self) -> int:
+        return int(self.image_grid_thw.shape[0])
+
+
+@dataclass(frozen=True)
 class Sample:
     """One trajectory as the trainer sees it.
 
@@ -102,6 +121,7 @@ class Sample:
     token_versions: the policy version of each completion token when a completion spans weight updates
                 (partial rollouts); `version` is then the oldest. Empty: every token is from `version`
     extras:     what the reward functions logged for this sample with `log_extra` (column -> value)
+    images:     the prompt's images as the vision encoder reads them (a vision-language policy); None: text only
     """
 
     tokens: tuple[int, ...]
@@ -123,6 +143,7 @@ class Sample:
     row: dict[str, Any] = field(default_factory=dict)
     token_versions: tuple[int, ...] = ()
     extras: dict[str, Any] = field(default_factory=dict)
+    images: ImageInputs | None = field(default=None, compare=False)
 
     @property
     def completion_len(self) -> int:

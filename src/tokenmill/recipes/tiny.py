@@ -22,12 +22,14 @@ SPECIAL_TOKENS = ["<pad>", "<unk>", "<|end|>", "<|system|>", "<|user|>", "<|assi
 CHARACTERS = string.digits + "+-*/=()<>.,:;!?'\"[]{}_#%&@^|~$`\\ \n" + string.ascii_letters
 
 
-def build_tokenizer():
-    """A fast character-level tokenizer with chat special tokens; eos is `<|end|>`."""
+def build_tokenizer(extra_special_tokens: tuple[str, ...] = ()):
+    """A fast character-level tokenizer with chat special tokens (and `extra_special_tokens` after them, e.g. a
+    vision-language model's image markers); eos is `<|end|>`."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    specials = [*SPECIAL_TOKENS, *extra_special_tokens]
+    vocab = {tok: i for i, tok in enumerate(specials)}
     for ch in CHARACTERS:
         vocab.setdefault(ch, len(vocab))
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -38,7 +40,7 @@ def build_tokenizer():
         pad_token="<pad>",
         unk_token="<unk>",
         eos_token="<|end|>",
-        additional_special_tokens=SPECIAL_TOKENS[3:],
+        additional_special_tokens=specials[3:],
         clean_up_tokenization_spaces=False,
         padding_side="left",  # a constructor argument is saved with the folder; an attribute set later is not
     )

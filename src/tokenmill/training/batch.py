@@ -33,6 +33,9 @@ class Batch:
     # float: the sampler's logprobs when old_logprobs_B_T holds the trainer's recomputed ones (off-policy
     # correction, algorithm.off_policy); None otherwise
     behaviour_logprobs_B_T: torch.Tensor | None = None
+    # each row's prompt images (`types.ImageInputs`, None for a text-only row) when some sample has images: a
+    # vision-language policy's batch (`training.vision`); None otherwise
+    images_B: tuple | None = None
 
     @property
     def advantages(self) -> torch.Tensor:
@@ -70,6 +73,8 @@ class Batch:
                 value = value[index]
                 if value.dim() == 2:
                     value = value[:, :width]
+            elif isinstance(value, tuple):  # per-row objects (images)
+                value = tuple(value[i] for i in rows)
             cut[f.name] = value
         return Batch(**cut)
 
@@ -118,5 +123,6 @@ def collate(samples: Sequence[Sample], weights: Sequence[float], pad_id: int) ->
         advantages_B=torch.tensor([s.advantage for s in picked], dtype=torch.float32),
         prompt_lens_B=torch.tensor([s.prompt_len for s in picked], dtype=torch.long),
         sample_index_B=torch.tensor(order, dtype=torch.long),
+        images_B=tuple(s.images for s in picked) if any(s.images is not None for s in picked) else None,
         **per_token,
     )

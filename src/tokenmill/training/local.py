@@ -50,6 +50,13 @@ def micro_token_stats(
     `teacher` each tuple has a fifth tensor: the reverse KL to it per token (`logprobs.reverse_kl`): a module
     (its whole distribution), or an object whose `top(input_ids_B_T, lengths_B)` gives its top-k ids and
     logprobs `[B, T, K]` (`training.teacher.TopKTeacher`: the bucketed KL, on padded rows, never packed)."""
+    if batch.images_B is not None:  # a vision-language policy's batch: padded rows (`training.vision`)
+        from tokenmill.training.vision import vision_micro_stats
+
+        yield from vision_micro_stats(model, batch, temperature=temperature, token_budget=token_budget,
+                                      chunk_bytes=chunk_bytes, entropy=entropy, entropy_grad=entropy_grad,
+                                      autocast_dtype=autocast_dtype)
+        return
     device = next(model.parameters()).device
     top_k = teacher is not None and not isinstance(teacher, torch.nn.Module)
     segments = None if top_k else packing_segments(batch, share_prompts=share_prompts, pack_sequences=pack_sequences)
