@@ -25,6 +25,7 @@ from tokenmill.data.build import build_datasets
 from tokenmill.data.prompts import PromptSource
 from tokenmill.engines.base import InferenceEngine
 from tokenmill.engines.local.hf import HFEngine
+from tokenmill.engines.local.vision import VisionEngine, is_vision_config
 from tokenmill.rewards.build import build_rewards
 from tokenmill.rewards.set import RewardSet
 from tokenmill.rollout.agent import AgentLoop, build_agent
@@ -34,6 +35,7 @@ from tokenmill.rollout.record import ReplayEngine
 from tokenmill.tracking.logger import MetricsLogger
 from tokenmill.training.model import autocast_dtype, load_policy, resolve_device
 from tokenmill.training.teacher import build_teacher
+from tokenmill.types import ConfigError
 
 
 @dataclass
@@ -125,6 +127,10 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     # (fsdp2: each rank's engine samples from a full copy, refreshed from the shards after every update)
     if cfg.record.replay is not None:  # trains on recorded rollouts: nothing generates, nothing evaluates
         engine, eval_rows = ReplayEngine(model, tokenizer), None
+    elif is_vision_config(model.config):  # a vision-language policy: images encoded once per group
+        if sharded:
+            raise ConfigError("cluster: a vision-language model trains in one process (no fsdp2 yet)")
+        engine = VisionEngine(model, tokenizer, seed=cfg.training.seed, autocast_dtype=amp)
     else:
         engine = (dist.RankedEngine if sharded else HFEngine)(
             model, tokenizer, seed=cfg.training.seed + (dist.rank() if sharded else 0), autocast_dtype=amp,

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
-from tokenmill.engines.local.vision import rope_positions, vision_tower
+from tokenmill.engines.local.vision import backbone, rope_positions, vision_tower
 from tokenmill.training.batch import Batch
 from tokenmill.training.logprobs import head_token_stats
 
@@ -55,10 +55,9 @@ def vision_token_stats(
     real_B_T = torch.arange(T, device=device)[None, :] < micro.lengths_B.to(device)[:, None]
     pixels, grid = batch_images(micro)
     pos_3_B_T, _ = rope_positions(model, ids_B_T, grid, real_B_T.long())
-    extra = {} if pixels is None else {"pixel_values": pixels.to(device), "image_grid_thw": grid.to(device)}
     autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     with autocast:
-        hidden_B_T_H = base.model(input_ids=ids_B_T, position_ids=pos_3_B_T, use_cache=False, **extra).last_hidden_state
+        hidden_B_T_H = backbone(model, ids_B_T, pixels, grid, pos_3_B_T, use_cache=False).last_hidden_state
     predicted = real_B_T.clone()
     predicted[:, 0] = False  # position t >= 1 is predicted from t - 1
     b_N, t_N = predicted.nonzero(as_tuple=True)
@@ -97,3 +96,22 @@ def freeze_vision_tower(model: torch.nn.Module, frozen: bool = True) -> int:
 
 
 LANGUAGE_LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+
+def image_sft_samples(processor, rows, prompt_column: str = "prompt", completion_column: str = "completion",
+                      image_column: str = "images", policy=None) -> list:
+    """(prompt with images, string completion) rows as SFT samples whose loss covers the completion and its
+    end-of-sequence token, each carrying its prompt's `ImageInputs` (for `training.sft.run_sft(samples=...)`)."""
+    from tokenmill.data.images import ImagePolicy, row_images
+    from tokenmill.types import Sample, StopReason
+
+    tok, out = processor.tokenizer, []
+    for i in range(len(rows)):
+        row = rows[i]
+        messages, images, sources = row_images(row, prompt_column, image_column, policy or ImagePolicy(), f"row {i}")
+        ids, inputs = processor.encode(messages, images, sources)
+        target = list(tok(row[completion_column], add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
+        out.append(Sample(tokens=tuple(ids + target), loss_mask=(0,) * len(ids) + (1,) * len(target),
+                          logprobs=(0.0,) * (len(ids) + len(target)), prompt_len=len(ids), prompt=row[prompt_column],
+                          completion=row[completion_column], stop_reason=StopReason.STOP, images=inputs))
+    return out

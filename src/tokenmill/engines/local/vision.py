@@ -44,19 +44,51 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
     return getattr(inner, "visual", None)
 
 
+def _base(model: torch.nn.Module) -> torch.nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def image_slots(model: torch.nn.Module, ids_B_T: torch.Tensor) -> torch.Tensor:
+    """bool `[B, T]`: the image tokens the processor laid out (runs right after a vision-start token). An image
+    token the policy sampled in a completion is text: it has no picture and is embedded as itself."""
+    config = _base(model).config
+    is_image_B_T = ids_B_T == config.image_token_id
+    T = ids_B_T.shape[1]
+    positions = torch.arange(T, device=ids_B_T.device).expand(ids_B_T.shape)
+    last_other_B_T = torch.where(is_image_B_T, -1, positions).cummax(dim=1).values  # the run's opener
+    opener_B_T = ids_B_T.gather(1, last_other_B_T.clamp(min=0))
+    return is_image_B_T & (last_other_B_T >= 0) & (opener_B_T == config.vision_start_token_id)
+
+
 def rope_positions(model: torch.nn.Module, ids_B_T: torch.Tensor, image_grid_thw: torch.Tensor | None,
                    mask_B_T: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(position ids `[3, B, T]`, each row's delta `[B, 1]`: its next position minus its length). Text-only rows
     get 1-D positions repeated on the three axes."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    image_id = base.config.image_token_id
     if image_grid_thw is None:
         pos_B_T = torch.arange(ids_B_T.shape[1], device=ids_B_T.device).expand(ids_B_T.shape)
         return pos_B_T[None].expand(3, -1, -1), torch.zeros((ids_B_T.shape[0], 1), dtype=torch.long)
-    kinds_B_T = (ids_B_T == image_id).int()
+    kinds_B_T = image_slots(model, ids_B_T).int()
     if mask_B_T is not None:
         kinds_B_T = kinds_B_T * mask_B_T.int()
-    return base.model.get_rope_index(ids_B_T, kinds_B_T, image_grid_thw.to(ids_B_T.device), attention_mask=mask_B_T)
+    return _base(model).model.get_rope_index(ids_B_T, kinds_B_T, image_grid_thw.to(ids_B_T.device),
+                                             attention_mask=mask_B_T)
+
+
+def backbone(model: torch.nn.Module, ids_B_T: torch.Tensor, pixel_values: torch.Tensor | None,
+             image_grid_thw: torch.Tensor | None, position_ids: torch.Tensor, **kwargs: Any):
+    """The language model's output over token embeddings whose image slots (`image_slots`) hold the vision
+    encoder's features of `pixel_values`, in order. `kwargs`: the cache and `use_cache`."""
+    inner = _base(model).model
+    embeds_B_T_H = inner.get_input_embeddings()(ids_B_T)
+    if pixel_values is not None:
+        grid = image_grid_thw.to(ids_B_T.device)
+        features = inner.get_image_features(pixel_values.to(ids_B_T.device), grid, return_dict=True).pooler_output
+        features_N_H = torch.cat(list(features)).to(embeds_B_T_H.dtype)
+        slots_B_T = image_slots(model, ids_B_T)
+        if int(slots_B_T.sum()) != features_N_H.shape[0]:
+            raise ValueError(f"{int(slots_B_T.sum())} image tokens for {features_N_H.shape[0]} image features")
+        embeds_B_T_H = embeds_B_T_H.masked_scatter(slots_B_T[..., None], features_N_H)
+    return inner.language_model(inputs_embeds=embeds_B_T_H, position_ids=position_ids, **kwargs)
 
 
 class VisionProcessor:
@@ -104,6 +136,8 @@ class VisionProcessor:
 class VisionEngine:
     """In-process engine over a Qwen2-VL-family model (which may be the trainer's own module). `generate`
     takes each prompt's `ImageInputs` (None for a text-only prompt) beside its token ids."""
+
+    takes_images = True  # `rollout.generator.build_generator` gives it a generator that reads images
 
     def __init__(self, model, tokenizer, *, seed: int = 0, autocast_dtype: torch.dtype | None = None) -> None:
         self.model = model
@@ -163,16 +197,17 @@ class VisionEngine:
         ids_1_L = torch.tensor([prompt], dtype=torch.long, device=self.device)
         grid = None if inputs is None else inputs.image_grid_thw.to(self.device)
         pos_3_1_L, delta_1_1 = rope_positions(self.model, ids_1_L, grid)
-        extra = {}
+        pixels = None
         if inputs is not None:
-            extra = {"pixel_values": inputs.pixel_values.to(self.device), "image_grid_thw": grid}
+            pixels = inputs.pixel_values
             self.encoder_calls += 1
         cache = DynamicCache(config=text_config(self.model.config))
-        out = self.model(input_ids=ids_1_L, position_ids=pos_3_1_L, use_cache=True, logits_to_keep=1,
-                         **{self._cache_keyword: cache}, **extra)
+        hidden_1_L_H = backbone(self.model, ids_1_L, pixels, grid, pos_3_1_L, use_cache=True,
+                                **{self._cache_keyword: cache}).last_hidden_state
         if n > 1:
             cache.batch_repeat_interleave(n)
-        return out.logits[:, -1, :].repeat_interleave(n, 0), cache, len(prompt) + int(delta_1_1[0, 0])
+        logits_1_V = _base(self.model).lm_head(hidden_1_L_H[:, -1, :])
+        return logits_1_V.repeat_interleave(n, 0), cache, len(prompt) + int(delta_1_1[0, 0])
 
     def _decode(self, prompt: list[int], params: SamplingParams, inputs: ImageInputs | None) -> list[Completion]:
         n = params.n

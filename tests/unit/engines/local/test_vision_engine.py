@@ -87,3 +87,23 @@ def test_the_image_changes_the_logprobs(vlm):
                            prompt_len=len(ids), prompt=None, completion="", stop_reason=StopReason.STOP, images=inputs))
     lp = batch_logprobs(model, collate(rows, [1.0, 1.0], 0), temperature=1.0, token_budget=10_000)
     assert (lp[0, -3:] - lp[1, -3:]).abs().max() > 1e-4
+
+
+def test_only_the_processors_image_tokens_are_image_slots(vlm):
+    """An image token the policy sampled (in a completion) is text: only runs after vision-start hold pictures."""
+    from tokenmill.engines.local.vision import image_slots
+    from tokenmill.training.batch import collate
+    from tokenmill.training.local import batch_logprobs
+    from tokenmill.types import Sample, StopReason
+
+    model, processor = vlm
+    c = model.config
+    ids = torch.tensor([[30, c.vision_start_token_id, c.image_token_id, c.image_token_id, c.vision_end_token_id,
+                         c.image_token_id, 31, c.image_token_id]])
+    assert image_slots(model, ids).tolist() == [[False, False, True, True, False, False, False, False]]
+    prompt, inputs = processor.encode(_prompt("x"), [_picture((255, 0, 0))])
+    tokens = (*prompt, c.image_token_id, 25, c.image_token_id)  # the completion holds sampled image tokens
+    sample = Sample(tokens=tokens, loss_mask=(0,) * len(prompt) + (1,) * 3, logprobs=(0.0,) * len(tokens),
+                    prompt_len=len(prompt), prompt=None, completion="", stop_reason=StopReason.STOP, images=inputs)
+    lp = batch_logprobs(model, collate([sample], [1.0], 0), temperature=1.0, token_budget=10_000)
+    assert torch.isfinite(lp).all() and (lp[0, -3:] < 0).all()
