@@ -81,8 +81,8 @@ def grpo(warm: Path, work: Path, *, steps: int, num_eval: int, seed: int, say=pr
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--sft-steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--sft-steps", type=int, default=300)
     parser.add_argument("--slip", type=float, default=0.6)
     parser.add_argument("--num-eval", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
