@@ -5,7 +5,8 @@ through the model's processor once (`engines.local.vision.VisionProcessor`); the
 per prompt and samples the group from it; every sample keeps its prompt's `ImageInputs`, which the trainer
 reads back (`training.vision`). A row whose image is missing, unreadable, remote (not allowed) or too large
 fails on its own: its samples are `StopReason.ERROR` (never trained) and an `image_error` line in
-`events.jsonl` names the row and the file; the rest of the batch goes on.
+`events.jsonl` names the row (its place among the rows drawn for the step) and the file; the rest of the batch
+goes on.
 """
 
 from __future__ import annotations
@@ -57,14 +58,11 @@ class VisionGenerator(Generator):
         self.processor = processor
         self.image_column = image_column
         self.policy = policy
-        self.rows_seen = 0  # rows read so far, so a bad image's row number is the run's, not the batch's
 
     def sample(self, rows: list[dict[str, Any]], params: SamplingParams | None = None):
         params = params or self.params
-        first = self.rows_seen
-        self.rows_seen += len(rows)
         prompts = [encode_image_prompt(self.processor, row, self.prompt_column, self.image_column, self.policy,
-                                       f"row {first + i}") for i, row in enumerate(rows)]
+                                       f"row {i} of {len(rows)} drawn") for i, row in enumerate(rows)]
         ok = [i for i, p in enumerate(prompts) if p.error is None]
         sampled = self.engine.generate([prompts[i] for i in ok], params, images=[prompts[i].images for i in ok])
         completions: list[list[Completion]] = [
