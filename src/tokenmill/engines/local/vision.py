@@ -94,11 +94,13 @@ def backbone(model: torch.nn.Module, ids_B_T: torch.Tensor, pixel_values: torch.
 class VisionProcessor:
     """Messages with image parts plus PIL images -> (token ids, `ImageInputs`), for Qwen2-VL-family models."""
 
-    def __init__(self, tokenizer: Any, image_processor: Any, image_token: str) -> None:
+    def __init__(self, tokenizer: Any, image_processor: Any, image_token: str,
+                 vision_start: str = "<|vision_start|>") -> None:
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.image_token = image_token
         self.image_token_id = tokenizer.convert_tokens_to_ids(image_token)
+        self.vision_start_id = tokenizer.convert_tokens_to_ids(vision_start)
         self.merge = int(getattr(image_processor, "merge_size", 2))
 
     @classmethod
@@ -108,7 +110,8 @@ class VisionProcessor:
         config = config or AutoConfig.from_pretrained(path)
         tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
         image_token = tokenizer.convert_ids_to_tokens(config.image_token_id)
-        return cls(tokenizer, AutoImageProcessor.from_pretrained(path), image_token)
+        vision_start = tokenizer.convert_ids_to_tokens(config.vision_start_token_id)
+        return cls(tokenizer, AutoImageProcessor.from_pretrained(path), image_token, vision_start)
 
     def pixels(self, images: Sequence[Any], sources: tuple[str, ...] = ()) -> ImageInputs:
         """The images as the vision encoder reads them."""
