@@ -123,6 +123,7 @@ def plan_from_config(
         "policy": policy, "mode": mode, "algorithm": mode, "precision": precision, "optimizer": opts.optimizer,
         "gradient_checkpointing": opts.gradient_checkpointing, "logprobs": opts.logprobs,
         "lora_rank": cfg.model.lora.rank, "lora_targets": _lora_targets(cfg.model.lora.target_modules, policy, notes),
+        "freeze_vision": getattr(cfg.model, "freeze_vision", True),
         "frozen_quant": opts.frozen_quant, "num_devices": devices,
         "sharding": ("fsdp" if devices > 1 else "none") if opts.sharding == "auto" else opts.sharding,
         "device": "cpu" if on_cpu else "cuda", "margin": opts.margin,
