@@ -47,6 +47,9 @@ class ImagePolicy:
         return cls(allow_remote=data.allow_remote_images, max_pixels=data.max_image_pixels)
 
 
+DEFAULT_POLICY = ImagePolicy()  # local images only, up to DEFAULT_MAX_PIXELS
+
+
 def pil():
     """The PIL.Image module, or one line naming the extra to install."""
     try:
@@ -74,7 +77,7 @@ def _open(ref: Any, policy: ImagePolicy):
     if isinstance(ref, (bytes, bytearray)):
         return Image.open(io.BytesIO(ref))
     if not isinstance(ref, str):
-        raise ValueError(f"not an image: a {type(ref).__name__} (a path, a data or file URL, or a PIL image)")
+        raise TypeError(f"not an image: a {type(ref).__name__} (a path, a data or file URL, or a PIL image)")
     if ref.startswith("data:"):
         head, _, payload = ref.partition(",")
         if not head.endswith(";base64"):
@@ -85,7 +88,7 @@ def _open(ref: Any, policy: ImagePolicy):
             raise ValueError("a remote image URL; set data.allow_remote_images: true to fetch it")
         import urllib.request
 
-        with urllib.request.urlopen(ref, timeout=REMOTE_TIMEOUT_S) as response:  # noqa: S310 - the user allowed it
+        with urllib.request.urlopen(ref, timeout=REMOTE_TIMEOUT_S) as response:  # the user allowed it
             return Image.open(io.BytesIO(response.read()))
     path = Path(ref.removeprefix("file://"))
     if not path.is_file():
@@ -93,7 +96,7 @@ def _open(ref: Any, policy: ImagePolicy):
     return Image.open(path)
 
 
-def load_image(ref: Any, policy: ImagePolicy = ImagePolicy(), where: str = "") -> Any:
+def load_image(ref: Any, policy: ImagePolicy = DEFAULT_POLICY, where: str = "") -> Any:
     """An RGB PIL image from a reference (a PIL image, a path, a `file://` or `data:` URL, an allowed remote URL,
     bytes or a `datasets.Image` value); `ImageError` naming `where` and the image when it cannot be used."""
     try:

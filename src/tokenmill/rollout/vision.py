@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tokenmill.data.images import ImageError, ImagePolicy, row_images
+from tokenmill.data.images import DEFAULT_POLICY, ImageError, ImagePolicy, row_images
 from tokenmill.engines.local.vision import VisionProcessor
 from tokenmill.rewards.set import RewardSet
 from tokenmill.rollout.generator import Generator
@@ -53,7 +53,7 @@ class VisionGenerator(Generator):
 
     def __init__(self, engine, processor: VisionProcessor, rewards: RewardSet, params: SamplingParams,
                  prompt_column: str = "prompt", image_column: str = "images",
-                 policy: ImagePolicy = ImagePolicy()) -> None:
+                 policy: ImagePolicy = DEFAULT_POLICY) -> None:
         super().__init__(engine, processor.tokenizer, rewards, params, prompt_column)
         self.processor = processor
         self.image_column = image_column

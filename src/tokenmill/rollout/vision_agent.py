@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.data.images import ImagePolicy, load_image, split_images
+from tokenmill.data.images import DEFAULT_POLICY, ImagePolicy, load_image, split_images
 from tokenmill.engines.local.vision import VisionProcessor
 from tokenmill.envs.base import StepResult, as_messages, as_step_result, call
 from tokenmill.rollout.agent import AgentEpisode, AgentLoop
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 class ImageEnv:
     """An environment whose image parts are read into PIL images (`images`, in the order they appeared)."""
 
-    def __init__(self, env: Any, policy: ImagePolicy = ImagePolicy()) -> None:
+    def __init__(self, env: Any, policy: ImagePolicy = DEFAULT_POLICY) -> None:
         self.env = env
         self.policy = policy
         self.images: list[Any] = []
@@ -68,7 +68,7 @@ class VisionAgentLoop(AgentLoop):
     """`AgentLoop` for a vision-language policy: environments may show images in resets and observations."""
 
     def __init__(self, engine: Any, processor: VisionProcessor, env_factory, params, limits=None, *,
-                 policy: ImagePolicy = ImagePolicy(), **kwargs: Any) -> None:
+                 policy: ImagePolicy = DEFAULT_POLICY, **kwargs: Any) -> None:
         super().__init__(engine, processor.tokenizer, lambda: ImageEnv(env_factory(), policy), params,
                          **({"limits": limits} if limits is not None else {}), **kwargs)
         self.processor = processor

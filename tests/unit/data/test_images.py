@@ -84,7 +84,7 @@ def test_a_remote_url_is_fetched_when_allowed():
     body = _png((9, 9, 9))
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - the stdlib's name
+        def do_GET(self):  # the stdlib's name
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
