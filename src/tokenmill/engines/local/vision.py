@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
+from tokenmill.engines.local.hf import HFEngine
 from tokenmill.engines.local.sampling import sample_tokens
 from tokenmill.types import Completion, ImageInputs, SamplingParams, StopReason
 
@@ -91,6 +92,13 @@ def backbone(model: torch.nn.Module, ids_B_T: torch.Tensor, pixel_values: torch.
     return inner.language_model(inputs_embeds=embeds_B_T_H, position_ids=position_ids, **kwargs)
 
 
+def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+    """The ids that end a completion: the generation config's end-of-sequence id(s) and the tokenizer's."""
+    config_eos = getattr(model.generation_config, "eos_token_id", None)
+    listed = config_eos if isinstance(config_eos, list) else [config_eos]
+    return {int(e) for e in (*listed, tokenizer.eos_token_id) if e is not None}
+
+
 class VisionProcessor:
     """Messages with image parts plus PIL images -> (token ids, `ImageInputs`), for Qwen2-VL-family models."""
 
@@ -143,36 +151,22 @@ class VisionEngine:
     takes_images = True  # `rollout.generator.build_generator` gives it a generator that reads images
 
     def __init__(self, model, tokenizer, *, seed: int = 0, autocast_dtype: torch.dtype | None = None) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
+        self.model, self.tokenizer, self.autocast_dtype = model, tokenizer, autocast_dtype
         self.device = next(model.parameters()).device
-        eos = model.generation_config.eos_token_id if model.generation_config else None
-        eos_list = eos if isinstance(eos, list) else [eos]
-        self.eos_ids = {e for e in eos_list + [tokenizer.eos_token_id] if e is not None}
+        self.eos_ids = eos_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(seed)
-        self.autocast_dtype = autocast_dtype
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.version = 0
+        self.prefix_cache = None  # (HFEngine.update_weights clears one where there is one)
         self.max_positions = getattr(text_config(model.config), "max_position_embeddings", None)
         forward = inspect.signature(model.forward).parameters
         self._cache_keyword = "cache" if "cache" in forward else "past_key_values"
         self.encoder_calls = 0  # prompts whose images went through the vision encoder (one per group)
 
-    @torch.no_grad()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        own = dict(self.model.named_parameters())
-        for name, tensor in named_tensors:
-            target = own[name]
-            if target.data_ptr() != tensor.data_ptr():  # a shared module needs no copy
-                target.copy_(tensor.to(dtype=target.dtype, device=target.device))
-        self.version = version
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"rng": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.generator.set_state(state["rng"])
+    # the same in-place weight copy and sampling-RNG state as the text engine's
+    update_weights = HFEngine.update_weights
+    state_dict = HFEngine.state_dict
+    load_state_dict = HFEngine.load_state_dict
 
     def close(self) -> None:
         """Nothing to release (the module belongs to the caller)."""
