@@ -84,10 +84,15 @@ def build_tiny_model(
     if not tie_word_embeddings:  # the head starts as the embedding (as a tied model's), then trains apart
         with torch.no_grad():
             model.lm_head.weight.copy_(model.get_input_embeddings().weight)
+    return str(save_folder(model, tok, path))
+
+
+def save_folder(model, tok, path: str | Path) -> Path:
+    """Save `model` (its generation config ending and padding with the tokenizer's tokens) and `tok` to `path`."""
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    return str(path)
+    return path

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenmill.recipes.tiny import build_tokenizer
+from tokenmill.recipes.tiny import build_tokenizer, save_folder
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
 # the tiny chat template, with Qwen2-VL's image markers for `{"type": "image"}` content parts
@@ -34,19 +34,9 @@ def build_vlm_tokenizer():
     return tok
 
 
-def build_tiny_vlm(
-    path: str | Path,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    vision_hidden_size: int = 32,
-    vision_depth: int = 2,
-    patch_size: int = 8,
-    image_pixels: tuple[int, int] = (16 * 16, 64 * 64),
-    max_positions: int = 512,
-    seed: int = 0,
-) -> str:
+def build_tiny_vlm(path: str | Path, hidden_size: int = 64, num_layers: int = 2, *, vision_hidden_size: int = 32,
+                   vision_depth: int = 2, patch_size: int = 8, image_pixels: tuple[int, int] = (16 * 16, 64 * 64),
+                   seed: int = 0, num_heads: int = 4, num_kv_heads: int = 2, max_positions: int = 512) -> str:
     """Write a random-init Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`), the character tokenizer with
     image tokens and a `Qwen2VLImageProcessor` config to `path`; return the path. `image_pixels`: the
     processor's (min_pixels, max_pixels)."""
@@ -79,12 +69,7 @@ def build_tiny_vlm(
     )
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config).float()
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+    path = save_folder(model, tok, path)
     image_processor(patch_size, *image_pixels).save_pretrained(path)
     return str(path)
 
