@@ -159,7 +159,7 @@ class VisionEngine:
         self.version = 0
         self.prefix_cache = None  # (HFEngine.update_weights clears one where there is one)
         self.max_positions = getattr(text_config(model.config), "max_position_embeddings", None)
-        forward = inspect.signature(model.forward).parameters
+        forward = inspect.signature(_base(model).forward).parameters
         self._cache_keyword = "cache" if "cache" in forward else "past_key_values"
         self.encoder_calls = 0  # prompts whose images went through the vision encoder (one per group)
 
