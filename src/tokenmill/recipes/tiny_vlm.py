@@ -36,12 +36,18 @@ def build_vlm_tokenizer():
 
 def build_tiny_vlm(path: str | Path, hidden_size: int = 64, num_layers: int = 2, *, vision_hidden_size: int = 32,
                    vision_depth: int = 2, patch_size: int = 8, image_pixels: tuple[int, int] = (16 * 16, 64 * 64),
-                   seed: int = 0, num_heads: int = 4, num_kv_heads: int = 2, max_positions: int = 512) -> str:
-    """Write a random-init Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`), the character tokenizer with
-    image tokens and a `Qwen2VLImageProcessor` config to `path`; return the path. `image_pixels`: the
-    processor's (min_pixels, max_pixels)."""
+                   seed: int = 0, num_heads: int = 4, num_kv_heads: int = 2, max_positions: int = 512,
+                   family: str = "qwen2_5_vl") -> str:
+    """Write a random-init Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`; `family="qwen2_vl"`: a Qwen2-VL),
+    the character tokenizer with image tokens and a `Qwen2VLImageProcessor` config to `path`; return the path.
+    `image_pixels`: the processor's (min_pixels, max_pixels)."""
     import torch
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
 
     tok = build_vlm_tokenizer()
     head_dim = hidden_size // num_heads
@@ -50,7 +56,9 @@ def build_tiny_vlm(path: str | Path, hidden_size: int = 64, num_layers: int = 2,
     ids = {name: tok.convert_tokens_to_ids(t) for name, t in zip(
         ("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id"), VISION_TOKENS,
         strict=True)}
-    config = Qwen2_5_VLConfig(
+    config_class, model_class = {"qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration),
+                                  "qwen2_vl": (Qwen2VLConfig, Qwen2VLForConditionalGeneration)}[family]
+    config = config_class(
         text_config={
             "vocab_size": len(tok), "hidden_size": hidden_size, "intermediate_size": 4 * hidden_size,
             "num_hidden_layers": num_layers, "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
@@ -58,20 +66,25 @@ def build_tiny_vlm(path: str | Path, hidden_size: int = 64, num_layers: int = 2,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},
             "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "bos_token_id": None,
         },
-        vision_config={
-            "depth": vision_depth, "hidden_size": vision_hidden_size, "intermediate_size": 2 * vision_hidden_size,
-            "num_heads": 2, "patch_size": patch_size, "temporal_patch_size": 2, "spatial_merge_size": 2,
-            "out_hidden_size": hidden_size, "in_channels": 3, "window_size": 4 * patch_size,
-            "fullatt_block_indexes": [vision_depth - 1],
-        },
+        vision_config=vision_config(family, vision_depth, vision_hidden_size, patch_size, hidden_size),
         tie_word_embeddings=True,
         **ids,
     )
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).float()
+    model = model_class(config).float()
     path = save_folder(model, tok, path)
     image_processor(patch_size, *image_pixels).save_pretrained(path)
     return str(path)
+
+
+def vision_config(family: str, depth: int, width: int, patch_size: int, out_width: int) -> dict:
+    """The vision tower's config: Qwen2.5-VL's (RMSNorm, SwiGLU, windowed attention) or Qwen2-VL's."""
+    shared = {"depth": depth, "num_heads": 2, "patch_size": patch_size, "temporal_patch_size": 2,
+              "spatial_merge_size": 2, "in_channels": 3}
+    if family == "qwen2_vl":
+        return {**shared, "embed_dim": width, "hidden_size": out_width, "mlp_ratio": 2}
+    return {**shared, "hidden_size": width, "intermediate_size": 2 * width, "out_hidden_size": out_width,
+            "window_size": 4 * patch_size, "fullatt_block_indexes": [depth - 1]}
 
 
 def image_processor(patch_size: int, min_pixels: int, max_pixels: int):

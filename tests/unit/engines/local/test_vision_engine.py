@@ -16,14 +16,31 @@ def _picture(colour, size=32):
     return Image.new("RGB", (size, size), colour)
 
 
-@pytest.fixture
-def vlm(tiny_vlm_path):
+@pytest.fixture(scope="module")
+def qwen2_vl_path(tmp_path_factory) -> str:
+    from tokenmill.recipes.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("qwen2-vl") / "model", hidden_size=32, family="qwen2_vl")
+
+
+def _load(path):
     from transformers import AutoModelForImageTextToText
 
     from tokenmill.engines.local.vision import VisionProcessor
 
-    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_path, dtype=torch.float32).eval()
-    return model, VisionProcessor.from_pretrained(tiny_vlm_path)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    return model, VisionProcessor.from_pretrained(path)
+
+
+@pytest.fixture
+def vlm(tiny_vlm_path):
+    return _load(tiny_vlm_path)
+
+
+@pytest.fixture(params=["qwen2_5_vl", "qwen2_vl"])
+def each_vlm(request, tiny_vlm_path, qwen2_vl_path):
+    """Qwen2.5-VL and Qwen2-VL."""
+    return _load(tiny_vlm_path if request.param == "qwen2_5_vl" else qwen2_vl_path)
 
 
 def _prompt(text):
@@ -42,14 +59,14 @@ def test_processor_expands_each_image_to_its_tokens(vlm):
     assert two.count(model.config.image_token_id) == 4 + 9
 
 
-def test_engine_logprobs_equal_trainer_logprobs_with_images(vlm):
+def test_engine_logprobs_equal_trainer_logprobs_with_images(each_vlm):
     """The sampler's logprob of every completion token equals the trainer's recomputation (fp32, 1e-5)."""
     from tokenmill.engines.local.vision import VisionEngine
     from tokenmill.training.batch import collate
     from tokenmill.training.local import batch_logprobs
     from tokenmill.types import Sample, StopReason
 
-    model, processor = vlm
+    model, processor = each_vlm
     engine = VisionEngine(model, processor.tokenizer, seed=3)
     encoded = [processor.encode(_prompt("count"), [_picture((255, 0, 0))]),
                processor.encode(_prompt("which colour?"), [_picture((0, 200, 0), 48)])]
