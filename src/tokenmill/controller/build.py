@@ -32,6 +32,7 @@ from tokenmill.rollout.agent import AgentLoop, build_agent
 from tokenmill.rollout.base import Rollout
 from tokenmill.rollout.generator import Generator, build_generator
 from tokenmill.rollout.record import ReplayEngine
+from tokenmill.rollout.vision import check_images_fit
 from tokenmill.tracking.logger import MetricsLogger
 from tokenmill.training.model import autocast_dtype, load_policy, resolve_device
 from tokenmill.training.teacher import build_teacher
@@ -123,6 +124,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     device = resolve_device(cfg.model.device)
     amp = autocast_dtype(cfg.model, device)
     model, tokenizer = load_policy(cfg.model, device)
+    check_images_fit(cfg, model, train_rows)
     # colocated, in-process: the engine samples from the trainer's own module, so weight sync is free
     # (fsdp2: each rank's engine samples from a full copy, refreshed from the shards after every update)
     if cfg.record.replay is not None:  # trains on recorded rollouts: nothing generates, nothing evaluates

@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tokenmill.data.images import DEFAULT_POLICY, ImageError, ImagePolicy, row_images
-from tokenmill.engines.local.vision import VisionProcessor
+from tokenmill.data.images import DEFAULT_POLICY, ImageError, ImagePolicy, has_images, row_images
+from tokenmill.engines.local.vision import VisionProcessor, is_vision_config
 from tokenmill.rewards.set import RewardSet
 from tokenmill.rollout.generator import Generator
 from tokenmill.tracking import events
-from tokenmill.types import Completion, Group, ImageInputs, SamplingParams, StopReason
+from tokenmill.types import Completion, ConfigError, Group, ImageInputs, SamplingParams, StopReason
 
 log = logging.getLogger(__name__)
 
@@ -89,3 +89,13 @@ def build_vision_generator(cfg: Any, engine, tokenizer: Any, rewards: RewardSet)
     processor = VisionProcessor.from_pretrained(cfg.model.path, tokenizer=tokenizer)
     return VisionGenerator(engine, processor, rewards, SamplingParams.from_config(cfg.generation),
                            cfg.data.prompt_column, cfg.data.image_column, ImagePolicy.from_config(cfg.data))
+
+
+def check_images_fit(cfg: Any, model: Any, rows: Any) -> None:
+    """Refuse prompts with images for a text model, naming the fields (the first row tells)."""
+    if is_vision_config(model.config) or rows is None or not len(rows) or not isinstance(rows[0], dict):
+        return
+    if has_images(rows[0], cfg.data.prompt_column, cfg.data.image_column):
+        raise ConfigError(f"model.path: the prompts have images (data.image_column {cfg.data.image_column!r} or "
+                          f"image parts) but {cfg.model.path!r} is a text model; use a vision-language model "
+                          "(Qwen2.5-VL, Qwen2-VL)")

@@ -42,3 +42,13 @@ def test_a_missing_image_fails_its_own_row_with_the_reason_in_events(tmp_path, t
     assert result["last_metrics"]["reward/unscored"] == 2  # that row's two samples; the other three rows trained
     final = out / "final"
     assert (final / "preprocessor_config.json").is_file()  # the export loads back as a vision-language model
+
+
+def test_images_for_a_text_model_are_refused_naming_the_fields(tmp_path, tiny_model_path):
+    import tokenmill
+    from tokenmill.types import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.path: the prompts have images \(data.image_column 'images'"):
+        tokenmill.train({"model": {"path": tiny_model_path}, "controller": {"steps": 1},
+                         "tracking": {"output_dir": str(tmp_path / "run"), "console": "none"}},
+                        rewards=[lambda completions, **_: [0.0] * len(completions)], dataset=_rows(tmp_path))
