@@ -31,7 +31,7 @@ def _config(model: str, out: str, **controller) -> dict:
 
 
 def _last_checkpoint(out) -> dict[str, torch.Tensor]:
-    return load_file(str(sorted((out / "checkpoints").glob("step_*"))[-1] / "model.safetensors"))
+    return load_file(str(max((out / "checkpoints").glob("step_*")) / "model.safetensors"))
 
 
 def test_a_vlm_lora_run_resumes_exactly(tmp_path, tiny_vlm_path):
