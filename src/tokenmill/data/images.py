@@ -180,3 +180,26 @@ def row_images(row: dict[str, Any], prompt_column: str, image_column: str, polic
         raise ImageError(f"{where + ': ' if where else ''}{exc}") from None
     images = [load_image(ref, policy, where) for ref in refs]
     return messages, images, tuple(describe(ref) for ref in refs)
+
+
+def printable(prompt: Any) -> Any:
+    """A prompt as logs keep it: image parts name their image (`describe`) instead of holding pixels or a whole
+    data URL, so `samples.jsonl` stays JSON and small."""
+    if not isinstance(prompt, list):
+        return prompt
+    out = []
+    for message in prompt:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") in ("image", "image_url"):
+                ref = part.get("image_url") or part.get("image") or part.get("url") or part.get("path")
+                ref = ref.get("url") if isinstance(ref, dict) else ref
+                parts.append({"type": "image", "image": describe(ref)} if ref is not None else {"type": "image"})
+            else:
+                parts.append(part)
+        out.append({**message, "content": parts})
+    return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tokenmill.data.images import DEFAULT_POLICY, ImageError, ImagePolicy, has_images, row_images
+from tokenmill.data.images import DEFAULT_POLICY, ImageError, ImagePolicy, has_images, printable, row_images
 from tokenmill.engines.local.vision import VisionProcessor, is_vision_config
 from tokenmill.rewards.set import RewardSet
 from tokenmill.rollout.generator import Generator
@@ -77,7 +77,7 @@ class VisionGenerator(Generator):
         for group, prompt in zip(groups, prompt_ids, strict=True):
             images = getattr(prompt, "images", None)
             error = getattr(prompt, "error", None)
-            samples = tuple(s.with_(images=images, reward=float("nan") if error else s.reward,
+            samples = tuple(s.with_(images=images, prompt=printable(s.prompt), reward=float("nan") if error else s.reward,
                                     reward_errors={"image": error} if error else s.reward_errors)
                             for s in group.samples)
             out.append(Group(group.group_id, samples))

@@ -107,3 +107,19 @@ def test_too_few_images_for_the_slots_is_the_rows_error():
     with pytest.raises(ImageError, match="row 4: message 0: an image part with no image"):
         row_images({"prompt": prompt, "images": [Image.new("RGB", (2, 2))]}, "prompt", "images", ImagePolicy(),
                    "row 4")
+
+
+def test_logged_prompts_name_their_images_instead_of_holding_them():
+    import json
+
+    from tokenmill.data.images import printable
+
+    data_url = "data:image/png;base64," + base64.b64encode(_png()).decode()
+    prompt = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (2, 2))},
+                                           {"type": "image_url", "image_url": {"url": data_url}},
+                                           {"type": "image"}, {"type": "text", "text": "hi"}]}]
+    shown = printable(prompt)
+    assert shown[0]["content"] == [{"type": "image", "image": "Image"},
+                                   {"type": "image", "image": repr(data_url[:40] + "...")},
+                                   {"type": "image"}, {"type": "text", "text": "hi"}]
+    assert len(json.dumps(shown)) < 300
