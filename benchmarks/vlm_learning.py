@@ -1,7 +1,7 @@
 """Does a tiny vision-language model learn a task that needs the image? GRPO on `shapes` (count the shapes
 in a generated picture), with the blanked-image control.
 
-    python benchmarks/vlm_learning.py               # ~4 min on 2 cores
+    python benchmarks/vlm_learning.py               # ~2 min on 2 cores
     python benchmarks/vlm_learning.py --steps 40 --out benchmarks/results/vlm_learning.json
 
 A random-init Qwen2.5-VL (the real architecture: vision tower, merger, multimodal rotary positions; 2 x 64
