@@ -52,3 +52,12 @@ def echo_judge(echo_judge_path):
     yield server.url + "/v1"
     server.stop()
     engine.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_path(tmp_path_factory) -> str:
+    """A random 2-layer Qwen2.5-VL (vision tower, merger, multimodal positions) with the character tokenizer and
+    a Qwen2-VL image processor, saved as an HF folder (`tokenmill.recipes.tiny_vlm`)."""
+    from tokenmill.recipes.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm") / "model", hidden_size=32, seed=0)

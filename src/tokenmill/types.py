@@ -93,6 +93,25 @@ class RewardResult:
 
 
 @dataclass(frozen=True)
+class ImageInputs:
+    """A prompt's images as a vision-language model reads them (the processor's output, computed once per
+    prompt and shared by every sample of its group).
+
+    pixel_values:   float tensor `[patches, channels x temporal x patch x patch]`, every image's patches in order
+    image_grid_thw: long tensor `[images, 3]`: each image's (temporal, height, width) patch grid
+    sources:        where each image came from (a file, a data URL's media type, a column and row), for messages
+    """
+
+    pixel_values: Any
+    image_grid_thw: Any
+    sources: tuple[str, ...] = ()
+
+    @property
+    def num_images(self) -> int:
+        return int(self.image_grid_thw.shape[0])
+
+
+@dataclass(frozen=True)
 class Sample:
     """One trajectory as the trainer sees it.
 
@@ -113,6 +132,7 @@ class Sample:
                 empty when not recorded
     episode:    a step-wise agent sample (`env.stepwise`): one model call of the episode with this number; the
                 calls of one episode share its return and its advantage. -1: the sample is a whole trajectory
+    images:     the prompt's images as the vision encoder reads them (a vision-language policy); None: text only
     """
 
     tokens: tuple[int, ...]
@@ -136,6 +156,7 @@ class Sample:
     extras: dict[str, Any] = field(default_factory=dict)
     routes: tuple[tuple[int, ...], ...] = ()
     episode: int = -1
+    images: ImageInputs | None = field(default=None, compare=False)
 
     @property
     def completion_len(self) -> int:

@@ -22,6 +22,19 @@ def export_model(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
         model = copy.deepcopy(model).merge_and_unload()
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    copy_processor_files(model, path)
+
+
+# what a vision-language model's image processor keeps beside the weights (it travels with the model)
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def copy_processor_files(model: torch.nn.Module, path: Path) -> None:
+    """Copy the image processor's config from the folder the model was loaded from (`config._name_or_path`)."""
+    source = Path(str(getattr(getattr(model, "config", None), "_name_or_path", "") or ""))
+    for name in PROCESSOR_FILES:
+        if (source / name).is_file() and not (Path(path) / name).exists():
+            shutil.copyfile(source / name, Path(path) / name)
 
 
 def export_atomic(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:

@@ -36,6 +36,10 @@ class ModelConfig(Section):
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N' (also 'mps', 'xpu').")
     attn_implementation: str | None = Field(None, description="Passed to from_pretrained (sdpa, eager, ...).")
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters (peft); off when rank is 0.")
+    freeze_vision: bool = Field(
+        True, description="A vision-language model's vision tower (encoder and merger) stays frozen; false trains "
+        "it too (with LoRA: only the language model is adapted either way). No effect on a text model."
+    )
 
     @field_validator("device")
     @classmethod
@@ -72,6 +76,16 @@ class DataConfig(Section):
         "measurement only (e.g. when training against a reward model of the same task)."
     )
     shuffle: bool = Field(True, description="Shuffle rows each epoch (seeded; resumes exactly).")
+    image_column: str = Field(
+        "images", description="Column holding each row's images for a vision-language model (TRL's `images`: a "
+        "list of PIL images, paths or data URLs); `image_url` parts inside the prompt's messages work too."
+    )
+    allow_remote_images: bool = Field(
+        False, description="Fetch http(s) image URLs; off: a row with a remote image fails with the reason."
+    )
+    max_image_pixels: int = Field(
+        4096 * 4096, ge=1, description="An image larger than this (width x height) fails its own row."
+    )
 
     @property
     def held_out_rows(self) -> int:

@@ -26,12 +26,14 @@ from tokenmill.data.prompts import PromptSource
 from tokenmill.engines.base import InferenceEngine
 from tokenmill.engines.local.hf import HFEngine
 from tokenmill.engines.local.routing import moe_routers
+from tokenmill.engines.local.vision import VisionEngine, is_vision_config
 from tokenmill.rewards.build import build_rewards
 from tokenmill.rewards.set import RewardSet
 from tokenmill.rollout.agent import AgentLoop, build_agent
 from tokenmill.rollout.base import Rollout
 from tokenmill.rollout.generator import Generator, build_generator
 from tokenmill.rollout.record import ReplayEngine
+from tokenmill.rollout.vision import check_images_fit
 from tokenmill.tracking.logger import MetricsLogger
 from tokenmill.training.model import autocast_dtype, check_memory, load_policy, resolve_device
 from tokenmill.training.teacher import build_teacher
@@ -129,10 +131,16 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     if cfg.training.router_replay != "off" and not moe_routers(model):
         raise ConfigError(f"training.router_replay: {cfg.model.path} has no mixture-of-experts router to replay; "
                           "set it to off")
+    check_images_fit(cfg, model, train_rows)
     # colocated, in-process: the engine samples from the trainer's own module, so weight sync is free
     # (fsdp2: each rank's engine samples from a full copy, refreshed from the shards after every update)
     if cfg.record.replay is not None:  # trains on recorded rollouts: nothing generates, nothing evaluates
         engine, eval_rows = ReplayEngine(model, tokenizer), None
+    elif is_vision_config(model.config):  # a vision-language policy: images encoded once per group
+        if sharded or cfg.engine.placement != "colocated":
+            raise ConfigError("engine.placement: a vision-language model trains in one process and generates "
+                              "with its own module (colocated); fsdp2 and other placements do not take images yet")
+        engine = VisionEngine(model, tokenizer, seed=cfg.training.seed, autocast_dtype=amp)
     else:
         engine = (dist.RankedEngine if sharded else HFEngine)(
             model, tokenizer, seed=cfg.training.seed, autocast_dtype=amp,

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenmill.data import reasoning_gym as gym
+from tokenmill.data.shapes import shapes_dataset, shapes_reward
 from tokenmill.data.tasks import addition_dataset, addition_reward, countdown_dataset, countdown_reward
 from tokenmill.envs import BUILTIN_ENVS, env_tasks
 from tokenmill.types import ConfigError
@@ -28,6 +29,7 @@ HELD_OUT_SEED_OFFSET = 10_000
 ROW_TASKS: dict[str, tuple[Callable[..., Any], Callable[..., list[float]]]] = {
     "addition": (addition_dataset, addition_reward),
     "countdown": (countdown_dataset, countdown_reward),
+    "shapes": (shapes_dataset, shapes_reward),  # needs a vision-language model (data.shapes)
 }
 
 
@@ -71,5 +73,6 @@ def task_splits(task: str, num_train: int, num_eval: int, seed: int = 0, **kwarg
         raise ConfigError(f"data.task: {task!r} is not a built-in task (built-in: {', '.join(task_names())})")
     make, reward = ROW_TASKS[task]
     held = make(num_eval, seed=held_seed, **kwargs) if num_eval else None
-    exclude = set(held["prompt"]) if held is not None else None
+    # rows whose prompt text repeats (a picture task) name themselves by a `key` column
+    exclude = set(held["key" if "key" in held.column_names else "prompt"]) if held is not None else None
     return make(num_train, seed=seed, exclude=exclude, **kwargs), held, reward

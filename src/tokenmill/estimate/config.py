@@ -129,6 +129,7 @@ def plan_from_config(
         "gradient_checkpointing": opts.gradient_checkpointing or getattr(training, "activation_checkpointing", False),
         "optimizer_offload": bool(getattr(training, "optimizer_offload", False)), "logprobs": opts.logprobs,
         "lora_rank": cfg.model.lora.rank, "lora_targets": _lora_targets(cfg.model.lora.target_modules, policy, notes),
+        "freeze_vision": getattr(cfg.model, "freeze_vision", True),
         "frozen_quant": opts.frozen_quant, "num_devices": devices,
         "sharding": ("fsdp" if devices > 1 else "none") if opts.sharding == "auto" else opts.sharding,
         "device": "cpu" if on_cpu else "cuda", "margin": opts.margin,

@@ -64,6 +64,7 @@ class MemoryPlan:
     logprobs: Literal["naive", "gather", "chunked"] = "chunked"
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = LINEARS
+    freeze_vision: bool = True  # a vision-language policy's vision tower: weights only, no gradients or optimizer
     frozen_quant: Literal["none", "int8", "nf4"] = "none"
     sharding: Literal["none", "zero1", "zero2", "fsdp"] = "none"
     num_devices: int = 1
@@ -218,6 +219,8 @@ def model_memory(plan: MemoryPlan, role: Role) -> ModelMemory:
         return ModelMemory(role.name, device, False, params, 0, parts, phases)
     prec, shape, tokens = plan.prec, role.shape, plan.tokens
     trainable, frozen = (0, params) if not role.trainable else (params, 0)
+    if role.trainable and plan.freeze_vision:  # the vision tower is held, not trained
+        trainable, frozen = params - shape.vision_params, shape.vision_params
     if role.trainable and role.lora_rank > 0:  # a LoRA critic / reward model also trains its scalar head
         head = 0 if role.head == "lm" else shape.hidden_size + int(role.head == "value")
         trainable, frozen = lora_params(shape, role.lora_rank, plan.lora_targets) + head, params - head

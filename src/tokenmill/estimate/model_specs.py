@@ -12,7 +12,7 @@ against `numel()` of the same model built by transformers on the meta device.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ class ModelShape:
     qkv_bias: bool = False  # Qwen2: bias on q, k, v only
     o_bias: bool = False  # Llama `attention_bias` also puts one on o_proj
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
+    vision_params: int = 0  # a vision-language model's vision tower and merger (`vision_tower_params`)
 
     def linear_dims(self) -> dict[str, tuple[int, int]]:
         """(d_in, d_out) of each linear layer of one decoder layer, by module name."""
@@ -70,8 +71,10 @@ class ModelShape:
 
     @property
     def num_params(self) -> int:
-        """Exact parameter count of the causal LM (embeddings, layers, final norm, untied head)."""
-        return self.embedding_params + self.num_layers * self.layer_params + self.hidden_size + self.lm_head_params
+        """Exact parameter count of the causal LM (embeddings, layers, final norm, untied head), plus a
+        vision-language model's vision tower."""
+        return (self.embedding_params + self.num_layers * self.layer_params + self.hidden_size + self.lm_head_params
+                + self.vision_params)
 
     def scalar_head_params(self, bias: bool) -> int:
         """The same backbone with a one-output head instead of the LM head (critic: bias; reward model: none)."""
@@ -126,12 +129,34 @@ def _int(config: dict[str, Any], key: str, source: str) -> int:
     return value
 
 
+def vision_tower_params(vision: dict[str, Any], name: str = "model") -> int:
+    """Parameters of a Qwen2.5-VL vision tower: the patch embedding (a bias-free Conv3d over temporal x patch x
+    patch pixels), `depth` blocks (two RMSNorms, qkv and output projections with biases, a SwiGLU MLP with
+    biases) and the merger (an RMSNorm, then two linears with biases from merge² patches to the text width)."""
+    h = _int(vision, "hidden_size", f"{name} vision_config")
+    inter = _int(vision, "intermediate_size", f"{name} vision_config")
+    patch, temporal = _int(vision, "patch_size", name), int(vision.get("temporal_patch_size", 2))
+    merged = h * int(vision.get("spatial_merge_size", 2)) ** 2
+    embed = int(vision.get("in_channels", 3)) * temporal * patch * patch * h
+    block = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (3 * h * inter + 2 * inter + h)
+    merger = h + (merged * merged + merged) + (merged * _int(vision, "out_hidden_size", name)
+                                               + _int(vision, "out_hidden_size", name))
+    return embed + _int(vision, "depth", name) * block + merger
+
+
 def shape_from_hf_config(config: dict[str, Any], name: str = "model") -> ModelShape:
-    """Read a `config.json` dict. Raises ValueError naming the missing or bad key."""
+    """Read a `config.json` dict. Raises ValueError naming the missing or bad key. A Qwen2.5-VL config is its
+    language model (`text_config`, a Qwen2) plus its vision tower's parameters."""
+    if config.get("model_type") == "qwen2_5_vl" and isinstance(config.get("vision_config"), dict):
+        text = {"model_type": "qwen2", "tie_word_embeddings": config.get("tie_word_embeddings", False),
+                **config.get("text_config", config)}
+        text["model_type"] = "qwen2"
+        vision = vision_tower_params(config["vision_config"], name)
+        return replace(shape_from_hf_config(text, name), vision_params=vision)
     model_type = str(config.get("model_type", "llama"))
     if model_type not in SUPPORTED_TYPES:
         raise ValueError(f"{name}: model_type {model_type!r} is not supported by the memory estimate "
-                         f"(dense {', '.join(SUPPORTED_TYPES)} only)")
+                         f"(dense {', '.join(SUPPORTED_TYPES)} and qwen2_5_vl only)")
     h = _int(config, "hidden_size", name)
     heads = _int(config, "num_attention_heads", name)
     kv = config.get("num_key_value_heads") or heads

@@ -22,12 +22,14 @@ SPECIAL_TOKENS = ["<pad>", "<unk>", "<|end|>", "<|system|>", "<|user|>", "<|assi
 CHARACTERS = string.digits + "+-*/=()<>.,:;!?'\"[]{}_#%&@^|~$`\\ \n" + string.ascii_letters
 
 
-def build_tokenizer():
-    """A fast character-level tokenizer with chat special tokens; eos is `<|end|>`."""
+def build_tokenizer(extra_special_tokens: tuple[str, ...] = ()):
+    """A fast character-level tokenizer with chat special tokens (and `extra_special_tokens` after them, e.g. a
+    vision-language model's image markers); eos is `<|end|>`."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    specials = [*SPECIAL_TOKENS, *extra_special_tokens]
+    vocab = {tok: i for i, tok in enumerate(specials)}
     for ch in CHARACTERS:
         vocab.setdefault(ch, len(vocab))
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -38,7 +40,7 @@ def build_tokenizer():
         pad_token="<pad>",
         unk_token="<unk>",
         eos_token="<|end|>",
-        additional_special_tokens=SPECIAL_TOKENS[3:],
+        additional_special_tokens=specials[3:],
         clean_up_tokenization_spaces=False,
         padding_side="left",  # a constructor argument is saved with the folder; an attribute set later is not
     )
@@ -82,17 +84,18 @@ def build_tiny_model(
     if not tie_word_embeddings:  # the head starts as the embedding (as a tied model's), then trains apart
         with torch.no_grad():
             model.lm_head.weight.copy_(model.get_input_embeddings().weight)
-    return _save(model, tok, path)
+    return str(save_folder(model, tok, path))
 
 
-def _save(model, tok, path: str | Path) -> str:
+def save_folder(model, tok, path: str | Path) -> Path:
+    """Save `model` (its generation config ending and padding with the tokenizer's tokens) and `tok` to `path`."""
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    return str(path)
+    return path
 
 
 def build_tiny_moe_model(
@@ -136,4 +139,4 @@ def build_tiny_moe_model(
         bos_token_id=None,
     )
     torch.manual_seed(seed)
-    return _save(AutoModelForCausalLM.from_config(config, dtype=torch.float32), tok, path)
+    return str(save_folder(AutoModelForCausalLM.from_config(config, dtype=torch.float32), tok, path))

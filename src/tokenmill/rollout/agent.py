@@ -437,5 +437,11 @@ def build_agent(cfg: Any, engine: Any, tokenizer: Any) -> AgentLoop:
     live = min(env.max_concurrent, getattr(factory, "max_sessions", None) or env.max_concurrent)
     limits = AgentLimits(max_turns=env.max_turns, max_episode_tokens=env.max_episode_tokens,
                          step_timeout_s=env.step_timeout_s, max_concurrent=live)
+    if getattr(engine, "takes_images", False):  # a vision-language policy: observations may hold images
+        from tokenmill.engines.local.vision import VisionProcessor
+        from tokenmill.rollout.vision_agent import build_vision_agent
+
+        processor = VisionProcessor.from_pretrained(cfg.model.path, tokenizer=tokenizer)
+        return build_vision_agent(cfg, engine, processor, factory, limits, tool_parser=parser, tools=tools)
     return AgentLoop(engine, tokenizer, factory, SamplingParams.from_config(cfg.generation), limits,
                      tool_parser=parser, tools=tools, stepwise=env.stepwise)

@@ -118,5 +118,10 @@ class Generator:
 
 
 def build_generator(cfg: Any, engine: InferenceEngine, tokenizer: Any, rewards: RewardSet) -> Generator:
-    """The run's single-turn generator for an `RLConfig`: its sampling params and prompt column."""
+    """The run's single-turn generator for an `RLConfig`: its sampling params and prompt column (with images,
+    for an engine that takes them: `rollout.vision`)."""
+    if getattr(engine, "takes_images", False):
+        from tokenmill.rollout.vision import build_vision_generator
+
+        return build_vision_generator(cfg, engine, tokenizer, rewards)
     return Generator(engine, tokenizer, rewards, SamplingParams.from_config(cfg.generation), cfg.data.prompt_column)

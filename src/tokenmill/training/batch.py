@@ -37,6 +37,9 @@ class Batch:
     # long: a mixture-of-experts policy's recorded expert indices per token (layers x top_k, -1 where not
     # recorded), replayed by the trainer (`training.router_replay`); None when no sample carries any
     routes_B_T_R: torch.Tensor | None = None
+    # each row's prompt images (`types.ImageInputs`, None for a text-only row) when some sample has images: a
+    # vision-language policy's batch (`training.vision`); None otherwise
+    images_B: tuple | None = None
 
     @property
     def advantages(self) -> torch.Tensor:
@@ -74,6 +77,8 @@ class Batch:
                 value = value[index]
                 if value.dim() >= 2:
                     value = value[:, :width]
+            elif isinstance(value, tuple):  # per-row objects (images)
+                value = tuple(value[i] for i in rows)
             cut[f.name] = value
         return Batch(**cut)
 
@@ -123,5 +128,6 @@ def collate(samples: Sequence[Sample], weights: Sequence[float], pad_id: int) ->
         prompt_lens_B=torch.tensor([s.prompt_len for s in picked], dtype=torch.long),
         sample_index_B=torch.tensor(order, dtype=torch.long),
         routes_B_T_R=routes_tensor(picked, width) if any(s.routes for s in picked) else None,
+        images_B=tuple(s.images for s in picked) if any(s.images is not None for s in picked) else None,
         **per_token,
     )

@@ -57,6 +57,13 @@ def micro_token_stats(
     With `replay` and recorded routes (`batch.routes_B_T_R`), a mixture-of-experts model routes each token as
     recorded (`training.router_replay`; padded rows, never packed), until the caller asks for the next tuple
     (so a backward through a recomputed forward routes the same)."""
+    if batch.images_B is not None:  # a vision-language policy's batch: padded rows (`training.vision`)
+        from tokenmill.training.vision import vision_micro_stats
+
+        yield from vision_micro_stats(model, batch, temperature=temperature, token_budget=token_budget,
+                                      chunk_bytes=chunk_bytes, entropy=entropy, entropy_grad=entropy_grad,
+                                      autocast_dtype=autocast_dtype)
+        return
     device = next(model.parameters()).device
     top_k = teacher is not None and not isinstance(teacher, torch.nn.Module)
     routed = replay and batch.routes_B_T_R is not None

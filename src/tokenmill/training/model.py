@@ -73,10 +73,16 @@ def check_memory(cfg: Any, device: torch.device) -> None:
 
 def load_policy(cfg: ModelConfig, device: torch.device):
     """(model, tokenizer) from `model.path` on `device`, wrapped with peft LoRA adapters when `model.lora.rank`
-    is set (only they train; the engine samples from the same module). ConfigError names the field."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    is set (only they train; the engine samples from the same module). ConfigError names the field.
 
+    A vision-language model (its config has a `vision_config`) loads as `AutoModelForImageTextToText`, its
+    vision tower frozen unless `model.freeze_vision` is false; its LoRA adapters ('all-linear') go on the
+    language model's layers only (`training.vision`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    from tokenmill.engines.local.vision import is_vision_config
     from tokenmill.training.lora import add_lora
+    from tokenmill.training.vision import LANGUAGE_LORA_TARGETS, freeze_vision_tower
 
     if device.type == "cpu":  # a CPU trainer's steps reuse freed memory instead of faulting pages in again
         keep_freed_memory()
@@ -85,11 +91,20 @@ def load_policy(cfg: ModelConfig, device: torch.device):
         kwargs["attn_implementation"] = cfg.attn_implementation
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.path)
-        model = AutoModelForCausalLM.from_pretrained(cfg.path, **kwargs).to(device)
+        vision = is_vision_config(AutoConfig.from_pretrained(cfg.path))
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model = auto.from_pretrained(cfg.path, **kwargs).to(device)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model.path: cannot load {cfg.path!r}: {exc}") from None
-    if cfg.lora.rank > 0:
-        model = add_lora(model, cfg.lora, task_type="CAUSAL_LM", field="model.lora")
+    lora = cfg.lora
+    if vision:
+        freeze_vision_tower(model, cfg.freeze_vision)
+        if lora.target_modules == "all-linear":  # the language model's projections, not the vision tower's
+            lora = lora.model_copy(update={"target_modules": LANGUAGE_LORA_TARGETS})
+    if lora.rank > 0:
+        model = add_lora(model, lora, task_type="CAUSAL_LM", field="model.lora")
+        if vision and not cfg.freeze_vision:  # the tower trains in full beside the adapters
+            freeze_vision_tower(model, False)
     return model, tokenizer
 
 

@@ -113,6 +113,7 @@ def run_sft(
     output_dir: str | Path | None = None,
     log_every: int = 0,
     logger: MetricsLogger | None = None,
+    samples: list[Sample] | None = None,
     **optim: Any,
 ) -> list[float]:
     """Train `model` in place for `steps` optimiser steps; return the loss (token NLL) of each step. `optim`:
@@ -120,9 +121,11 @@ def run_sft(
     defaults for the others. With `messages_column`, rows are conversations (OpenAI-style message lists)
     trained on assistant tokens only; with `text_column`, plain text trained whole. With a `logger`, each step
     writes the same metrics row as an RL step (loss, lr, grad norm, timings, tokens/s); without one, a line
-    every `log_every` steps."""
+    every `log_every` steps. `samples`: ready-made ones in place of `rows` (e.g. with images:
+    `training.vision.image_sft_samples`)."""
     settings = optim_settings(SFTConfig, optim)
-    samples = sft_samples(tokenizer, rows, prompt_column, completion_column, messages_column, text_column)
+    if samples is None:
+        samples = sft_samples(tokenizer, rows, prompt_column, completion_column, messages_column, text_column)
     # under torchrun: FSDP2 ranks, each training its share of every batch (`model` is refreshed at the end)
     backend, _ = offline_trainer(model, settings, steps, micro_batch_tokens=micro_batch_tokens,
                                  share_prompts=not packing, pack_sequences=packing)

@@ -143,7 +143,7 @@ def test_non_finite_values_rejected(overrides):
 @pytest.mark.parametrize("data, needle", [
     ({"task": "addition", "path": "rows.jsonl"}, "exactly one of data.task or data.path"),
     ({}, "exactly one of data.task or data.path"),
-    ({"task": "sorting"}, "data.task must be one of addition, countdown, guess_number"),
+    ({"task": "sorting"}, "data.task must be one of addition, countdown, shapes, guess_number"),
 ])
 def test_data_needs_exactly_one_source(data, needle):
     with pytest.raises(ConfigError, match=needle) as err:

@@ -79,8 +79,8 @@ def test_bad_settings_are_one_line_naming_the_dotted_field(task, kwargs, message
 
 
 def test_an_unknown_plain_task_suggests_the_closest_names_of_both_families():
-    assert _error("additon") == ("data: data.task must be one of addition, countdown, guess_number, coding, "
-                                 "calculator, gym; got 'additon'; did you mean addition?")
+    assert _error("additon") == ("data: data.task must be one of addition, countdown, shapes, guess_number, "
+                                 "coding, calculator, gym; got 'additon'; did you mean addition?")
     assert _error("spell_backwards").endswith("got 'spell_backwards'; did you mean reasoning_gym:spell_backward?")
 
 

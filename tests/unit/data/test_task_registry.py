@@ -11,7 +11,7 @@ from tokenmill.types import ConfigError
 
 
 def test_names_are_the_row_tasks_then_the_builtin_environments():
-    assert task_names() == ("addition", "countdown", "guess_number", "coding", "calculator", "gym")
+    assert task_names() == ("addition", "countdown", "shapes", "guess_number", "coding", "calculator", "gym")
     assert task_names() == (*ROW_TASKS, *BUILTIN_ENVS)
 
 
@@ -20,7 +20,8 @@ def test_config_accepts_every_registered_name_and_names_them_all_when_rejecting(
         assert load_config(RLConfig, {"model": {"path": "m"}, "data": {"task": name}}).data.task == name
     with pytest.raises(ConfigError) as err:
         load_config(RLConfig, {"model": {"path": "m"}, "data": {"task": "sorting"}})
-    assert "data.task must be one of addition, countdown, guess_number, coding, calculator, gym; got 'sorting'" in (
+    assert "data.task must be one of addition, countdown, shapes, guess_number, coding, calculator, gym; got " \
+        "'sorting'" in (
         str(err.value)
     )
 
