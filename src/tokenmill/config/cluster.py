@@ -56,6 +56,10 @@ class ClusterConfig(Section):
         600.0, gt=0, description="Longest wait for any call to a trainer rank or engine actor.")
     start_timeout_s: float = Field(
         300.0, gt=0, description="Longest wait for the actors (and their servers) to start.")
+    weight_sync: Literal["files", "broadcast"] = Field(
+        "files", description="How new weights reach the engine replicas: files (rank 0's weights through the driver "
+        "to a safetensors folder every replica reads) or broadcast (trainer rank 0 broadcasts them in packed "
+        "buckets over a torch.distributed group with the replicas and the driver: gloo on CPU, NCCL on GPU).")
 
     @property
     def rank_gpus(self) -> int:

@@ -61,7 +61,9 @@ def build_trainer(cfg: Any, model: torch.nn.Module, device: torch.device, amp: t
 
         if ray_group is None:
             raise ValueError("build_trainer: a ray trainer needs its WorkerGroup (controller.ray.train_on_ray)")
-        backend: TrainBackend = RayBackend(ray_group, mirror=model if cfg.cluster.engine_replicas else None)
+        replicas = cfg.cluster.engine_replicas
+        backend: TrainBackend = RayBackend(ray_group, mirror=model if replicas else None,
+                                           broadcast=bool(replicas) and cfg.cluster.weight_sync == "broadcast")
     else:
         sharded = kind == "fsdp2"
         backend = policy_backend(spec, copy.deepcopy(model) if sharded else model, teacher=taught,

@@ -63,7 +63,10 @@ class BroadcastSync:
     `master_address` must be reachable from the servers (loopback when they run on this machine); port 0
     picks a free one. Raises `WeightSyncError` naming each server that refused or did not answer.
     `drop_failed`: a server that does not answer at all is dropped (logged), the group re-formed with the
-    others and the push repeated, so a run survives a dead engine; a refusal (bad weights) always raises."""
+    others and the push repeated, so a run survives a dead engine; a refusal (bad weights) always raises.
+    `receivers`: that many more ranks, after the servers', that are no servers: they join the group themselves
+    (`sync.group.open_group` with ranks `world - receivers ..`, while the constructor waits) and receive every
+    push (`sync.group.receive_push`); such a group is not re-formed without them, so `drop_failed` is off."""
 
     def __init__(
         self,
@@ -80,6 +83,7 @@ class BroadcastSync:
         vllm_native: bool = False,
         drop_failed: bool = False,
         bucket_bytes: int = 0,
+        receivers: int = 0,
     ) -> None:
         if api not in _ROUTES:
             raise ValueError(f"api must be 'sglang' or 'vllm', not {api!r}")
@@ -89,7 +93,9 @@ class BroadcastSync:
             raise ValueError("vllm_native needs api='vllm' and backend='nccl'")
         if bucket_bytes and api != "sglang":
             raise ValueError("bucket_bytes (packed pushes) needs api='sglang' and tokenmill's server")
-        self.bucket_bytes = bucket_bytes
+        if receivers and (drop_failed or api != "sglang"):
+            raise ValueError("receivers (ranks that are no servers) need api='sglang' and drop_failed=False")
+        self.bucket_bytes, self.receivers = bucket_bytes, receivers
         self.servers = Servers(urls, token=token, timeout_s=timeout_s)
         self.api, self.backend, self.dtype = api, backend, dtype
         self.master_address, self.master_port = master_address, master_port
@@ -107,7 +113,7 @@ class BroadcastSync:
             sizes = [int(self.servers.client.get(u + "/get_world_size").json()["world_size"])
                      for u in self.servers.urls]
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
-        return offsets, 1 + sum(sizes)
+        return offsets, 1 + sum(sizes) + self.receivers
 
     def _route(self, which: int) -> str:
         """The HTTP route of the group's join (0) and of a push's control call (1); a subclass for another

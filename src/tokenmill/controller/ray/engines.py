@@ -156,6 +156,10 @@ class EngineFleet:
         (a fresh replica starts from the model folder; a push it missed would leave it on version 0)."""
         engine = self.engine
         sync = getattr(engine, "sync", None)
+        if hasattr(sync, "catch_up"):  # a broadcast sync: the driver's copy of the current weights
+            if engine.version:
+                sync.catch_up(url, int(engine.version))
+            return
         last = getattr(sync, "last", None)
         if last is None or not engine.version:
             return

@@ -103,6 +103,30 @@ class TrainerRankActor:
         full = {name: tensor.detach().clone() for name, tensor in self.backend.weights()}
         return full if self.rank == 0 else None
 
+    # the broadcast weight sync to engine replicas (controller.ray.weights, cluster.weight_sync: broadcast)
+    def weight_port(self) -> tuple[str, int]:
+        """This node's address and a free port on it, for the weight group rank 0 hosts."""
+        import ray
+
+        from tokenmill.sync.broadcast import _free_port
+
+        host = ray.util.get_node_ip_address()
+        return host, _free_port(host)
+
+    def open_weight_sync(self, urls: list[str], host: str, port: int, token: str | None, timeout_s: float,
+                         bucket_bytes: int, transport: str = "gloo", receivers: int = 1):
+        from tokenmill.controller.ray.weights import RankWeightSender
+
+        self.sender = getattr(self, "sender", None) or RankWeightSender()
+        return self.sender.open(self.rank, self.backend, urls, host, port, token, timeout_s, bucket_bytes,
+                                transport, receivers)
+
+    def push_weights(self, version: int) -> dict[str, Any]:
+        from tokenmill.controller.ray.weights import RankWeightSender
+
+        self.sender = getattr(self, "sender", None) or RankWeightSender()
+        return self.sender.push(self.rank, self.backend, version)
+
 
 @dataclass
 class RankInfo:
@@ -229,9 +253,10 @@ class RayBackend:
     (the ranks split it); so `policy_update` and anything else written against the protocol runs unchanged
     in the driver. A failed rank raises `RankFailure` from the verb that saw it."""
 
-    def __init__(self, group: WorkerGroup, mirror=None) -> None:
+    def __init__(self, group: WorkerGroup, mirror=None, *, broadcast: bool = False) -> None:
         self.group = group
         self.mirror = mirror  # a module in this process that every `weights()` call refreshes (the driver's copy)
+        self.broadcast = broadcast  # weights() stays on the ranks: a RankBroadcastSync has rank 0 broadcast it
         self.teacher_in_loss = group.spec.trainer.distill is not None  # each rank's loss adds the teacher's KL
 
     def forward_backward(self, batch, loss_fn, entropy_coef: float = 0.0) -> dict[str, float]:
@@ -244,7 +269,15 @@ class RayBackend:
         return self.group.call("optim_step")[0]
 
     def weights(self):
-        """The trained parameters by name, gathered on rank 0 and sent here whole (held once in this process)."""
+        """The trained parameters by name, gathered on rank 0 and sent here whole (held once in this process);
+        in a broadcast run, a `RankWeights` that a `RankBroadcastSync` broadcasts from rank 0 instead."""
+        if self.broadcast:
+            from tokenmill.controller.ray.weights import RankWeights
+
+            return RankWeights(self)
+        return self.gathered_weights()
+
+    def gathered_weights(self):
         group = self.group
         full = group._gather([a.weights.remote() for a in group.actors], "trainer weights")[0]
         if self.mirror is not None:

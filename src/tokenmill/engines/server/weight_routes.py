@@ -23,9 +23,7 @@ Transfers run in a worker thread: the event loop keeps serving generation while 
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +32,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenmill.sync.group import VLLM_GROUP, WeightGroup, bucket_length, open_group, pack_plan, parse_dtype
+from tokenmill.sync.group import VLLM_GROUP, WeightGroup, open_group, parse_dtype, receive_push
 from tokenmill.types import TokenmillError
 
 
@@ -80,6 +78,13 @@ class DistributedBody(_Body):
 class DestroyBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     group_name: str = "weight_update_group"
+
+
+class WeightsByNameBody(BaseModel):
+    """SGLang's `/get_weights_by_name`: the served parameter's first `truncate_size` rows (along dim 0)."""
+
+    name: str
+    truncate_size: int = Field(100, ge=1)
 
 
 class VLLMInitBody(BaseModel):
@@ -239,7 +244,7 @@ class WeightReceiver:
             device = "cuda" if _is_nccl(group) else "cpu"
             errors, received = [], []
             try:
-                for i, tensor in _received(group, parsed, shapes, device, bucket_bytes):
+                for i, tensor in receive_push(group, parsed, shapes, device, bucket_bytes):
                     why = check_tensor(specs, names[i], tuple(shapes[i]), parsed[i])
                     if why:
                         errors.append(why)
@@ -252,24 +257,6 @@ class WeightReceiver:
                 more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
                 raise UpdateRefused("; ".join(errors[:5]) + more)
             return self.apply(received, _version(self.engine, policy_version, weight_version), alias)
-
-
-def _received(group: WeightGroup, dtypes: list[torch.dtype], shapes: list[list[int]], device: str,
-              packed: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """(index, tensor) for each tensor of a push, as it comes off the broadcast: one receive per tensor, or
-    with `packed` (the push's bucket_bytes) one per bucket of `pack_plan`, viewed back into its tensors."""
-    if not packed:
-        for i, (dtype, shape) in enumerate(zip(dtypes, shapes)):
-            buf = torch.empty(shape, dtype=dtype, device=device)
-            group.broadcast(buf, src=0)
-            yield i, buf
-        return
-    for bucket in pack_plan(shapes, dtypes, packed):
-        buf = torch.empty(bucket_length(bucket, shapes, dtypes), dtype=torch.uint8, device=device)
-        group.broadcast(buf, src=0)
-        for i, offset in bucket:
-            size = math.prod(shapes[i]) * dtypes[i].itemsize
-            yield i, buf[offset : offset + size].view(dtypes[i]).view(shapes[i])
 
 
 def _is_nccl(group: WeightGroup) -> bool:
@@ -334,6 +321,17 @@ def weight_routes(engine, *, timeout_s: float = 300.0) -> APIRouter:
     @router.get("/get_world_size")
     async def get_world_size() -> dict[str, int]:
         return {"world_size": 1}
+
+    @router.post("/get_weights_by_name")
+    async def get_weights_by_name(body: WeightsByNameBody) -> JSONResponse:
+        """What the server samples from, to check a sync (SGLang's route): the rows as nested lists of floats
+        (exact: a float32 goes to JSON as the float64 it widens to), 404 for a name the model lacks."""
+        params = dict(engine.model.named_parameters(remove_duplicate=False))
+        if body.name not in params:
+            return JSONResponse({"success": False, "message": f"no parameter {body.name!r}"}, status_code=404)
+        with receiver.lock:  # not while an update is being applied
+            rows = params[body.name].detach()[: body.truncate_size].float().cpu().tolist()
+        return JSONResponse(rows)
 
     router.receiver = receiver  # type: ignore[attr-defined]  # for tests and the server's shutdown
     return router
