@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import httpx
 import pytest
@@ -70,6 +71,9 @@ def test_ranks_broadcast_to_replicas_and_the_driver(ray_cluster, tmp_path):
         # a replica dies: its replacement loads the driver's current weights, then joins the next broadcast
         first = list(fleet.urls)
         os.kill(fleet.replicas[0].server_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while fleet._is_alive(fleet.replicas[0]) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the SIGKILLed server is reaped
         [new] = fleet.check()
         assert sync.servers.urls == [first[1], new]
         _assert_served([new], want)
@@ -87,9 +91,12 @@ def digit_share(prompts, completions, **_):
     return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
 
 
-def test_a_broadcast_run_ends_like_one_process_with_a_local_server(ray_cluster, tmp_path):
-    """GRPO with 2 trainer ranks and 1 replica, weights broadcast: the final weights equal (1e-5) a one-process
-    run sampling from a local `tokenmill serve` (the same seeded requests); the broadcast is exact."""
+def test_a_colocated_broadcast_run_ends_like_one_process_with_a_local_server(ray_cluster, tmp_path, monkeypatch):
+    """GRPO with 2 trainer ranks and 1 replica colocated with rank 0 (`cluster.colocate`), weights broadcast
+    (`cluster.weight_sync`): the replica releases its memory once per update and takes it back before the push,
+    and the final weights equal (1e-5) a one-process run sampling from a local `tokenmill serve` (the same seeded
+    requests): broadcast and colocation change where things run, not what is learnt."""
+    from tokenmill.controller.ray.engines import EngineFleet
     from safetensors.torch import load_file
 
     import tokenmill
@@ -113,8 +120,15 @@ def test_a_broadcast_run_ends_like_one_process_with_a_local_server(ray_cluster, 
     cfg = load_config(RLConfig, tree | {
         "tracking": {"output_dir": str(tmp_path / "ray"), "console": "none"},
         "cluster": {"backend": "ray", "nodes": 2, "cpus_per_node": 3, "trainer_ranks": 2, "engine_replicas": 1,
-                    "weight_sync": "broadcast", "max_restarts": 0, "call_timeout_s": 120}})
+                    "weight_sync": "broadcast", "colocate": True, "max_restarts": 0, "call_timeout_s": 120}})
+    turns, original = [], EngineFleet.memory_turn
+
+    def recorded(fleet, release):
+        turns.append((release, [r.get("success") for r in original(fleet, release)]))
+
+    monkeypatch.setattr(EngineFleet, "memory_turn", recorded)
     train_on_ray(cfg, rewards=[digit_share], cluster=ray_cluster)
+    assert turns == [(True, [True]), (False, [True])] * 3  # 3 steps: released during each update
 
     def final(out):
         return load_file(str(max((out / "checkpoints").glob("step_*")) / "model.safetensors"))

@@ -111,8 +111,7 @@ def test_the_memory_estimate_shows_the_placement_and_shards_over_the_ranks():
     ({"engine": {"placement": "thread"}, "cluster": {"engine_replicas": 1}},
      r"engine.placement: cluster.engine_replicas starts `tokenmill serve` replicas on Ray; leave"),
     ({"engine": {"placement": "process", "sync": "broadcast"}, "cluster": {"engine_replicas": 1}},
-     r"engine.sync: the Ray engine replicas take weights through files"),
-    ({"cluster": {"engine_replicas": 1, "colocate": True}}, r"cluster.colocate: engine replicas sharing"),
+     r"engine.sync: the Ray engine replicas take weights as cluster.weight_sync says"),
 ])
 def test_training_on_ray_refuses_what_it_does_not_run_yet(override, match):
     from tokenmill.config import RLConfig, load_config

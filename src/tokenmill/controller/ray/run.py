@@ -55,15 +55,13 @@ def _check(cfg) -> None:
         raise ConfigError(f"engine.placement: cluster.engine_replicas starts `tokenmill serve` replicas on Ray; "
                           f"leave engine.placement colocated or process (not {eng.placement!r})")
     if c.engine_replicas and eng.sync not in (None, "files", "inprocess"):
-        raise ConfigError(f"engine.sync: the Ray engine replicas take weights through files (a replacement "
-                          f"replica loads the last folder); {eng.sync!r} is not wired for them")
-    if c.engine_replicas and c.colocate:
-        raise ConfigError("cluster.colocate: engine replicas sharing the trainer ranks' devices are not wired "
-                          "into training yet; set cluster.colocate false (engines on devices of their own)")
+        raise ConfigError(f"engine.sync: the Ray engine replicas take weights as cluster.weight_sync says (files "
+                          f"or broadcast, from the trainer ranks); leave engine.sync unset, not {eng.sync!r}")
 
 
-def _start_engines(cfg, cluster):
-    """The `cluster.engine_replicas` `tokenmill serve` actors (None without any), checked every few seconds."""
+def _start_engines(cfg, cluster, group=None):
+    """The `cluster.engine_replicas` `tokenmill serve` actors (None without any), checked every few seconds;
+    with `cluster.colocate`, replica i in trainer rank i's bundle of `group`."""
     import os
 
     from tokenmill.controller.ray.engines import EngineFleet
@@ -74,7 +72,8 @@ def _start_engines(cfg, cluster):
     fleet = EngineFleet(cluster, cfg.model.path, c.engine_replicas, cpus=c.cpus_per_engine, gpus=c.engine_gpus,
                         seed=cfg.training.seed, device="cuda" if c.engine_gpus else "cpu",
                         threads=0 if c.engine_gpus else c.cpus_per_engine, start_timeout_s=c.start_timeout_s,
-                        token=cfg.engine.token or os.environ.get("TOKENMILL_SERVE_TOKEN"))
+                        token=cfg.engine.token or os.environ.get("TOKENMILL_SERVE_TOKEN"),
+                        colocate_with=group if c.colocate else None)
     fleet.watch(interval_s=5.0)
     return fleet
 
@@ -89,6 +88,8 @@ def _build(cfg, rewards, fleet, group):
     engine = cfg.engine.model_copy(update={"placement": "process", "sync": None, "num_servers": 1})
     run = build_run(cfg.model_copy(update={"engine": engine}), rewards, trainer_group=group)
     run.engine_fleet = fleet
+    if cfg.cluster.colocate:  # the replicas share the ranks' devices: they let go of memory during each update
+        run.trainer.backend.sharing = fleet
     return run
 
 
@@ -106,11 +107,12 @@ def train_on_ray(cfg, rewards=None, cluster=None) -> dict[str, Any]:
                       call_timeout_s=c.call_timeout_s, start_timeout_s=c.start_timeout_s)
     run = group = fleet = None
     starting = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-engines")
-    engines = starting.submit(_start_engines, cfg, cluster)  # the replicas start while the ranks do
+    # the replicas start while the ranks do; colocated ones after, in the ranks' bundles
+    engines = None if c.colocate else starting.submit(_start_engines, cfg, cluster)
     try:
         group = WorkerGroup(cluster, _spec(cfg), c.trainer_ranks, cpus_per_rank=c.cpus_per_rank,
                             gpus_per_rank=c.rank_gpus, strategy=c.strategy, start_timeout_s=c.start_timeout_s)
-        fleet = engines.result()
+        fleet = engines.result() if engines is not None else _start_engines(cfg, cluster, group)
         run = _build(cfg, rewards, fleet, group)
         restarts = 0
         while True:
@@ -133,7 +135,7 @@ def train_on_ray(cfg, rewards=None, cluster=None) -> dict[str, Any]:
         result["engine_restarts"] = fleet.restarts if fleet is not None else 0
         return result
     finally:
-        if fleet is None and engines.exception() is None and engines.result() is not None:
+        if fleet is None and engines is not None and engines.exception() is None and engines.result() is not None:
             fleet = engines.result()  # started, but something else failed first
         starting.shutdown()
         for part in (group, run, fleet):

@@ -24,6 +24,7 @@ import logging
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,8 +57,10 @@ class RankBroadcastSync:
     `EngineFleet` rewires after a replacement."""
 
     def __init__(self, group, urls: list[str], mirror: torch.nn.Module, *, token: str | None = None,
-                 timeout_s: float = 300.0, bucket_bytes: int = PACKED_BUCKET_BYTES, backend: str = "gloo") -> None:
+                 timeout_s: float = 300.0, bucket_bytes: int = PACKED_BUCKET_BYTES, backend: str = "gloo",
+                 scratch: str | None = None) -> None:
         self.group, self.mirror, self.backend = group, mirror, backend
+        self.scratch = scratch  # where a replacement's catch-up folder goes (a filesystem every node sees)
         # gloo: the driver is the group's last rank; NCCL (GPU ranks and replicas): a CPU driver cannot join, so
         # its copy follows through a gather from rank 0 after the broadcast
         self.driver_joins = backend == "gloo"
@@ -150,9 +153,10 @@ class RankBroadcastSync:
         before the pool routes to it; it joins the broadcast group at the next push."""
         from tokenmill.sync.files import write_folder
 
-        with tempfile.TemporaryDirectory(prefix="tokenmill-catch-up-") as scratch:
-            path = write_folder(((n, p) for n, p in self.mirror.named_parameters() if n in
-                                 {name for name, _, _ in self._layout}), scratch + "/weights")
+        pushed = {name for name, _, _ in self._layout}
+        with tempfile.TemporaryDirectory(prefix="tokenmill-catch-up-", dir=self.scratch) as scratch:
+            path = write_folder(((n, p) for n, p in self.mirror.named_parameters() if n in pushed),
+                                Path(scratch) / "weights")
             self.servers.post(url.rstrip("/"), "/update_weights_from_disk", {
                 "model_path": str(path), "policy_version": int(version), "weight_version": str(version)})
 
@@ -217,4 +221,5 @@ def replica_sync(run, urls: list[str], token: str | None) -> RankBroadcastSync |
         return None
     backend = run.trainer.backend
     return RankBroadcastSync(backend.group, urls, run.trainer.model, token=token, timeout_s=cfg.engine.timeout_s,
-                             backend="nccl" if cfg.cluster.engine_gpus and cfg.cluster.rank_gpus else "gloo")
+                             backend="nccl" if cfg.cluster.engine_gpus and cfg.cluster.rank_gpus else "gloo",
+                             scratch=str(run.output_dir))

@@ -103,6 +103,12 @@ class TrainerRankActor:
         full = {name: tensor.detach().clone() for name, tensor in self.backend.weights()}
         return full if self.rank == 0 else None
 
+    def gpu_ids(self) -> list[int]:
+        """The GPUs Ray gave this rank (a colocated engine replica uses the same ones)."""
+        import ray
+
+        return [int(g) for g in ray.get_gpu_ids()]
+
     # the broadcast weight sync to engine replicas (controller.ray.weights, cluster.weight_sync: broadcast)
     def weight_port(self) -> tuple[str, int]:
         """This node's address and a free port on it, for the weight group rank 0 hosts."""
@@ -256,13 +262,28 @@ class RayBackend:
     def __init__(self, group: WorkerGroup, mirror=None, *, broadcast: bool = False) -> None:
         self.group = group
         self.mirror = mirror  # a module in this process that every `weights()` call refreshes (the driver's copy)
-        self.broadcast = broadcast  # weights() stays on the ranks: a RankBroadcastSync has rank 0 broadcast it
         self.teacher_in_loss = group.spec.trainer.distill is not None  # each rank's loss adds the teacher's KL
+        self.broadcast = broadcast  # weights() stays on the ranks: a RankBroadcastSync has rank 0 broadcast it
+        self.sharing = None  # colocated engine replicas (an EngineFleet): they let go of memory during an update
+        self._released = False
+
+    def _take_devices(self) -> None:
+        """Before the update's first verb: colocated replicas release their memory (once per update)."""
+        if self.sharing is not None and not self._released:
+            self.sharing.memory_turn(release=True)
+            self._released = True
+
+    def _give_back_devices(self) -> None:
+        if self.sharing is not None and self._released:
+            self.sharing.memory_turn(release=False)
+            self._released = False
 
     def forward_backward(self, batch, loss_fn, entropy_coef: float = 0.0) -> dict[str, float]:
+        self._take_devices()
         return self.group.call("forward_backward", batch, loss_fn, entropy_coef)[0]
 
     def forward(self, batch):
+        self._take_devices()
         return self.group.call("forward", batch)[0]
 
     def optim_step(self) -> dict[str, float]:
@@ -271,6 +292,7 @@ class RayBackend:
     def weights(self):
         """The trained parameters by name, gathered on rank 0 and sent here whole (held once in this process);
         in a broadcast run, a `RankWeights` that a `RankBroadcastSync` broadcasts from rank 0 instead."""
+        self._give_back_devices()  # the update is done: colocated replicas take their memory back, then the weights
         if self.broadcast:
             from tokenmill.controller.ray.weights import RankWeights
 

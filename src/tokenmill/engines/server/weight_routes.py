@@ -282,6 +282,19 @@ def _answer(receiver: WeightReceiver, success: bool, message: str, status: int) 
     return JSONResponse(body, status_code=status)
 
 
+def _memory_turn(receiver: WeightReceiver, method: str) -> dict[str, Any]:
+    """SGLang's memory routes over the engine's `release_memory` / `restore_memory` (a colocated engine lets
+    the trainer beside it have the device during the update; the weights stay). Call them between rollouts.
+    An engine without the method answers success with `supported: false` (nothing held to let go)."""
+    fn = getattr(receiver.engine, method, None)
+    if fn is None:
+        return {"success": True, "supported": False, "message": f"the engine has no {method}"}
+    with receiver.lock:
+        freed = fn()
+    return {"success": True, "supported": True, "released_bytes": freed if isinstance(freed, int) else 0,
+            "releases": getattr(receiver.engine, "memory_releases", None)}
+
+
 def weight_routes(engine, *, timeout_s: float = 300.0) -> APIRouter:
     """The weight-update routes for `engine` (anything with `.model`, `.version` and `update_weights`).
     `timeout_s` bounds joining a group and each broadcast."""
@@ -332,6 +345,14 @@ def weight_routes(engine, *, timeout_s: float = 300.0) -> APIRouter:
         with receiver.lock:  # not while an update is being applied
             rows = params[body.name].detach()[: body.truncate_size].float().cpu().tolist()
         return JSONResponse(rows)
+
+    @router.post("/release_memory_occupation")
+    async def release_memory_occupation() -> JSONResponse:
+        return JSONResponse(await asyncio.to_thread(_memory_turn, receiver, "release_memory"))
+
+    @router.post("/resume_memory_occupation")
+    async def resume_memory_occupation() -> JSONResponse:
+        return JSONResponse(await asyncio.to_thread(_memory_turn, receiver, "restore_memory"))
 
     router.receiver = receiver  # type: ignore[attr-defined]  # for tests and the server's shutdown
     return router
