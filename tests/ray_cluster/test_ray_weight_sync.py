@@ -96,11 +96,11 @@ def test_a_colocated_broadcast_run_ends_like_one_process_with_a_local_server(ray
     (`cluster.weight_sync`): the replica releases its memory once per update and takes it back before the push,
     and the final weights equal (1e-5) a one-process run sampling from a local `tokenmill serve` (the same seeded
     requests): broadcast and colocation change where things run, not what is learnt."""
-    from tokenmill.controller.ray.engines import EngineFleet
     from safetensors.torch import load_file
 
     import tokenmill
     from tokenmill.config import RLConfig, load_config
+    from tokenmill.controller.ray.engines import EngineFleet
     from tokenmill.controller.ray.run import train_on_ray
     from tokenmill.testing import build_tiny_model
 

@@ -267,6 +267,10 @@ class RayBackend:
         self.sharing = None  # colocated engine replicas (an EngineFleet): they let go of memory during an update
         self._released = False
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy sent to the ranks (inside a loss closure) leaves the driver's fleet behind (threads, locks)."""
+        return {**self.__dict__, "sharing": None}
+
     def _take_devices(self) -> None:
         """Before the update's first verb: colocated replicas release their memory (once per update)."""
         if self.sharing is not None and not self._released:
