@@ -126,7 +126,9 @@ class ServerPlacement(Placement):
         self.ours = ours  # tokenmill servers (spawned here, or Ray's fleet): they stage pushes, report versions
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        if self.lora_model is not None:  # a server holds the plain model: send W + BA under the plain names
+        # a server holds the plain model: send W + BA under the plain names (unless the trainer ranks push the
+        # adapters themselves: Ray's broadcast, which the replicas merge)
+        if self.lora_model is not None and not getattr(named_tensors, "on_ranks", False):
             from tokenmill.sync import merged_lora_weights
 
             named_tensors = merged_lora_weights(self.lora_model)

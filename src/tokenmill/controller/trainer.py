@@ -64,6 +64,8 @@ def build_trainer(cfg: Any, model: torch.nn.Module, device: torch.device, amp: t
         replicas = cfg.cluster.engine_replicas
         backend: TrainBackend = RayBackend(ray_group, mirror=model if replicas else None,
                                            broadcast=bool(replicas) and cfg.cluster.weight_sync == "broadcast")
+        if cfg.model.lora.rank > 0:  # the ranks' adapters start as this model's (its random init)
+            ray_group.set_trainable({n: p.detach() for n, p in model.named_parameters() if p.requires_grad})
     else:
         sharded = kind == "fsdp2"
         backend = policy_backend(spec, copy.deepcopy(model) if sharded else model, teacher=taught,

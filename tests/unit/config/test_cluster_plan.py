@@ -105,7 +105,9 @@ def test_the_memory_estimate_shows_the_placement_and_shards_over_the_ranks():
 
 
 @pytest.mark.parametrize(("override", "match"), [
-    ({"model": {"lora": {"rank": 4}}}, r"model.lora / critic.lora: cluster.backend ray trains full weights"),
+    ({"critic": {"lora": {"rank": 4}}}, r"critic.lora: cluster.backend ray trains a full critic"),
+    ({"model": {"lora": {"rank": 4}}, "cluster": {"engine_replicas": 1}},
+     r"model.lora: LoRA on Ray's engine replicas pushes the adapters alone"),
     ({"engine": {"placement": "thread"}}, r"engine.placement: 'thread' on Ray needs cluster.engine_replicas > 0"),
     ({"engine": {"placement": "process"}}, r"engine.placement: 'process' on Ray needs cluster.engine_replicas"),
     ({"engine": {"placement": "thread"}, "cluster": {"engine_replicas": 1}},

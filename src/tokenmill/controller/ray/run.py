@@ -33,7 +33,8 @@ def _spec(cfg) -> BackendSpec:
     shards = Path(cfg.tracking.output_dir).resolve() / "checkpoints" / "shards"
     trainer = TrainerSpec.from_config(cfg, autocast_dtype(cfg.model, resolve_device(cfg.model.device)))
     return BackendSpec(cfg.model.path, str(shards), seed=cfg.training.seed, trainer=trainer,
-                       tokenizer_path=cfg.model.tokenizer_path)
+                       tokenizer_path=cfg.model.tokenizer_path,
+                       lora=cfg.model.lora if cfg.model.lora.rank > 0 else None)
 
 
 def _check(cfg) -> None:
@@ -41,9 +42,11 @@ def _check(cfg) -> None:
     from tokenmill.types import ConfigError
 
     c, eng = cfg.cluster, cfg.engine
-    if cfg.model.lora.rank > 0 or cfg.critic.lora.rank > 0:
-        raise ConfigError("model.lora / critic.lora: cluster.backend ray trains full weights for now (LoRA "
-                          "adapters are not sharded over the trainer ranks); set the LoRA rank to 0")
+    if cfg.critic.lora.rank > 0:
+        raise ConfigError("critic.lora: cluster.backend ray trains a full critic for now; set critic.lora.rank 0")
+    if cfg.model.lora.rank > 0 and c.engine_replicas and c.weight_sync != "broadcast":
+        raise ConfigError("model.lora: LoRA on Ray's engine replicas pushes the adapters alone, which the "
+                          "replicas merge: set cluster.weight_sync: broadcast")
     if cfg.training.backend != "local":
         raise ConfigError("training.backend: with cluster.backend ray the trainer ranks already are FSDP2 ranks; "
                           "leave training.backend local")

@@ -44,6 +44,8 @@ class RankWeights:
     broadcast run). `RankBroadcastSync.push` has rank 0 broadcast them; iterating gathers rank 0's full copy
     into this process instead (any other consumer: an in-process engine, an export)."""
 
+    on_ranks = True  # a placement that would merge LoRA weights in this process leaves them to the sync
+
     def __init__(self, backend) -> None:
         self.backend = backend
 
@@ -58,9 +60,10 @@ class RankBroadcastSync:
 
     def __init__(self, group, urls: list[str], mirror: torch.nn.Module, *, token: str | None = None,
                  timeout_s: float = 300.0, bucket_bytes: int = PACKED_BUCKET_BYTES, backend: str = "gloo",
-                 scratch: str | None = None) -> None:
+                 scratch: str | None = None, lora_scaling: float | None = None) -> None:
         self.group, self.mirror, self.backend = group, mirror, backend
         self.scratch = scratch  # where a replacement's catch-up folder goes (a filesystem every node sees)
+        self.lora_scaling = lora_scaling  # LoRA: the ranks push their adapters alone, the replicas merge them
         # gloo: the driver is the group's last rank; NCCL (GPU ranks and replicas): a CPU driver cannot join, so
         # its copy follows through a gather from rank 0 after the broadcast
         self.driver_joins = backend == "gloo"
@@ -80,7 +83,8 @@ class RankBroadcastSync:
         host, port = self.group.cluster.get(self.group.actors[0].weight_port.remote(), timeout_s=self.timeout_s,
                                             what="trainer rank 0: a weight-group port")
         ref = [a.open_weight_sync.remote(urls, host, port, self.token, self.timeout_s, self.bucket_bytes,
-                                         self.backend, int(self.driver_joins)) for a in self.group.actors]
+                                         self.backend, int(self.driver_joins), self.lora_scaling)
+               for a in self.group.actors]
         world = len(urls) + 2
         try:
             if self.driver_joins:
@@ -185,7 +189,8 @@ class RankWeightSender:
         self.sync = None
 
     def open(self, rank: int, backend, urls: list[str], host: str, port: int, token: str | None, timeout_s: float,
-             bucket_bytes: int, transport: str = "gloo", receivers: int = 1) -> list[tuple[str, list[int], str]] | None:
+             bucket_bytes: int, transport: str = "gloo", receivers: int = 1,
+             lora_scaling: float | None = None) -> list[tuple[str, list[int], str]] | None:
         from tokenmill.sync.broadcast import BroadcastSync
 
         if rank != 0:
@@ -193,7 +198,7 @@ class RankWeightSender:
         self.close()
         self.sync = BroadcastSync(urls, master_address=host, master_port=port, group_name=GROUP_NAME, token=token,
                                   timeout_s=timeout_s, bucket_bytes=bucket_bytes, backend=transport,
-                                  receivers=receivers)
+                                  receivers=receivers, lora_scaling=lora_scaling)
         return rank_layout(backend)
 
     def push(self, rank: int, backend, version: int) -> dict[str, Any]:
@@ -222,4 +227,9 @@ def replica_sync(run, urls: list[str], token: str | None) -> RankBroadcastSync |
     backend = run.trainer.backend
     return RankBroadcastSync(backend.group, urls, run.trainer.model, token=token, timeout_s=cfg.engine.timeout_s,
                              backend="nccl" if cfg.cluster.engine_gpus and cfg.cluster.rank_gpus else "gloo",
-                             scratch=str(run.output_dir))
+                             scratch=str(run.output_dir), lora_scaling=lora_scaling(cfg.model.lora))
+
+
+def lora_scaling(lora) -> float | None:
+    """peft's scaling of a LoRA config's adapters (alpha / rank), None without LoRA."""
+    return lora.alpha / lora.rank if lora.rank > 0 else None

@@ -49,6 +49,7 @@ class BackendSpec:
     trainer: TrainerSpec = field(kw_only=True)
     tokenizer_path: str | None = None
     pg_timeout_s: float = 300.0  # a collective waiting longer than this raises in the rank
+    lora: Any = None  # model.lora (a LoRAConfig with rank > 0): each rank wraps its model with the adapters
 
 
 def rank_backend(spec: BackendSpec, model: Any, device: Any) -> Any:
@@ -84,6 +85,10 @@ class TrainerRankActor:
         init_distributed(spec.pg_timeout_s, init_method=init_method, rank=rank, world_size=world)
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32)
+        if spec.lora is not None:  # the adapters start as the driver's: `set_trainable`
+            from tokenmill.training.lora import add_lora
+
+            model = add_lora(model, spec.lora, task_type="CAUSAL_LM", field="model.lora")
         self.backend = rank_backend(spec, model, next(model.parameters()).device)
         self.rank = rank
         return {"rank": rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
@@ -103,6 +108,20 @@ class TrainerRankActor:
         full = {name: tensor.detach().clone() for name, tensor in self.backend.weights()}
         return full if self.rank == 0 else None
 
+    def set_trainable(self, full: dict[str, Any]) -> None:
+        """Set the trainable parameters named in `full` (whole tensors; each rank keeps its shard): a LoRA run's
+        ranks start from the driver's adapters."""
+        import torch
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        with torch.no_grad():
+            for name, param in self.backend.model.named_parameters():
+                if name in full:
+                    value = full[name].to(param.dtype)
+                    if isinstance(param, DTensor):
+                        value = distribute_tensor(value, param.device_mesh, param.placements)
+                    param.copy_(value)
+
     def gpu_ids(self) -> list[int]:
         """The GPUs Ray gave this rank (a colocated engine replica uses the same ones)."""
         import ray
@@ -120,12 +139,13 @@ class TrainerRankActor:
         return host, _free_port(host)
 
     def open_weight_sync(self, urls: list[str], host: str, port: int, token: str | None, timeout_s: float,
-                         bucket_bytes: int, transport: str = "gloo", receivers: int = 1):
+                         bucket_bytes: int, transport: str = "gloo", receivers: int = 1,
+                         lora_scaling: float | None = None):
         from tokenmill.controller.ray.weights import RankWeightSender
 
         self.sender = getattr(self, "sender", None) or RankWeightSender()
         return self.sender.open(self.rank, self.backend, urls, host, port, token, timeout_s, bucket_bytes,
-                                transport, receivers)
+                                transport, receivers, lora_scaling)
 
     def push_weights(self, version: int) -> dict[str, Any]:
         from tokenmill.controller.ray.weights import RankWeightSender
@@ -236,6 +256,13 @@ class WorkerGroup:
         ref = ray.put(list(samples))  # one copy in the object store, read by every rank
         return self._gather([a.update.remote(ref, algo, pad_id, max_tokens, seed) for a in self.actors],
                             "trainer update")[0]
+
+    def set_trainable(self, full: dict[str, Any]) -> None:
+        """Every rank's trainable parameters named in `full` set to those whole tensors (a LoRA run's adapters
+        start as the driver's)."""
+        ray = import_ray()
+        ref = ray.put(full)
+        self._gather([a.set_trainable.remote(ref) for a in self.actors], "trainer set_trainable")
 
     def kill(self) -> None:
         ray = import_ray()

@@ -73,6 +73,9 @@ class DistributedBody(_Body):
     bucket_bytes: int = Field(0, ge=0, description="tokenmill's packed pushes: the tensors come back to back "
                               "in uint8 buckets of at most this many bytes (`sync.group.pack_plan`); 0: one "
                               "broadcast per tensor (SGLang's way).")
+    lora_scaling: float | None = Field(None, description="tokenmill's adapter-only pushes: the tensors are peft "
+                                       "LoRA adapters (lora_A, lora_B) of the served model's linear layers; the "
+                                       "server serves base + scaling * B @ A (`merge_adapters`).")
 
 
 class DestroyBody(BaseModel):
@@ -171,6 +174,37 @@ def read_folder(path: str, specs) -> list[tuple[str, torch.Tensor]]:
     return list(tensors.items())
 
 
+def merge_adapters(named: list[tuple[str, torch.Tensor]], scaling: float, engine,
+                   base: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """peft LoRA adapters (`base_model.model.<layer>.lora_A.<adapter>.weight` and `lora_B`) as the plain weights
+    they make: `<layer>.weight` = its base + (B @ A) * scaling, the order of peft's own merge. `base` keeps each
+    adapted layer's weight as the engine held it at its first adapter push (the frozen base), so that later
+    pushes replace the delta instead of adding to it. UpdateRefused names what does not fit."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in named:
+        for part in ("lora_A", "lora_B"):
+            if f".{part}." in name:
+                layer = name.split(f".{part}.")[0].removeprefix("base_model.model.")
+                pairs.setdefault(layer, {})[part] = tensor
+                break
+        else:
+            raise UpdateRefused(f"tensor {name!r}: an adapter-only push carries lora_A and lora_B weights only")
+    params = dict(engine.model.named_parameters(remove_duplicate=False))
+    merged = []
+    for layer, ab in pairs.items():
+        plain = f"{layer}.weight"
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise UpdateRefused(f"layer {layer!r}: an adapter push needs both lora_A and lora_B")
+        if plain not in params:
+            raise UpdateRefused(f"layer {layer!r}: the served model has no {plain!r}")
+        held = base.setdefault(plain, params[plain].detach().clone())
+        delta = ab["lora_B"].to(held.dtype) @ ab["lora_A"].to(held.dtype)
+        if delta.shape != held.shape:
+            raise UpdateRefused(f"layer {layer!r}: B @ A is {tuple(delta.shape)}, the weight {tuple(held.shape)}")
+        merged.append((plain, held + delta * scaling))
+    return merged
+
+
 # ------------------------------------------------------------------------------------------ the receiver
 class WeightReceiver:
     """State behind the routes: the engine, its broadcast groups, and one lock so that updates never
@@ -181,6 +215,7 @@ class WeightReceiver:
         self.timeout_s = timeout_s
         self.groups: dict[str, WeightGroup] = {}
         self.lock = threading.Lock()
+        self.lora_base: dict[str, torch.Tensor] = {}  # adapted layers' weights before the first adapter push
 
     def apply(self, named: list[tuple[str, torch.Tensor]], version: int, alias: dict[str, str]) -> int:
         """Hand the checked tensors to the engine. One that stages updates (`ContinuousEngine`) takes them at
@@ -226,7 +261,8 @@ class WeightReceiver:
             group.close()
 
     def from_broadcast(self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                       policy_version: int | None, weight_version: str | None = None, bucket_bytes: int = 0) -> int:
+                       policy_version: int | None, weight_version: str | None = None, bucket_bytes: int = 0,
+                       lora_scaling: float | None = None) -> int:
         """Receive `names` in order from rank 0. Every tensor is received even after a bad one, so that the
         trainer's broadcast completes and the group stays usable; then all or nothing is applied."""
         with self.lock:
@@ -244,7 +280,14 @@ class WeightReceiver:
             device = "cuda" if _is_nccl(group) else "cpu"
             errors, received = [], []
             try:
-                for i, tensor in receive_push(group, parsed, shapes, device, bucket_bytes):
+                pushed = receive_push(group, parsed, shapes, device, bucket_bytes)
+                if lora_scaling is not None:  # adapters: received whole, then merged into the plain weights
+                    merged = merge_adapters([(names[i], t.clone()) for i, t in pushed], lora_scaling, self.engine,
+                                            self.lora_base)
+                    names, shapes, parsed = ([n for n, _ in merged], [list(t.shape) for _, t in merged],
+                                             [t.dtype for _, t in merged])
+                    pushed = ((i, t) for i, (_, t) in enumerate(merged))
+                for i, tensor in pushed:
                     why = check_tensor(specs, names[i], tuple(shapes[i]), parsed[i])
                     if why:
                         errors.append(why)
@@ -316,7 +359,7 @@ def weight_routes(engine, *, timeout_s: float = 300.0) -> APIRouter:
     @router.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(body: DistributedBody) -> JSONResponse:
         return await _run(receiver, receiver.from_broadcast, body.group_name, body.names, body.dtypes,
-                          body.shapes, body.policy_version, body.weight_version, body.bucket_bytes)
+                          body.shapes, body.policy_version, body.weight_version, body.bucket_bytes, body.lora_scaling)
 
     @router.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(body: VLLMInitBody) -> JSONResponse:
