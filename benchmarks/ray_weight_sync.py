@@ -97,6 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "ray_weight_sync.json"))
     args = parser.parse_args()
     from tokenmill.controller.ray.cluster import connect, set_local_env
 
@@ -115,7 +116,7 @@ def main() -> None:
                       flush=True)
     finally:
         cluster.close()
-    out = Path(__file__).parent / "results" / "ray_weight_sync.json"
+    out = Path(args.output)
     out.write_text(json.dumps({"repeats": args.repeats, "rows": rows}, indent=2) + "\n")
     print(f"written {out}")
 
