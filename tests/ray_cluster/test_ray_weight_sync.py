@@ -43,7 +43,7 @@ def test_ranks_broadcast_to_replicas_and_the_driver(ray_cluster, tmp_path):
     from tokenmill.testing import build_tiny_model
 
     path = build_tiny_model(tmp_path / "model", hidden_size=32, num_layers=2, seed=0, tie_word_embeddings=False)
-    spec = BackendSpec(path, str(tmp_path / "shards"), trainer=TrainerSpec(learning_rate=1e-2, total_steps=4),
+    spec = BackendSpec(path, str(tmp_path / "shards"), trainer=TrainerSpec(learning_rate=1e-2, total_steps=6),
                        pg_timeout_s=60)
     group = WorkerGroup(ray_cluster, spec, 2, start_timeout_s=180)
     fleet = EngineFleet(ray_cluster, path, 2, cpus=1, threads=1, start_timeout_s=120)
@@ -68,19 +68,26 @@ def test_ranks_broadcast_to_replicas_and_the_driver(ray_cluster, tmp_path):
             assert {httpx.get(u + "/health", timeout=10).json()["policy_version"] for u in fleet.urls} == {step + 1}
         assert sync.last_seconds > 0
 
-        # a replica dies: its replacement loads the driver's current weights, then joins the next broadcast
+        # a replica dies: the next push goes to the survivor; the replacement loads the driver's current weights,
+        # then joins the next broadcast
         first = list(fleet.urls)
         os.kill(fleet.replicas[0].server_pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
         while fleet._is_alive(fleet.replicas[0]) and time.monotonic() < deadline:
             time.sleep(0.2)  # the SIGKILLed server is reaped
+        group.update(uneven_groups(2, vocab, ((8, 4, 12), (2, 2, 3))), ALGO, pad_id=0, max_tokens=12, seed=2)
+        engine.update_weights(backend.weights(), version=3)
+        assert sync.servers.urls == [first[1]]
+        want = dict(RayBackend(group).gathered_weights())
+        _assert_served([first[1]], want)
         [new] = fleet.check()
         assert sync.servers.urls == [first[1], new]
         _assert_served([new], want)
-        group.update(uneven_groups(2, vocab, ((8, 4, 12), (2, 2, 3))), ALGO, pad_id=0, max_tokens=12, seed=2)
-        engine.update_weights(backend.weights(), version=3)
+        group.update(uneven_groups(3, vocab, ((8, 4, 12), (2, 2, 3))), ALGO, pad_id=0, max_tokens=12, seed=3)
+        engine.update_weights(backend.weights(), version=4)
         want = dict(RayBackend(group).gathered_weights())
         _assert_served(fleet.urls, want)
+        assert {httpx.get(u + "/health", timeout=10).json()["policy_version"] for u in fleet.urls} == {4}
     finally:
         engine.close()
         fleet.close()

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.controller.ray.workers import RankFailure
 from tokenmill.sync.base import WeightSyncError
 from tokenmill.sync.broadcast import PACKED_BUCKET_BYTES
 from tokenmill.sync.group import open_group, parse_dtype, receive_push
@@ -108,11 +109,26 @@ class RankBroadcastSync:
         t0 = time.monotonic()
         try:
             self._push_once(version)
-        except (WeightSyncError, RuntimeError) as exc:  # a replica died mid-push, or the group broke
+        except (WeightSyncError, RankFailure, RuntimeError) as exc:  # a replica died mid-push, or the group broke
+            if isinstance(exc, RankFailure) and " died " in f"{exc} ":
+                raise  # a trainer rank is gone: the run rebuilds the group (train_on_ray), not the sync
+            self._drop_dead()
             log.warning("weight broadcast failed (%s); re-forming the group with %s", exc, self.servers.urls)
             self._opened = None
             self._push_once(version)
         self.last_seconds = time.monotonic() - t0
+
+    def _drop_dead(self) -> None:
+        """Forget the replicas that no longer answer (the pool routes around them and `EngineFleet` replaces
+        them, adding the new URL back); raises when none is left."""
+        dead = set()
+        for url in self.servers.urls:
+            try:
+                self.servers.client.get(url + "/health", timeout=5.0).raise_for_status()
+            except Exception:  # noqa: BLE001 - any failure: not answering
+                dead.add(url)
+        if dead:
+            self.servers.drop(dead)
 
     def _push_once(self, version: int) -> None:
         if not self._current():
@@ -131,10 +147,10 @@ class RankBroadcastSync:
         receiving.start()
         try:
             self.group._gather(refs, "trainer push_weights")
-        except Exception as exc:
+        except Exception:
             self._close_end()  # this side's receive fails on the closed group, if it still waits
             receiving.join(self.timeout_s)
-            raise WeightSyncError(f"weight broadcast: {exc}") from exc
+            raise
         receiving.join(self.timeout_s)
         if failure or receiving.is_alive():
             self._close_end()
