@@ -111,6 +111,10 @@ class ClusterConfig(Section):
     replica_wait_s: float = Field(
         300.0, ge=0, description="When no engine replica is left, how long a weight push or a request waits for "
         "a replacement before the run stops (0: stop at once).")
+    weight_sync: Literal["files", "broadcast"] = Field(
+        "files", description="How new weights reach the engine replicas: files (rank 0's weights through the driver "
+        "to a safetensors folder every replica reads) or broadcast (trainer rank 0 broadcasts them in packed "
+        "buckets over a torch.distributed group with the replicas and the driver: gloo on CPU, NCCL on GPU).")
 
     @property
     def rank_gpus(self) -> int:

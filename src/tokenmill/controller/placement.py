@@ -150,7 +150,9 @@ class ServerPlacement(Placement):
         self.ours = ours  # tokenmill servers (spawned here, or Ray's fleet): they stage pushes, report versions
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        if self.lora_model is not None:  # a server holds the plain model: send W + BA under the plain names
+        # a server holds the plain model: send W + BA under the plain names (unless the trainer ranks push the
+        # adapters themselves: Ray's broadcast, which the replicas merge)
+        if self.lora_model is not None and not getattr(named_tensors, "on_ranks", False):
             from tokenmill.sync import merged_lora_weights
 
             named_tensors = merged_lora_weights(self.lora_model)
@@ -266,9 +268,15 @@ def _server_placement(run) -> ServerPlacement:
         # in the scratch folder: vLLM re-reads an adapter from its path, and the last one must outlive the run
         adapters = cfg.engine.weight_sync == "vllm" and cfg.model.lora.rank > 0
         folder = Path(run.output_dir) / "vllm-lora" if adapters else Path(scratch.name) / "weights"
-        sync = server_sync.for_servers(cfg.engine.weight_sync, urls, folder, token=token,
-                                       timeout_s=cfg.engine.timeout_s, packed=ours,
-                                       peft_config=run.trainer.model.peft_config["default"] if adapters else None)
+        sync = None
+        if fleet is not None:  # Ray's replicas: cluster.weight_sync broadcast goes from the trainer ranks
+            from tokenmill.controller.ray.weights import replica_sync
+
+            sync = replica_sync(run, urls, token)
+        if sync is None:
+            sync = server_sync.for_servers(cfg.engine.weight_sync, urls, folder, token=token,
+                                           timeout_s=cfg.engine.timeout_s, packed=ours,
+                                           peft_config=run.trainer.model.peft_config["default"] if adapters else None)
         kwargs = {"pad_id": run.rollout.engine.pad_id, "token": token, "timeout_s": cfg.engine.timeout_s, "sync": sync}
         if adapters:
             from tokenmill.engines.vllm import LORA_ADAPTER_NAME

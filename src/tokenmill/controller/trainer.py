@@ -62,7 +62,11 @@ def build_trainer(cfg: Any, model: torch.nn.Module, device: torch.device, amp: t
 
         if ray_group is None:
             raise ValueError("build_trainer: a ray trainer needs its WorkerGroup (controller.ray.train_on_ray)")
-        backend: TrainBackend = RayBackend(ray_group, mirror=model if cfg.cluster.engine_replicas else None)
+        replicas = cfg.cluster.engine_replicas
+        backend: TrainBackend = RayBackend(ray_group, mirror=model if replicas else None,
+                                           broadcast=bool(replicas) and cfg.cluster.weight_sync == "broadcast")
+        if cfg.model.lora.rank > 0:  # the ranks' adapters start as this model's (its random init)
+            ray_group.set_trainable({n: p.detach() for n, p in model.named_parameters() if p.requires_grad})
     else:
         sharded = kind == "fsdp2"
         backend = policy_backend(spec, copy.deepcopy(model) if sharded else model, teacher=taught,

@@ -63,7 +63,12 @@ class BroadcastSync:
     `master_address` must be reachable from the servers (loopback when they run on this machine); port 0
     picks a free one. Raises `WeightSyncError` naming each server that refused or did not answer.
     `drop_failed`: a server that does not answer at all is dropped (logged), the group re-formed with the
-    others and the push repeated, so a run survives a dead engine; a refusal (bad weights) always raises."""
+    others and the push repeated, so a run survives a dead engine; a refusal (bad weights) always raises.
+    `receivers`: that many more ranks, after the servers', that are no servers: they join the group themselves
+    (`sync.group.open_group` with ranks `world - receivers ..`, while the constructor waits) and receive every
+    push (`sync.group.receive_push`); such a group is not re-formed without them, so `drop_failed` is off.
+    `lora_scaling`: the pushes are a peft LoRA model's adapters alone (lora_A, lora_B), which tokenmill's server
+    merges into the base weights it holds (`weight_routes.merge_adapters`)."""
 
     def __init__(
         self,
@@ -80,6 +85,8 @@ class BroadcastSync:
         vllm_native: bool = False,
         drop_failed: bool = False,
         bucket_bytes: int = 0,
+        receivers: int = 0,
+        lora_scaling: float | None = None,
     ) -> None:
         if api not in _ROUTES:
             raise ValueError(f"api must be 'sglang' or 'vllm', not {api!r}")
@@ -89,7 +96,12 @@ class BroadcastSync:
             raise ValueError("vllm_native needs api='vllm' and backend='nccl'")
         if bucket_bytes and api != "sglang":
             raise ValueError("bucket_bytes (packed pushes) needs api='sglang' and tokenmill's server")
-        self.bucket_bytes = bucket_bytes
+        if receivers and (drop_failed or api != "sglang"):
+            raise ValueError("receivers (ranks that are no servers) need api='sglang' and drop_failed=False")
+        self.bucket_bytes, self.receivers = bucket_bytes, receivers
+        if lora_scaling is not None and api != "sglang":
+            raise ValueError("lora_scaling (adapter-only pushes) needs api='sglang' and tokenmill's server")
+        self.lora_scaling = lora_scaling  # pushes carry peft adapters, merged by the server (W + scaling * B @ A)
         self.servers = Servers(urls, token=token, timeout_s=timeout_s)
         self.api, self.backend, self.dtype = api, backend, dtype
         self.master_address, self.master_port = master_address, master_port
@@ -107,7 +119,7 @@ class BroadcastSync:
             sizes = [int(self.servers.client.get(u + "/get_world_size").json()["world_size"])
                      for u in self.servers.urls]
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
-        return offsets, 1 + sum(sizes)
+        return offsets, 1 + sum(sizes) + self.receivers
 
     def _route(self, which: int) -> str:
         """The HTTP route of the group's join (0) and of a push's control call (1); a subclass for another
@@ -183,11 +195,13 @@ class BroadcastSync:
                 "policy_version": int(version), "weight_version": str(version)}
         if self.bucket_bytes:  # tokenmill's server only (SGLang's refuses the field)
             body["bucket_bytes"] = self.bucket_bytes
+        if self.lora_scaling is not None:  # tokenmill's server only
+            body["lora_scaling"] = self.lora_scaling
         return body
 
     def push(self, named_tensors: NamedTensors, version: int) -> None:
         tensors = []
-        for name, t in check_engine_names(named_tensors):
+        for name, t in named_tensors if self.lora_scaling is not None else check_engine_names(named_tensors):
             t = t.detach().to(device=self.device, dtype=self.dtype or t.dtype)
             tensors.append((name, t.contiguous()))
         if self.group is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -130,3 +131,22 @@ def open_group(
         opts.group_name = group_name
         pg = ProcessGroupNCCL(prefixed, rank, world_size, opts)
     return WeightGroup(pg, store, rank, world_size, timeout_s)
+
+
+def receive_push(group: WeightGroup, dtypes: list[torch.dtype], shapes: list[list[int]], device: str | torch.device,
+             packed: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """A receiver's side of one push: (index, tensor) for each tensor as it comes off the broadcast from rank 0,
+    one receive per tensor, or with `packed` (the push's bucket_bytes) one per bucket of `pack_plan`, viewed
+    back into its tensors (views of the bucket: copy them before the next one arrives if they must outlive it)."""
+    if not packed:
+        for i, (dtype, shape) in enumerate(zip(dtypes, shapes)):
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            group.broadcast(buf, src=0)
+            yield i, buf
+        return
+    for bucket in pack_plan(shapes, dtypes, packed):
+        buf = torch.empty(bucket_length(bucket, shapes, dtypes), dtype=torch.uint8, device=device)
+        group.broadcast(buf, src=0)
+        for i, offset in bucket:
+            size = math.prod(shapes[i]) * dtypes[i].itemsize
+            yield i, buf[offset : offset + size].view(dtypes[i]).view(shapes[i])

@@ -121,14 +121,15 @@ def test_the_memory_estimate_shows_the_placement_and_shards_over_the_ranks():
 
 
 @pytest.mark.parametrize(("override", "match"), [
-    ({"model": {"lora": {"rank": 4}}}, r"model.lora / critic.lora: cluster.backend ray trains full weights"),
+    ({"critic": {"lora": {"rank": 4}}}, r"critic.lora: cluster.backend ray trains a full critic"),
+    ({"model": {"lora": {"rank": 4}}, "cluster": {"engine_replicas": 1}},
+     r"model.lora: LoRA on Ray's engine replicas pushes the adapters alone"),
     ({"engine": {"placement": "thread"}}, r"engine.placement: 'thread' on Ray needs cluster.engine_replicas > 0"),
     ({"engine": {"placement": "process"}}, r"engine.placement: 'process' on Ray needs cluster.engine_replicas"),
     ({"engine": {"placement": "thread"}, "cluster": {"engine_replicas": 1}},
      r"engine.placement: cluster.engine_replicas starts `tokenmill serve` replicas on Ray; leave"),
     ({"engine": {"placement": "process", "sync": "broadcast"}, "cluster": {"engine_replicas": 1}},
-     r"engine.sync: the Ray engine replicas take weights through files"),
-    ({"cluster": {"engine_replicas": 1, "colocate": True}}, r"cluster.colocate: engine replicas sharing"),
+     r"engine.sync: the Ray engine replicas take weights as cluster.weight_sync says"),
     ({"cluster": {"nodes": 2, "gpus_per_node": 1}}, r"cluster.address: null starts every node on this machine"),
 ])
 def test_training_on_ray_refuses_what_it_does_not_run_yet(override, match):

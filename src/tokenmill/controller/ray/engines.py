@@ -42,7 +42,7 @@ class EngineServerActor:
     """The body of one replica actor (wrapped with `ray.remote` by `EngineFleet`)."""
 
     def __init__(self, model_dir: str, *, seed: int, device: str, threads: int, timeout_s: float,
-                 token: str | None) -> None:
+                 token: str | None, visible_devices: str | None = None) -> None:
         import ray
 
         from tokenmill.sandbox.lifetime import preexec_die_with_parent
@@ -54,6 +54,8 @@ class EngineServerActor:
         env = dict(os.environ)
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
+        if visible_devices is not None:  # colocated: the devices of the trainer rank it shares a bundle with
+            env["CUDA_VISIBLE_DEVICES"] = visible_devices
         if host != LOOPBACK:
             if not token:
                 raise ClusterError(f"engine replica on node {host}: a server reachable from other nodes needs a "
@@ -97,9 +99,12 @@ class EngineFleet:
 
     def __init__(self, cluster: RayCluster, model_dir: str, replicas: int, *, cpus: float = 1, gpus: float = 0,
                  seed: int = 0, device: str = "cpu", threads: int = 0, start_timeout_s: float = 180.0,
-                 token: str | None = None, check_timeout_s: float = 10.0, replica_wait_s: float = 0.0) -> None:
+                 token: str | None = None, check_timeout_s: float = 10.0, replica_wait_s: float = 0.0,
+                 colocate_with=None) -> None:
         self.cluster, self.model_dir = cluster, model_dir
         self.replica_wait_s = replica_wait_s  # how long `attach`'s engine waits for a replacement (0: not at all)
+        self.colocate_with = colocate_with  # a WorkerGroup: replica i shares rank i's bundle (cluster.colocate)
+        self.memory_turns = 0  # release/restore rounds asked of the replicas (colocated)
         self.cpus, self.gpus, self.seed, self.device, self.threads = cpus, gpus, seed, device, threads
         self.start_timeout_s, self.token, self.check_timeout_s = start_timeout_s, token, check_timeout_s
         self.engine = None  # a RemoteEngine whose pool (and sync) follow replacements: `attach`
@@ -115,14 +120,17 @@ class EngineFleet:
     def urls(self) -> list[str]:
         return [r.url for r in self.replicas]
 
-    def _start(self, count: int, timeout_s: float | None = None) -> list[Replica]:
+    def _start(self, count: int, first: int = 0, timeout_s: float | None = None) -> list[Replica]:
+        """`count` new replicas: numbers first, first + 1, ... (a colocated one goes to its rank's bundle),
+        each given at most `timeout_s` (default: the fleet's start timeout) to start."""
         ray = import_ray()
         limit = self.start_timeout_s if timeout_s is None else min(timeout_s, self.start_timeout_s)
-        cls = ray.remote(EngineServerActor).options(num_cpus=self.cpus, num_gpus=self.gpus, max_restarts=0)
         actors = []
-        for _ in range(count):
+        for i in range(first, first + count):
+            cls, visible = self._actor_class(ray, i)
             actors.append(cls.remote(self.model_dir, seed=self.seed + self._started, device=self.device,
-                                     threads=self.threads, timeout_s=limit, token=self.token))
+                                     threads=self.threads, timeout_s=limit, token=self.token,
+                                     visible_devices=visible))
             self._started += 1
         try:
             infos = self.cluster.get([a.info.remote() for a in actors],
@@ -133,6 +141,39 @@ class EngineFleet:
                 ray.kill(a, no_restart=True)
             raise
         return [Replica(a, **i) for a, i in zip(actors, infos)]
+
+    def _actor_class(self, ray, i: int):
+        """The actor options of replica `i` and the devices its server sees (None: Ray's choice). Colocated, it
+        takes nothing of its own: it runs in trainer rank i's bundle and uses that rank's GPUs."""
+        cls = ray.remote(EngineServerActor)
+        group = self.colocate_with
+        if group is None:
+            return cls.options(num_cpus=self.cpus, num_gpus=self.gpus, max_restarts=0), None
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        visible = None
+        if self.gpus:
+            ids = self.cluster.get(group.actors[i].gpu_ids.remote(), timeout_s=self.check_timeout_s,
+                                   what=f"trainer rank {i}: its GPUs")
+            visible = ",".join(str(g) for g in ids)
+        strategy = PlacementGroupSchedulingStrategy(placement_group=group.pg, placement_group_bundle_index=i)
+        return cls.options(num_cpus=0, num_gpus=0, max_restarts=0, scheduling_strategy=strategy), visible
+
+    def memory_turn(self, release: bool) -> list[dict[str, Any]]:
+        """Ask every replica to let go of its device memory (`release`) or take it back: colocated replicas,
+        around each update of the trainer ranks that share their devices; the answers."""
+        import httpx
+
+        route = "/release_memory_occupation" if release else "/resume_memory_occupation"
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        answers = []
+        for url in self.urls:
+            try:
+                answers.append(httpx.post(url + route, headers=headers, timeout=self.check_timeout_s).json())
+            except (httpx.HTTPError, ValueError) as exc:  # a dead replica has nothing to release; check() replaces it
+                answers.append({"success": False, "message": f"{type(exc).__name__}: {exc}"})
+        self.memory_turns += int(release)
+        return answers
 
     def attach(self, engine, replica_wait_s: float | None = None) -> None:
         """Follow replacements in `engine` (a `RemoteEngine` over `self.urls`): its pool and files sync. With
@@ -171,7 +212,7 @@ class EngineFleet:
                 ray = import_ray()
                 ray.kill(replica.actor, no_restart=True)
                 t0 = time.monotonic()
-                [fresh] = self._start(1, None if deadline is None else max(1.0, deadline - t0))
+                [fresh] = self._start(1, first=i, timeout_s=None if deadline is None else max(1.0, deadline - t0))
                 if self._stop.is_set():  # the run closed meanwhile: nothing to wire it into
                     ray.kill(fresh.actor, no_restart=True)
                     log.info("engine replica %s started as the run closed; stopped", fresh.url)
@@ -198,6 +239,10 @@ class EngineFleet:
         (a fresh replica starts from the model folder; a push it missed would leave it on version 0)."""
         engine = self.engine
         sync = getattr(engine, "sync", None)
+        if hasattr(sync, "catch_up"):  # a broadcast sync: the driver's copy of the current weights
+            if engine.version:
+                sync.catch_up(url, int(engine.version))
+            return
         last = getattr(sync, "last", None)
         if last is None or not engine.version:
             return

@@ -40,7 +40,8 @@ def _spec(cfg) -> BackendSpec:
     shards = Path(cfg.tracking.output_dir).resolve() / "checkpoints" / "shards"
     trainer = TrainerSpec.from_config(cfg, autocast_dtype(cfg.model, resolve_device(cfg.model.device)))
     return BackendSpec(cfg.model.path, str(shards), seed=cfg.training.seed, trainer=trainer,
-                       tokenizer_path=cfg.model.tokenizer_path)
+                       tokenizer_path=cfg.model.tokenizer_path,
+                       lora=cfg.model.lora if cfg.model.lora.rank > 0 else None)
 
 
 def _check(cfg) -> None:
@@ -48,9 +49,11 @@ def _check(cfg) -> None:
     from tokenmill.types import ConfigError
 
     c, eng = cfg.cluster, cfg.engine
-    if cfg.model.lora.rank > 0 or cfg.critic.lora.rank > 0:
-        raise ConfigError("model.lora / critic.lora: cluster.backend ray trains full weights for now (LoRA "
-                          "adapters are not sharded over the trainer ranks); set the LoRA rank to 0")
+    if cfg.critic.lora.rank > 0:
+        raise ConfigError("critic.lora: cluster.backend ray trains a full critic for now; set critic.lora.rank 0")
+    if cfg.model.lora.rank > 0 and c.engine_replicas and c.weight_sync != "broadcast":
+        raise ConfigError("model.lora: LoRA on Ray's engine replicas pushes the adapters alone, which the "
+                          "replicas merge: set cluster.weight_sync: broadcast")
     if cfg.training.backend != "local":
         raise ConfigError("training.backend: with cluster.backend ray the trainer ranks already are FSDP2 ranks; "
                           "leave training.backend local")
@@ -62,15 +65,13 @@ def _check(cfg) -> None:
         raise ConfigError(f"engine.placement: cluster.engine_replicas starts `tokenmill serve` replicas on Ray; "
                           f"leave engine.placement colocated or process (not {eng.placement!r})")
     if c.engine_replicas and eng.sync not in (None, "files", "inprocess"):
-        raise ConfigError(f"engine.sync: the Ray engine replicas take weights through files (a replacement "
-                          f"replica loads the last folder); {eng.sync!r} is not wired for them")
-    if c.engine_replicas and c.colocate:
-        raise ConfigError("cluster.colocate: engine replicas sharing the trainer ranks' devices are not wired "
-                          "into training yet; set cluster.colocate false (engines on devices of their own)")
+        raise ConfigError(f"engine.sync: the Ray engine replicas take weights as cluster.weight_sync says (files "
+                          f"or broadcast, from the trainer ranks); leave engine.sync unset, not {eng.sync!r}")
 
 
-def _start_engines(cfg, cluster):
-    """The `cluster.engine_replicas` `tokenmill serve` actors (None without any), checked every few seconds."""
+def _start_engines(cfg, cluster, group=None):
+    """The `cluster.engine_replicas` `tokenmill serve` actors (None without any), checked every few seconds;
+    with `cluster.colocate`, replica i in trainer rank i's bundle of `group`."""
     import os
 
     from tokenmill.controller.ray.engines import EngineFleet
@@ -82,7 +83,7 @@ def _start_engines(cfg, cluster):
                         seed=cfg.training.seed, device="cuda" if c.engine_gpus else "cpu",
                         threads=0 if c.engine_gpus else c.cpus_per_engine, start_timeout_s=c.start_timeout_s,
                         token=cfg.engine.token or os.environ.get("TOKENMILL_SERVE_TOKEN"),
-                        replica_wait_s=c.replica_wait_s)
+                        replica_wait_s=c.replica_wait_s, colocate_with=group if c.colocate else None)
     fleet.watch(interval_s=5.0)
     return fleet
 
@@ -99,6 +100,8 @@ def _build(cfg, rewards, fleet, placed):
     engine = cfg.engine.model_copy(update={"placement": "process", "sync": None, "num_servers": 1})
     run = build_run(cfg.model_copy(update={"engine": engine}), rewards, **kwargs)
     run.engine_fleet = fleet
+    if cfg.cluster.colocate:  # the replicas share the ranks' devices: they let go of memory during each update
+        run.trainer.backend.sharing = fleet
     return run
 
 
@@ -144,10 +147,11 @@ def train_on_ray(cfg, rewards=None, cluster=None) -> dict[str, Any]:
     starting = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-engines")
     try:
         # every worker group's room first, in the plan's order; then the replicas start while the ranks do
+        # (colocated ones after them, in the trainer ranks' bundles)
         pgs = reserve_all(cfg, placements, c.start_timeout_s)
-        engines = starting.submit(_start_engines, cfg, cluster)
+        engines = None if c.colocate else starting.submit(_start_engines, cfg, cluster)
         placed = start_roles(cfg, cluster, trainer_spec, placements, own_specs, pgs)
-        fleet = engines.result()
+        fleet = engines.result() if engines is not None else _start_engines(cfg, cluster, placed.trainer)
         run = _build(cfg, rewards, fleet, placed)
         restarts, first_eval = 0, None
         while True:

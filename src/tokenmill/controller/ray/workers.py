@@ -55,6 +55,7 @@ class BackendSpec:
     roles: tuple[str, ...] = ("policy",)
     reference: dict[str, Any] | None = None  # the reference's forward settings (TrainerSpec.reference_kwargs)
     critic: Any = None  # a `controller.ray.roles.CriticSpec` when the group holds the critic
+    lora: Any = None  # model.lora (a LoRAConfig with rank > 0): each rank wraps its model with the adapters
 
 
 def rank_backend(spec: BackendSpec, model: Any, device: Any) -> Any:
@@ -99,6 +100,10 @@ class TrainerRankActor:
         if "critic" in spec.roles:
             self.critic = rank_critic(spec, device)
         if "policy" in spec.roles:
+            if spec.lora is not None:  # the adapters start as the driver's: `set_trainable`
+                from tokenmill.training.lora import add_lora
+
+                model = add_lora(model, spec.lora, task_type="CAUSAL_LM", field="model.lora")
             self.backend = rank_backend(spec, model, device)
         self.rank = rank
         return {"rank": rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
@@ -124,6 +129,51 @@ class TrainerRankActor:
         """The trained parameters, full, on rank 0 (None on the others; a collective every rank consumes)."""
         full = {name: tensor.detach().clone() for name, tensor in self.backend.weights()}
         return full if self.rank == 0 else None
+
+    def set_trainable(self, full: dict[str, Any]) -> None:
+        """Set the trainable parameters named in `full` (whole tensors; each rank keeps its shard): a LoRA run's
+        ranks start from the driver's adapters."""
+        import torch
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        with torch.no_grad():
+            for name, param in self.backend.model.named_parameters():
+                if name in full:
+                    value = full[name].to(param.dtype)
+                    if isinstance(param, DTensor):
+                        value = distribute_tensor(value, param.device_mesh, param.placements)
+                    param.copy_(value)
+
+    def gpu_ids(self) -> list[int]:
+        """The GPUs Ray gave this rank (a colocated engine replica uses the same ones)."""
+        import ray
+
+        return [int(g) for g in ray.get_gpu_ids()]
+
+    # the broadcast weight sync to engine replicas (controller.ray.weights, cluster.weight_sync: broadcast)
+    def weight_port(self) -> tuple[str, int]:
+        """This node's address and a free port on it, for the weight group rank 0 hosts."""
+        import ray
+
+        from tokenmill.sync.broadcast import _free_port
+
+        host = ray.util.get_node_ip_address()
+        return host, _free_port(host)
+
+    def open_weight_sync(self, urls: list[str], host: str, port: int, token: str | None, timeout_s: float,
+                         bucket_bytes: int, transport: str = "gloo", receivers: int = 1,
+                         lora_scaling: float | None = None):
+        from tokenmill.controller.ray.weights import RankWeightSender
+
+        self.sender = getattr(self, "sender", None) or RankWeightSender()
+        return self.sender.open(self.rank, self.backend, urls, host, port, token, timeout_s, bucket_bytes,
+                                transport, receivers, lora_scaling)
+
+    def push_weights(self, version: int) -> dict[str, Any]:
+        from tokenmill.controller.ray.weights import RankWeightSender
+
+        self.sender = getattr(self, "sender", None) or RankWeightSender()
+        return self.sender.push(self.rank, self.backend, version)
 
 
 @dataclass
@@ -247,6 +297,13 @@ class WorkerGroup:
         return self._gather([a.update.remote(ref, algo, pad_id, max_tokens, seed) for a in self.actors],
                             "trainer update")[0]
 
+    def set_trainable(self, full: dict[str, Any]) -> None:
+        """Every rank's trainable parameters named in `full` set to those whole tensors (a LoRA run's adapters
+        start as the driver's)."""
+        ray = import_ray()
+        ref = ray.put(full)
+        self._gather([a.set_trainable.remote(ref) for a in self.actors], "trainer set_trainable")
+
     def kill(self) -> None:
         ray = import_ray()
         for a in self.actors:
@@ -269,22 +326,51 @@ class RayBackend:
     (the ranks split it); so `policy_update` and anything else written against the protocol runs unchanged
     in the driver. A failed rank raises `RankFailure` from the verb that saw it."""
 
-    def __init__(self, group: WorkerGroup, mirror=None) -> None:
+    def __init__(self, group: WorkerGroup, mirror=None, *, broadcast: bool = False) -> None:
         self.group = group
         self.mirror = mirror  # a module in this process that every `weights()` call refreshes (the driver's copy)
         self.teacher_in_loss = group.spec.trainer.distill is not None  # each rank's loss adds the teacher's KL
+        self.broadcast = broadcast  # weights() stays on the ranks: a RankBroadcastSync has rank 0 broadcast it
+        self.sharing = None  # colocated engine replicas (an EngineFleet): they let go of memory during an update
+        self._released = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy sent to the ranks (inside a loss closure) leaves the driver's fleet behind (threads, locks)."""
+        return {**self.__dict__, "sharing": None}
+
+    def _take_devices(self) -> None:
+        """Before the update's first verb: colocated replicas release their memory (once per update)."""
+        if self.sharing is not None and not self._released:
+            self.sharing.memory_turn(release=True)
+            self._released = True
+
+    def _give_back_devices(self) -> None:
+        if self.sharing is not None and self._released:
+            self.sharing.memory_turn(release=False)
+            self._released = False
 
     def forward_backward(self, batch, loss_fn, entropy_coef: float = 0.0) -> dict[str, float]:
+        self._take_devices()
         return self.group.call("forward_backward", batch, loss_fn, entropy_coef)[0]
 
     def forward(self, batch):
+        self._take_devices()
         return self.group.call("forward", batch)[0]
 
     def optim_step(self) -> dict[str, float]:
         return self.group.call("optim_step")[0]
 
     def weights(self):
-        """The trained parameters by name, gathered on rank 0 and sent here whole (held once in this process)."""
+        """The trained parameters by name, gathered on rank 0 and sent here whole (held once in this process);
+        in a broadcast run, a `RankWeights` that a `RankBroadcastSync` broadcasts from rank 0 instead."""
+        self._give_back_devices()  # the update is done: colocated replicas take their memory back, then the weights
+        if self.broadcast:
+            from tokenmill.controller.ray.weights import RankWeights
+
+            return RankWeights(self)
+        return self.gathered_weights()
+
+    def gathered_weights(self):
         group = self.group
         full = group._gather([a.weights.remote() for a in group.actors], "trainer weights")[0]
         if self.mirror is not None:

@@ -23,9 +23,7 @@ Transfers run in a worker thread: the event loop keeps serving generation while 
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +32,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenmill.sync.group import VLLM_GROUP, WeightGroup, bucket_length, open_group, pack_plan, parse_dtype
+from tokenmill.sync.group import VLLM_GROUP, WeightGroup, open_group, parse_dtype, receive_push
 from tokenmill.types import TokenmillError
 
 
@@ -75,11 +73,21 @@ class DistributedBody(_Body):
     bucket_bytes: int = Field(0, ge=0, description="tokenmill's packed pushes: the tensors come back to back "
                               "in uint8 buckets of at most this many bytes (`sync.group.pack_plan`); 0: one "
                               "broadcast per tensor (SGLang's way).")
+    lora_scaling: float | None = Field(None, description="tokenmill's adapter-only pushes: the tensors are peft "
+                                       "LoRA adapters (lora_A, lora_B) of the served model's linear layers; the "
+                                       "server serves base + scaling * B @ A (`merge_adapters`).")
 
 
 class DestroyBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     group_name: str = "weight_update_group"
+
+
+class WeightsByNameBody(BaseModel):
+    """SGLang's `/get_weights_by_name`: the served parameter's first `truncate_size` rows (along dim 0)."""
+
+    name: str
+    truncate_size: int = Field(100, ge=1)
 
 
 class VLLMInitBody(BaseModel):
@@ -166,6 +174,37 @@ def read_folder(path: str, specs) -> list[tuple[str, torch.Tensor]]:
     return list(tensors.items())
 
 
+def merge_adapters(named: list[tuple[str, torch.Tensor]], scaling: float, engine,
+                   base: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """peft LoRA adapters (`base_model.model.<layer>.lora_A.<adapter>.weight` and `lora_B`) as the plain weights
+    they make: `<layer>.weight` = its base + (B @ A) * scaling, the order of peft's own merge. `base` keeps each
+    adapted layer's weight as the engine held it at its first adapter push (the frozen base), so that later
+    pushes replace the delta instead of adding to it. UpdateRefused names what does not fit."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in named:
+        for part in ("lora_A", "lora_B"):
+            if f".{part}." in name:
+                layer = name.split(f".{part}.")[0].removeprefix("base_model.model.")
+                pairs.setdefault(layer, {})[part] = tensor
+                break
+        else:
+            raise UpdateRefused(f"tensor {name!r}: an adapter-only push carries lora_A and lora_B weights only")
+    params = dict(engine.model.named_parameters(remove_duplicate=False))
+    merged = []
+    for layer, ab in pairs.items():
+        plain = f"{layer}.weight"
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise UpdateRefused(f"layer {layer!r}: an adapter push needs both lora_A and lora_B")
+        if plain not in params:
+            raise UpdateRefused(f"layer {layer!r}: the served model has no {plain!r}")
+        held = base.setdefault(plain, params[plain].detach().clone())
+        delta = ab["lora_B"].to(held.dtype) @ ab["lora_A"].to(held.dtype)
+        if delta.shape != held.shape:
+            raise UpdateRefused(f"layer {layer!r}: B @ A is {tuple(delta.shape)}, the weight {tuple(held.shape)}")
+        merged.append((plain, held + delta * scaling))
+    return merged
+
+
 # ------------------------------------------------------------------------------------------ the receiver
 class WeightReceiver:
     """State behind the routes: the engine, its broadcast groups, and one lock so that updates never
@@ -176,6 +215,7 @@ class WeightReceiver:
         self.timeout_s = timeout_s
         self.groups: dict[str, WeightGroup] = {}
         self.lock = threading.Lock()
+        self.lora_base: dict[str, torch.Tensor] = {}  # adapted layers' weights before the first adapter push
 
     def apply(self, named: list[tuple[str, torch.Tensor]], version: int, alias: dict[str, str]) -> int:
         """Hand the checked tensors to the engine. One that stages updates (`ContinuousEngine`) takes them at
@@ -221,7 +261,8 @@ class WeightReceiver:
             group.close()
 
     def from_broadcast(self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                       policy_version: int | None, weight_version: str | None = None, bucket_bytes: int = 0) -> int:
+                       policy_version: int | None, weight_version: str | None = None, bucket_bytes: int = 0,
+                       lora_scaling: float | None = None) -> int:
         """Receive `names` in order from rank 0. Every tensor is received even after a bad one, so that the
         trainer's broadcast completes and the group stays usable; then all or nothing is applied."""
         with self.lock:
@@ -239,7 +280,14 @@ class WeightReceiver:
             device = "cuda" if _is_nccl(group) else "cpu"
             errors, received = [], []
             try:
-                for i, tensor in _received(group, parsed, shapes, device, bucket_bytes):
+                pushed = receive_push(group, parsed, shapes, device, bucket_bytes)
+                if lora_scaling is not None:  # adapters: received whole, then merged into the plain weights
+                    merged = merge_adapters([(names[i], t.clone()) for i, t in pushed], lora_scaling, self.engine,
+                                            self.lora_base)
+                    names, shapes, parsed = ([n for n, _ in merged], [list(t.shape) for _, t in merged],
+                                             [t.dtype for _, t in merged])
+                    pushed = ((i, t) for i, (_, t) in enumerate(merged))
+                for i, tensor in pushed:
                     why = check_tensor(specs, names[i], tuple(shapes[i]), parsed[i])
                     if why:
                         errors.append(why)
@@ -252,24 +300,6 @@ class WeightReceiver:
                 more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
                 raise UpdateRefused("; ".join(errors[:5]) + more)
             return self.apply(received, _version(self.engine, policy_version, weight_version), alias)
-
-
-def _received(group: WeightGroup, dtypes: list[torch.dtype], shapes: list[list[int]], device: str,
-              packed: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """(index, tensor) for each tensor of a push, as it comes off the broadcast: one receive per tensor, or
-    with `packed` (the push's bucket_bytes) one per bucket of `pack_plan`, viewed back into its tensors."""
-    if not packed:
-        for i, (dtype, shape) in enumerate(zip(dtypes, shapes)):
-            buf = torch.empty(shape, dtype=dtype, device=device)
-            group.broadcast(buf, src=0)
-            yield i, buf
-        return
-    for bucket in pack_plan(shapes, dtypes, packed):
-        buf = torch.empty(bucket_length(bucket, shapes, dtypes), dtype=torch.uint8, device=device)
-        group.broadcast(buf, src=0)
-        for i, offset in bucket:
-            size = math.prod(shapes[i]) * dtypes[i].itemsize
-            yield i, buf[offset : offset + size].view(dtypes[i]).view(shapes[i])
 
 
 def _is_nccl(group: WeightGroup) -> bool:
@@ -295,6 +325,19 @@ def _answer(receiver: WeightReceiver, success: bool, message: str, status: int) 
     return JSONResponse(body, status_code=status)
 
 
+def _memory_turn(receiver: WeightReceiver, method: str) -> dict[str, Any]:
+    """SGLang's memory routes over the engine's `release_memory` / `restore_memory` (a colocated engine lets
+    the trainer beside it have the device during the update; the weights stay). Call them between rollouts.
+    An engine without the method answers success with `supported: false` (nothing held to let go)."""
+    fn = getattr(receiver.engine, method, None)
+    if fn is None:
+        return {"success": True, "supported": False, "message": f"the engine has no {method}"}
+    with receiver.lock:
+        freed = fn()
+    return {"success": True, "supported": True, "released_bytes": freed if isinstance(freed, int) else 0,
+            "releases": getattr(receiver.engine, "memory_releases", None)}
+
+
 def weight_routes(engine, *, timeout_s: float = 300.0) -> APIRouter:
     """The weight-update routes for `engine` (anything with `.model`, `.version` and `update_weights`).
     `timeout_s` bounds joining a group and each broadcast."""
@@ -316,7 +359,7 @@ def weight_routes(engine, *, timeout_s: float = 300.0) -> APIRouter:
     @router.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(body: DistributedBody) -> JSONResponse:
         return await _run(receiver, receiver.from_broadcast, body.group_name, body.names, body.dtypes,
-                          body.shapes, body.policy_version, body.weight_version, body.bucket_bytes)
+                          body.shapes, body.policy_version, body.weight_version, body.bucket_bytes, body.lora_scaling)
 
     @router.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(body: VLLMInitBody) -> JSONResponse:
@@ -334,6 +377,25 @@ def weight_routes(engine, *, timeout_s: float = 300.0) -> APIRouter:
     @router.get("/get_world_size")
     async def get_world_size() -> dict[str, int]:
         return {"world_size": 1}
+
+    @router.post("/get_weights_by_name")
+    async def get_weights_by_name(body: WeightsByNameBody) -> JSONResponse:
+        """What the server samples from, to check a sync (SGLang's route): the rows as nested lists of floats
+        (exact: a float32 goes to JSON as the float64 it widens to), 404 for a name the model lacks."""
+        params = dict(engine.model.named_parameters(remove_duplicate=False))
+        if body.name not in params:
+            return JSONResponse({"success": False, "message": f"no parameter {body.name!r}"}, status_code=404)
+        with receiver.lock:  # not while an update is being applied
+            rows = params[body.name].detach()[: body.truncate_size].float().cpu().tolist()
+        return JSONResponse(rows)
+
+    @router.post("/release_memory_occupation")
+    async def release_memory_occupation() -> JSONResponse:
+        return JSONResponse(await asyncio.to_thread(_memory_turn, receiver, "release_memory"))
+
+    @router.post("/resume_memory_occupation")
+    async def resume_memory_occupation() -> JSONResponse:
+        return JSONResponse(await asyncio.to_thread(_memory_turn, receiver, "restore_memory"))
 
     router.receiver = receiver  # type: ignore[attr-defined]  # for tests and the server's shutdown
     return router
