@@ -244,7 +244,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
               served_model_name=args.served_model_name, dtype=args.dtype, max_batch=args.max_batch,
               max_batch_tokens=args.max_batch_tokens, seed=args.seed, device=args.device,
               kv_cache=args.kv_cache, kv_block_size=args.kv_block_size,
-              max_body_bytes=int(args.max_body_mb * 2**20), limits=_limits(args))
+              max_body_bytes=int(args.max_body_mb * 2**20), limits=_limits(args),
+              allow_remote_images=args.allow_remote_images, max_image_pixels=args.max_image_pixels)
     except ValueError as exc:  # an unsafe exposure, a bad folder or flag: one line, no traceback
         print(f"tokenmill serve: {exc}", file=sys.stderr)
         return 2
@@ -397,6 +398,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--seed", type=int, default=0, help="seed of the sampling of requests without their own")
     srv.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
     srv.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (413 beyond)")
+    srv.add_argument("--allow-remote-images", action="store_true",
+                     help="a vision-language model: fetch http(s) image_url parts (refused otherwise)")
+    srv.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
+                     help="a vision-language model: largest image (width x height) accepted (400 beyond)")
     srv.set_defaults(fn=cmd_serve)
     vl = sub.add_parser("vllm", help="start a vLLM server for a model folder (vLLM in its own cached venv)")
     vl.add_argument("model_dir", nargs="?", default=None, help="a Hugging Face model folder")

@@ -43,12 +43,14 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tokenmill import serving
+from tokenmill.data.images import DEFAULT_MAX_PIXELS, ImagePolicy
 from tokenmill.engines.local.continuous import ContinuousEngine, EngineBusy, EngineUnavailable, RequestFuture
 from tokenmill.engines.server import openai_wire as wire
 from tokenmill.engines.server.openai_wire import ChatBody, CompletionBody, render_chat
 from tokenmill.engines.server.proxy_routes import check_episode_id, episode_routes
 from tokenmill.engines.server.recorder import EpisodeError, EpisodeRecorder
 from tokenmill.engines.server.streaming import Streamer, StreamSpec, TokenFeed, stream
+from tokenmill.engines.server.vision_serving import VisionServingEngine, encode_chat, image_parts
 from tokenmill.sandbox.lifetime import parent_env, preexec_die_with_parent
 from tokenmill.serving import ApiError
 from tokenmill.serving_limits import ConnectionLimits
@@ -121,15 +123,18 @@ class Completer:
 
     # ------------------------------------------------------------------------------------ the engine
     def submit(self, prompts: list[list[int]], params: SamplingParams, seed: int | None,
-               feed: TokenFeed | None = None) -> list[RequestFuture]:
+               feed: TokenFeed | None = None, images: Any = None) -> list[RequestFuture]:
+        """`images`: the one prompt's `ImageInputs` (a vision-language engine's chat route)."""
         futures: list[RequestFuture] = []
+        more = {} if images is None else {"images": images}
         try:
             for i, prompt in enumerate(prompts):
                 own = wire.prompt_seed(seed, i)
                 if feed is None:  # an engine that cannot stream still serves plain answers
-                    futures.append(self.engine.submit(prompt, params, seed=own))
+                    futures.append(self.engine.submit(prompt, params, seed=own, **more))
                 else:
-                    futures.append(self.engine.submit(prompt, params, seed=own, on_token=feed.for_prompt(i, params.n)))
+                    futures.append(self.engine.submit(prompt, params, seed=own, on_token=feed.for_prompt(i, params.n),
+                                                      **more))
                     feed.watch(i, futures[-1])
         except ValueError as exc:  # the engine names the field ("prompt: ...", "n: ...")
             self._cancel(futures)
@@ -167,9 +172,9 @@ class Completer:
             self._cancel(futures)
 
     def streamed(self, spec: StreamSpec, params: SamplingParams, seed: int | None, episode_id: str | None,
-                 shown: Any) -> StreamingResponse:
+                 shown: Any, images: Any = None) -> StreamingResponse:
         feed = TokenFeed(asyncio.get_running_loop())
-        futures = self.submit(spec.prompts, params, seed, feed)
+        futures = self.submit(spec.prompts, params, seed, feed, images)
 
         def on_done(done: list[RequestFuture]) -> None:
             self.record(episode_id, spec.prompts[0], done[0], shown)
@@ -251,17 +256,25 @@ class Completer:
         self.check_episode(episode_id, body.n)
         wire.refuse_unsupported(body)
 
-        def render() -> list[int]:
+        def render() -> tuple[list[int], Any]:
+            if getattr(self.engine, "takes_images", False):  # a vision-language model: images read here
+                if body.tools or body.chat_template_kwargs:
+                    raise ApiError(400, "tools: not with a vision-language model", "tools")
+                ids, images = encode_chat(self.engine.processor, body.messages, self.engine.policy)
+                return self.check_room([ids], "messages")[0], images
+            refuse_images(body.messages)
             text = wire.chat_text(self.tokenizer, body.messages, body.tools, body.chat_template_kwargs)
             self.check_fits(text, "messages")
-            return self.check_room([list(self.tokenizer(text, add_special_tokens=False)["input_ids"])], "messages")[0]
+            return self.check_room([list(self.tokenizer(text, add_special_tokens=False)["input_ids"])],
+                                   "messages")[0], None
 
-        prompt = await asyncio.to_thread(render)
+        prompt, images = await asyncio.to_thread(render)
         wanted = body.max_completion_tokens or body.max_tokens or self.default_max_tokens
         params = wire.sampling(body, min(wanted, self.room([prompt])))
         if body.stream:
-            return self.streamed(self._spec(body, [prompt], chat=True), params, body.seed, episode_id, body.messages)
-        [future] = futures = self.submit([prompt], params, body.seed)
+            return self.streamed(self._spec(body, [prompt], chat=True), params, body.seed, episode_id, body.messages,
+                                 images)
+        [future] = futures = self.submit([prompt], params, body.seed, images=images)
         await self.wait(futures, request)
         choices = []
         for j, c in enumerate(future.result()):
@@ -272,6 +285,14 @@ class Completer:
         self.record(episode_id, prompt, future, body.messages)
         head = wire.envelope("chatcmpl", "chat.completion", self.model_name)
         return wire.answer(head, [prompt], [future.policy_version], choices)
+
+
+def refuse_images(messages: list[dict[str, Any]]) -> None:
+    """400 naming the first image part sent to a text-only model (its pictures would be dropped unseen)."""
+    found = image_parts(messages)
+    if found:
+        raise ApiError(400, f"{found[0][0]}: this model reads no images (serve a vision-language model folder)",
+                       found[0][0])
 
 
 # ------------------------------------------------------------------------------------------ the app
@@ -374,10 +395,14 @@ def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, token: s
           allow_remote: bool = False, served_model_name: str | None = None, dtype: str = "float32",
           max_batch: int = 256, max_batch_tokens: int = 0, seed: int = 0, device: str = "cpu",
           max_body_bytes: int = serving.DEFAULT_MAX_BODY_BYTES, limits: ConnectionLimits | None = None,
-          kv_cache: str = "static", kv_block_size: int = 16) -> None:
+          kv_cache: str = "static", kv_block_size: int = 16, allow_remote_images: bool = False,
+          max_image_pixels: int = DEFAULT_MAX_PIXELS) -> None:
     """Load `model_dir` into a ContinuousEngine and serve it until interrupted; once it accepts connections,
     print its `serving.ready_line` (port 0 binds a free port, named there). Loopback only unless `allow_remote`
-    and a token are both given (ValueError otherwise). `limits`: read timeout and connection cap."""
+    and a token are both given (ValueError otherwise). `limits`: read timeout and connection cap.
+    A vision-language folder (a `vision_config` in config.json) is served by a `VisionServingEngine`: chat
+    messages may carry `image_url` parts, fetched from http(s) only with `allow_remote_images`, each at most
+    `max_image_pixels` (width x height)."""
     import torch
 
     serving.check_exposure(host, token, allow_remote)
@@ -390,9 +415,14 @@ def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, token: s
         raise ValueError(f"--max-batch-tokens: must be >= 0 (0 = no limit), got {max_batch_tokens}")
     sock = serving.bind(host, port)
     try:
-        engine = ContinuousEngine.from_pretrained(model_dir, dtype=dtypes[dtype], device=device, seed=seed,
-                                                  max_batch=max_batch, max_batch_tokens=max_batch_tokens,
-                                                  kv_cache=kv_cache, kv_block_size=kv_block_size)
+        if _is_vision_folder(model_dir):
+            policy = ImagePolicy(allow_remote=allow_remote_images, max_pixels=max_image_pixels)
+            engine = VisionServingEngine.from_pretrained(model_dir, dtype=dtypes[dtype], device=device, seed=seed,
+                                                         policy=policy)
+        else:
+            engine = ContinuousEngine.from_pretrained(model_dir, dtype=dtypes[dtype], device=device, seed=seed,
+                                                      max_batch=max_batch, max_batch_tokens=max_batch_tokens,
+                                                      kv_cache=kv_cache, kv_block_size=kv_block_size)
     except (OSError, ValueError) as exc:
         sock.close()
         raise ValueError(f"MODEL_DIR {model_dir!r}: could not load it: {exc}".splitlines()[0]) from None
@@ -409,6 +439,15 @@ def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, token: s
         serving.serve_forever(app, sock, on_ready=ready, limits=limits)
     finally:
         engine.close()
+
+
+def _is_vision_folder(model_dir: str) -> bool:
+    import json
+
+    try:
+        return "vision_config" in json.loads(Path(model_dir, "config.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def spawn_servers(model_dir: str, count: int, *, threads: int = 0, timeout_s: float = 120.0, seed: int = 0,

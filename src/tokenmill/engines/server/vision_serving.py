@@ -1,0 +1,158 @@
+"""`tokenmill serve` over a vision-language model folder: chat messages with `image_url` parts.
+
+`VisionServingEngine` puts the in-process `VisionEngine` behind the interface the server's routes use
+(`submit` / `cancel` / `tokenizer` / `version`): requests run one at a time on one worker thread, each prompt's
+images through the vision encoder once for its `n` samples. `encode_chat` turns OpenAI chat messages into the
+prompt's token ids and pixels; an image that cannot be used (corrupt, missing, larger than the server's
+`max_image_pixels`, remote without `--allow-remote-images`) is a 400 naming its part
+(`messages.0.content.1`), never a 500.
+
+Accepted image parts: `{"type": "image_url", "image_url": {"url": ...}}` with a `data:image/...;base64,...` URL,
+a local file path or a `file://` URL (an `http(s)://` URL only when the server allows remote images).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from tokenmill.data.images import DEFAULT_MAX_PIXELS, ImageError, ImagePolicy, load_image
+from tokenmill.engines.local.continuous import EngineUnavailable, RequestFuture
+from tokenmill.serving import ApiError
+from tokenmill.types import ImageInputs, SamplingParams
+
+_IMAGE_PARTS = ("image_url", "image")
+
+
+def image_parts(messages: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """(`messages.i.content.j`, the part's image reference) of every image part, in order."""
+    found = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in _IMAGE_PARTS:
+                continue
+            ref = part.get("image_url") if part["type"] == "image_url" else part.get("image")
+            ref = ref.get("url") if isinstance(ref, dict) else ref
+            found.append((f"messages.{i}.content.{j}", ref))
+    return found
+
+
+def _slots(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with each image part a bare `{"type": "image"}` slot (what the chat template renders)."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [{"type": "image"} if isinstance(p, dict) and p.get("type") in _IMAGE_PARTS else p
+                       for p in content]
+        out.append({**message, "content": content})
+    return out
+
+
+def encode_chat(processor, messages: list[dict[str, Any]], policy: ImagePolicy) -> tuple[list[int], ImageInputs | None]:
+    """(prompt token ids, its `ImageInputs` or None) of OpenAI chat messages; `ApiError` 400 for a bad image
+    (naming its part) or messages the chat template cannot render."""
+    images, sources = [], []
+    for field, ref in image_parts(messages):
+        if not isinstance(ref, str) or not ref:
+            raise ApiError(400, f"{field}: image_url.url must be a data URL, a file path or a file:// URL", field)
+        try:
+            images.append(load_image(ref, policy, field))
+        except ImageError as exc:
+            message = str(exc).replace("data.allow_remote_images: true", "start the server with --allow-remote-images")
+            message = message.replace("data.max_image_pixels", "the server's --max-image-pixels")
+            raise ApiError(400, message, field) from None
+        sources.append(field)
+    try:
+        return processor.encode(_slots(messages), images, tuple(sources))
+    except Exception as exc:  # noqa: BLE001 - a template that cannot render these messages: the caller's input
+        raise ApiError(400, f"messages: could not render them with their images: {exc}"[:2000], "messages") from None
+
+
+class VisionServingEngine:
+    """A `VisionEngine` and its processor behind the server's engine interface. `submit(..., images=)` takes
+    the prompt's `ImageInputs`; requests run in order on one thread. Streaming callbacks get a choice's tokens
+    when it is complete (the vision engine decodes a group in one call)."""
+
+    takes_images = True
+
+    def __init__(self, engine, processor, *, policy: ImagePolicy | None = None) -> None:
+        self.engine, self.processor, self.tokenizer = engine, processor, processor.tokenizer
+        self.model = engine.model  # the weight routes load into it
+        self.policy = policy or ImagePolicy(max_pixels=DEFAULT_MAX_PIXELS)
+        self.max_positions = engine.max_positions
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vision-engine")
+        self._lock = threading.Lock()
+        self._closed = False
+        self._error: BaseException | None = None
+        self._waiting = 0
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
+                        policy: ImagePolicy | None = None) -> VisionServingEngine:
+        from transformers import AutoModelForImageTextToText
+
+        from tokenmill.engines.local.vision import VisionEngine, VisionProcessor
+
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
+        processor = VisionProcessor.from_pretrained(path)
+        return cls(VisionEngine(model, processor.tokenizer, seed=seed), processor, policy=policy)
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def update_weights(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:  # never between two decoding steps of a request
+            return self.engine.update_weights(*args, **kwargs)
+
+    def stats(self) -> dict[str, int]:
+        return {"running_rows": 0, "waiting_requests": self._waiting}
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, *, seed: int | None = None, on_token=None,
+               images: ImageInputs | None = None) -> RequestFuture:
+        if self._closed:
+            raise EngineUnavailable("the engine is closed")
+        if not prompt_ids:
+            raise ValueError("prompt: must not be empty")
+        future = RequestFuture()
+        self._waiting += 1
+        self._pool.submit(self._run, future, [int(t) for t in prompt_ids], params, seed, on_token, images)
+        return future
+
+    def _run(self, future: RequestFuture, prompt: list[int], params: SamplingParams, seed: int | None, on_token,
+             images: ImageInputs | None) -> None:
+        self._waiting -= 1
+        if future.abort_requested or not future.set_running_or_notify_cancel():
+            return
+        try:
+            with self._lock:
+                saved = self.engine.generator
+                if seed is not None:  # its own generator: the same seed gives the same tokens
+                    self.engine.generator = torch.Generator(device=self.engine.device).manual_seed(int(seed))
+                try:
+                    future.policy_version = self.engine.version
+                    [group] = self.engine.generate([prompt], params, images=[images])
+                finally:
+                    self.engine.generator = saved
+            if on_token is not None:
+                for row, c in enumerate(group):
+                    for t, lp in zip(c.token_ids, c.logprobs, strict=True):
+                        on_token(row, t, lp)
+            future.set_result(group)
+        except BaseException as exc:  # noqa: BLE001 - the request's caller gets it
+            future.set_exception(exc)
+
+    def cancel(self, future: RequestFuture) -> None:
+        future.abort_requested = True
+        future.cancel()
+
+    def close(self) -> None:
+        self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,154 @@
+"""`tokenmill serve` over the tiny Qwen2.5-VL on a real loopback server: chat with `image_url` parts answers what
+the in-process VisionEngine samples, and a bad image is a 400 naming its part."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import pytest
+import torch
+
+from tokenmill.data.images import ImagePolicy
+from tokenmill.engines.server.app import create_app
+from tokenmill.serving import start_in_thread
+from tokenmill.types import SamplingParams
+
+pytest.importorskip("PIL")
+
+
+def _picture(colour, size=32):
+    from PIL import Image
+
+    return Image.new("RGB", (size, size), colour)
+
+
+def _data_url(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_vlm_path):
+    from tokenmill.engines.server.vision_serving import VisionServingEngine
+
+    engine = VisionServingEngine.from_pretrained(tiny_vlm_path, seed=0, policy=ImagePolicy(max_pixels=64 * 64))
+    server, _ = start_in_thread(create_app(engine, model_name="tiny-vlm"))
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client, engine
+    server.stop()
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def in_process(tiny_vlm_path):
+    """An independent VisionEngine and processor over the same folder (the reference)."""
+    from transformers import AutoModelForImageTextToText
+
+    from tokenmill.engines.local.vision import VisionEngine, VisionProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_path, dtype=torch.float32).eval()
+    processor = VisionProcessor.from_pretrained(tiny_vlm_path)
+    return VisionEngine(model, processor.tokenizer, seed=0), processor
+
+
+def test_chat_with_images_equals_in_process_engine(served, in_process, tmp_path):
+    client, _ = served
+    engine, processor = in_process
+    red, green = _picture((255, 0, 0)), _picture((0, 200, 0), 48)
+    green.save(tmp_path / "green.png")
+    messages = [{"role": "user", "content": [_part(_data_url(red)), {"type": "text", "text": "how many?"},
+                                             _part(str(tmp_path / "green.png"))]}]
+    answer = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 6, "temperature": 0,
+                                                        "logprobs": True, "n": 2})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    slots = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "how many?"}, {"type": "image"}]}]
+    ids, inputs = processor.encode(slots, [red, green])
+    assert ids.count(engine.model.config.image_token_id) == 4 + 9  # both pictures reached the prompt
+    [want] = engine.generate([ids], SamplingParams(max_tokens=6, n=2, greedy=True), images=[inputs])
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    for choice, c in zip(body["choices"], want, strict=True):
+        assert choice["prompt_token_ids"] == ids and choice["token_ids"] == list(c.token_ids)
+        assert choice["message"]["content"] == c.text
+        got = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+        assert got == pytest.approx(list(c.logprobs), abs=1e-5)
+        assert choice["finish_reason"] == c.stop_reason.value
+
+
+def test_a_text_only_chat_and_seeded_sampling(served, in_process):
+    client, _ = served
+    engine, processor = in_process
+    messages = [{"role": "user", "content": "hello"}]
+    body = {"messages": messages, "max_tokens": 5, "temperature": 1.0, "seed": 7, "logprobs": True}
+    first, second = (client.post("/v1/chat/completions", json=body).json() for _ in range(2))
+    assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]  # the seed decides the draw
+    ids, _ = processor.encode(messages, [])
+    assert first["choices"][0]["prompt_token_ids"] == ids
+    engine.generator = torch.Generator().manual_seed(7)
+    [[c]] = engine.generate([ids], SamplingParams(max_tokens=5), images=[None])
+    assert first["choices"][0]["token_ids"] == list(c.token_ids)
+
+
+def test_streamed_chat_with_an_image_gives_the_same_tokens(served):
+    client, _ = served
+    messages = [{"role": "user", "content": [_part(_data_url(_picture((0, 0, 255)))), {"type": "text", "text": "?"}]}]
+    body = {"messages": messages, "max_tokens": 4, "temperature": 0}
+    plain = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+    import json
+
+    text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                   for line in lines if json.loads(line[6:])["choices"])
+    assert text == plain
+
+
+@pytest.mark.parametrize(("url", "reason"), [
+    ("data:image/png;base64," + base64.b64encode(b"not a picture at all").decode(), "cannot identify image"),
+    ("data:image/png;base64,@@@", "base64"),
+    ("/nowhere/gone.png", "no such file"),
+    ("https://example.com/cat.png", "--allow-remote-images"),
+    ("oversized", "the server's --max-image-pixels (4096)"),
+])
+def test_a_bad_image_is_a_400_naming_its_part(served, url, reason):
+    client, engine = served
+    if url == "oversized":
+        url = _data_url(_picture((9, 9, 9), 100))  # 100 x 100 over the fixture's 64 x 64
+    messages = [{"role": "system", "content": "look"},
+                {"role": "user", "content": [{"type": "text", "text": "what?"}, _part(url)]}]
+    answer = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "messages.1.content.1" and error["message"].startswith("messages.1.content.1: image ")
+    assert reason in error["message"]
+    assert client.get("/health").json()["status"] == "ok"  # the server carries on
+
+
+def test_an_image_part_without_a_url_is_a_400(served):
+    client, _ = served
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]
+    answer = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages.0.content.0"
+
+
+def test_a_text_model_refuses_image_parts(tiny_model_path):
+    from tokenmill.engines.local.continuous import ContinuousEngine
+
+    engine = ContinuousEngine.from_pretrained(tiny_model_path, max_batch=4)
+    server, _ = start_in_thread(create_app(engine, model_name="tiny"))
+    try:
+        messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, _part("/x.png")]}]
+        answer = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+        assert answer.status_code == 400
+        assert answer.json()["error"]["message"].startswith("messages.0.content.1: this model reads no images")
+    finally:
+        server.stop()
+        engine.close()
