@@ -119,7 +119,7 @@ def test_streamed_chat_with_an_image_gives_the_same_tokens(served):
     ("oversized", "the server's --max-image-pixels (4096)"),
 ])
 def test_a_bad_image_is_a_400_naming_its_part(served, url, reason):
-    client, engine = served
+    client, _ = served
     if url == "oversized":
         url = _data_url(_picture((9, 9, 9), 100))  # 100 x 100 over the fixture's 64 x 64
     messages = [{"role": "system", "content": "look"},
@@ -152,3 +152,19 @@ def test_a_text_model_refuses_image_parts(tiny_model_path):
     finally:
         server.stop()
         engine.close()
+
+
+def test_the_served_example_in_docs_vision_runs(served, tmp_path, capsys):
+    """docs/vision.md's "Serving" example, against this server and a picture of its own."""
+    from pathlib import Path
+
+    page = (Path(__file__).parents[4] / "docs" / "vision.md").read_text()
+    mark = "<!-- tested: tests/unit/engines/server/test_vision_serving.py -->\n```python\n"
+    code = page.split(mark, 1)[1].split("```", 1)[0]
+    client, _ = served
+    _picture((255, 0, 0)).save(tmp_path / "board.png")
+    code = code.replace("http://127.0.0.1:8000", str(client.base_url).rstrip("/"))
+    code = code.replace('"board.png"', repr(str(tmp_path / "board.png")))
+    exec(compile(code, "docs/vision.md", "exec"), {})  # noqa: S102 - the page's own example
+    printed = capsys.readouterr().out
+    assert printed.count("[") == 2 and printed.strip()  # the text, the token ids, their logprobs
