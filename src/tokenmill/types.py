@@ -100,11 +100,13 @@ class ImageInputs:
     pixel_values:   float tensor `[patches, channels x temporal x patch x patch]`, every image's patches in order
     image_grid_thw: long tensor `[images, 3]`: each image's (temporal, height, width) patch grid
     sources:        where each image came from (a file, a data URL's media type, a column and row), for messages
+    pictures:       the RGB images the pixels were made from (what a remote engine sends to its server), or ()
     """
 
     pixel_values: Any
     image_grid_thw: Any
     sources: tuple[str, ...] = ()
+    pictures: tuple[Any, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def num_images(self) -> int:

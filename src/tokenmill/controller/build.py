@@ -137,9 +137,10 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     if cfg.record.replay is not None:  # trains on recorded rollouts: nothing generates, nothing evaluates
         engine, eval_rows = ReplayEngine(model, tokenizer), None
     elif is_vision_config(model.config):  # a vision-language policy: images encoded once per group
-        if sharded or cfg.engine.placement != "colocated":
+        if sharded or cfg.engine.placement not in ("colocated", "process"):
             raise ConfigError("engine.placement: a vision-language model trains in one process and generates "
-                              "with its own module (colocated); fsdp2 and other placements do not take images yet")
+                              "with its own module (colocated) or spawned `tokenmill serve` processes (process); "
+                              "fsdp2 and other placements do not take images yet")
         engine = VisionEngine(model, tokenizer, seed=cfg.training.seed, autocast_dtype=amp)
     else:
         engine = (dist.RankedEngine if sharded else HFEngine)(

@@ -242,6 +242,13 @@ def producer_side(run, engine) -> RolloutSide:
     return RolloutSide(engine, player, player, copy.copy(run.rollout.source), rewards)
 
 
+def _image_args(cfg, engine) -> tuple[str, ...]:
+    """A vision-language run's servers take the pictures its rows may hold (`data.max_image_pixels`)."""
+    if not getattr(engine, "takes_images", False):
+        return ()
+    return ("--max-image-pixels", str(cfg.data.max_image_pixels))
+
+
 def _server_placement(run) -> ServerPlacement:
     from tokenmill.engines.remote import sync as server_sync
     from tokenmill.engines.remote.client import RemoteEngine
@@ -261,7 +268,8 @@ def _server_placement(run) -> ServerPlacement:
                                         timeout_s=cfg.engine.timeout_s, seed=cfg.training.seed,
                                         device=str(run.rollout.engine.device), log_dir=run.output_dir,
                                         extra_args=("--kv-cache", cfg.engine.kv_cache,
-                                                    "--kv-block-size", str(cfg.engine.kv_block_size)))
+                                                    "--kv-block-size", str(cfg.engine.kv_block_size),
+                                                    *_image_args(cfg, run.rollout.engine)))
         else:
             urls = list(cfg.engine.urls)
         # a LoRA run into vLLM pushes the adapters, sampled under their own name (tokenmill.engines.vllm); not
@@ -285,7 +293,8 @@ def _server_placement(run) -> ServerPlacement:
         # our own servers (spawned here, or Ray's fleet) take a call's prompts as one request per server; the
         # spawned ones seeded per request, so a resume is exact
         engine = RemoteEngine(urls, **kwargs, prompts_per_request=0 if ours else 1,
-                              seed=cfg.training.seed if cfg.engine.placement == "process" else None)
+                              seed=cfg.training.seed if cfg.engine.placement == "process" else None,
+                              images=getattr(run.rollout.engine, "takes_images", False))
         if fleet is not None:
             fleet.attach(engine)  # a replaced replica joins its pool and sync, with the current weights
     except BaseException:

@@ -61,7 +61,7 @@ def merged(parts: list[ImageInputs]) -> ImageInputs | None:
     if not parts:
         return None
     return ImageInputs(torch.cat([p.pixel_values for p in parts]), torch.cat([p.image_grid_thw for p in parts]),
-                       tuple(s for p in parts for s in p.sources))
+                       tuple(s for p in parts for s in p.sources), tuple(x for p in parts for x in p.pictures))
 
 
 class VisionAgentLoop(AgentLoop):

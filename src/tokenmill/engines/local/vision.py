@@ -124,7 +124,7 @@ class VisionProcessor:
     def pixels(self, images: Sequence[Any], sources: tuple[str, ...] = ()) -> ImageInputs:
         """The images as the vision encoder reads them."""
         out = self.image_processor(images=list(images), return_tensors="pt")
-        return ImageInputs(out["pixel_values"], out["image_grid_thw"].long(), tuple(sources))
+        return ImageInputs(out["pixel_values"], out["image_grid_thw"].long(), tuple(sources), tuple(images))
 
     def render(self, messages: Sequence[dict], inputs: ImageInputs | None, generation_prompt: bool = True) -> str:
         """The chat template's text with each image's placeholder repeated once per image token."""

@@ -14,6 +14,10 @@ prompts go out as one request per live server instead (a list of token-id lists,
 prompt order): one HTTP round trip and one admission per server rather than one per prompt (on the 2-core
 machine, 16 prompts x 8 samples x 8 tokens to one `tokenmill serve`: 36 ms against 71 ms).
 
+A vision-language prompt (`images=True`) goes out as its token ids (its image tokens laid out by the trainer's
+processor) plus `images`: its pictures as `image_url` parts with PNG data URLs, tokenmill serve's extension of
+the completions body; the server's image processor turns them into the pixels the trainer reads.
+
 What must match on the server side for the logprobs to be the trainer's quantity (the tempered
 distribution's logprob of each sampled token): tokenmill's server does this by default; vLLM needs
 `--logprobs-mode processed_logprobs`; SGLang returns the tempered logprobs when the request has
@@ -25,6 +29,8 @@ pushes them to every server; the version each server reports back is the one its
 
 from __future__ import annotations
 
+import base64
+import io
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -33,7 +39,7 @@ import torch
 
 from tokenmill.engines.base import call_seed
 from tokenmill.engines.remote.pool import EndpointPool
-from tokenmill.types import Completion, PromptLogprobs, SamplingParams, StopReason
+from tokenmill.types import Completion, ImageInputs, PromptLogprobs, SamplingParams, StopReason
 
 if TYPE_CHECKING:  # annotation only: an engine import need not load the sync package and its transports
     from tokenmill.sync.base import WeightSync
@@ -49,6 +55,8 @@ class RemoteEngine:
     max_parallel:  requests in flight at once across all servers
     prompts_per_request: prompts sent in one request (1: one request per prompt, what any server takes; 0: a
                    call's prompts split evenly, one request per live server)
+    images:        a vision-language policy (`takes_images`): `generate(..., images=)` takes each prompt's
+                   `ImageInputs`, sent as data-URL `image_url` parts beside its token ids (one request per prompt)
     seed:          None: the servers sample with their own RNGs. An int: each request carries the seed
                    `call_seed(seed, version, index of its first prompt since the last weight push)`, and the
                    server gives prompt i of a request seed + i (tokenmill serve does), so what the servers draw
@@ -59,7 +67,7 @@ class RemoteEngine:
     def __init__(self, urls: list[str], *, pad_id: int, token: str | None = None, model: str = "tokenmill",
                  timeout_s: float = 300.0, retries: int = 3, backoff_s: float = 0.5, cooldown_s: float = 5.0,
                  sync: WeightSync | None = None, max_parallel: int = 256, prompts_per_request: int = 1,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, images: bool = False) -> None:
         self.pool = EndpointPool(urls, token=token, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
                                  cooldown_s=cooldown_s)
         self.pad_id = pad_id
@@ -67,19 +75,33 @@ class RemoteEngine:
         self.sync = sync
         self.prompts_per_request = prompts_per_request
         self.seed = seed
+        self.takes_images = images  # `rollout.generator.build_generator` then gives it a generator that reads images
         self._drawn = self._start = 0  # prompts drawn since the last push; the first of the call in progress
         self.version = 0
         self.versions_seen: list[int] = []
         self._workers = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="tokenmill-remote")
 
     # ---------------------------------------------------------------------------------------- generation
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 images: list[ImageInputs | None] | None = None) -> list[list[Completion]]:
+        """`params.n` completions per prompt; `images[i]`: prompt i's images (a vision-language server only)."""
         if not prompts:
             return []
         self._start, self._drawn = self._drawn, self._drawn + len(prompts)
-        spans = self._spans(len(prompts))
-        answers = list(self._workers.map(
-            lambda se: self.pool.post("/v1/completions", self._body(prompts[se[0]:se[1]], params, se[0])), spans))
+        pictures = None
+        if images is not None and any(x is not None for x in images):
+            pictures = [image_parts(x) for x in images]
+            spans = [(i, i + 1) for i in range(len(prompts))]  # one prompt and its pictures per request
+        else:
+            spans = self._spans(len(prompts))
+
+        def post(span: tuple[int, int]) -> dict[str, Any]:
+            body = self._body(prompts[span[0]:span[1]], params, span[0])
+            if pictures is not None and pictures[span[0]]:
+                body["images"] = pictures[span[0]]
+            return self.pool.post("/v1/completions", body)
+
+        answers = list(self._workers.map(post, spans))
         out: list[list[Completion]] = []
         for (start, end), answer in zip(spans, answers, strict=True):
             if "policy_version" in answer:
@@ -165,6 +187,23 @@ class RemoteEngine:
         self.pool.close()
         if self.sync is not None and hasattr(self.sync, "close"):
             self.sync.close()
+
+
+def image_parts(inputs: ImageInputs | None) -> list[dict[str, Any]]:
+    """A prompt's images as OpenAI `image_url` parts with lossless PNG data URLs (the server's image processor
+    then reads the very pixels the trainer's did)."""
+    if inputs is None:
+        return []
+    if len(inputs.pictures) != inputs.num_images:
+        raise ValueError(f"a prompt's ImageInputs holds {len(inputs.pictures)} pictures for {inputs.num_images} "
+                         "images: a remote engine sends the pictures themselves (VisionProcessor.pixels keeps them)")
+    parts = []
+    for picture in inputs.pictures:
+        buffer = io.BytesIO()
+        picture.save(buffer, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    return parts
 
 
 def _completion(choice: dict[str, Any]) -> Completion:

@@ -50,7 +50,12 @@ from tokenmill.engines.server.openai_wire import ChatBody, CompletionBody, rende
 from tokenmill.engines.server.proxy_routes import check_episode_id, episode_routes
 from tokenmill.engines.server.recorder import EpisodeError, EpisodeRecorder
 from tokenmill.engines.server.streaming import Streamer, StreamSpec, TokenFeed, stream
-from tokenmill.engines.server.vision_serving import VisionServingEngine, encode_chat, image_parts
+from tokenmill.engines.server.vision_serving import (
+    VisionServingEngine,
+    completion_images,
+    encode_chat,
+    image_parts,
+)
 from tokenmill.sandbox.lifetime import parent_env, preexec_die_with_parent
 from tokenmill.serving import ApiError
 from tokenmill.serving_limits import ConnectionLimits
@@ -204,13 +209,19 @@ class Completer:
             self.check_room(prompts, "prompt")
         if episode_id is not None and len(prompts) != 1:
             raise ApiError(400, "prompt: one prompt per call in proxy mode", "prompt")
+        images = None
+        if body.images:
+            if body.prompt_logprobs is not None:
+                raise ApiError(400, "prompt_logprobs: not with images", "prompt_logprobs")
+            images = await asyncio.to_thread(completion_images, self.engine, body.images, prompts)
         scored = None if body.prompt_logprobs is None else await self.score(prompts, body.prompt_logprobs)
         if scoring_only:
             return self.scored_answer(prompts, scored)
         params = wire.sampling(body, min(body.max_tokens or 16, self.room(prompts)))
         if body.stream:
-            return self.streamed(self._spec(body, prompts, chat=False), params, body.seed, episode_id, body.prompt)
-        futures = self.submit(prompts, params, body.seed)
+            return self.streamed(self._spec(body, prompts, chat=False), params, body.seed, episode_id, body.prompt,
+                                 images)
+        futures = self.submit(prompts, params, body.seed, images=images)
         await self.wait(futures, request)
         choices = []
         for i, (prompt, future) in enumerate(zip(prompts, futures, strict=True)):

@@ -59,6 +59,9 @@ class CompletionBody(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=20, description="Return the sampled tokens' logprobs.")
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
+    images: list[dict[str, Any]] | None = Field(None, max_length=64, description="tokenmill's extension for a "
+                                                "vision-language model: one token-id prompt's pictures, as "
+                                                "`image_url` parts in the order of its image slots.")
 
 
 class ChatBody(_Sampling):

@@ -55,11 +55,10 @@ def _slots(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def encode_chat(processor, messages: list[dict[str, Any]], policy: ImagePolicy) -> tuple[list[int], ImageInputs | None]:
-    """(prompt token ids, its `ImageInputs` or None) of OpenAI chat messages; `ApiError` 400 for a bad image
-    (naming its part) or messages the chat template cannot render."""
-    images, sources = [], []
-    for field, ref in image_parts(messages):
+def _load(found: list[tuple[str, Any]], policy: ImagePolicy) -> list[Any]:
+    """The RGB images of (field, reference) pairs; `ApiError` 400 naming the field of the first bad one."""
+    images = []
+    for field, ref in found:
         if not isinstance(ref, str) or not ref:
             raise ApiError(400, f"{field}: image_url.url must be a data URL, a file path or a file:// URL", field)
         try:
@@ -68,11 +67,50 @@ def encode_chat(processor, messages: list[dict[str, Any]], policy: ImagePolicy) 
             message = str(exc).replace("data.allow_remote_images: true", "start the server with --allow-remote-images")
             message = message.replace("data.max_image_pixels", "the server's --max-image-pixels")
             raise ApiError(400, message, field) from None
-        sources.append(field)
+    return images
+
+
+def encode_chat(processor, messages: list[dict[str, Any]], policy: ImagePolicy) -> tuple[list[int], ImageInputs | None]:
+    """(prompt token ids, its `ImageInputs` or None) of OpenAI chat messages; `ApiError` 400 for a bad image
+    (naming its part) or messages the chat template cannot render."""
+    found = image_parts(messages)
+    images = _load(found, policy)
     try:
-        return processor.encode(_slots(messages), images, tuple(sources))
+        return processor.encode(_slots(messages), images, tuple(field for field, _ in found))
     except Exception as exc:  # noqa: BLE001 - a template that cannot render these messages: the caller's input
         raise ApiError(400, f"messages: could not render them with their images: {exc}"[:2000], "messages") from None
+
+
+def completion_images(engine, parts: list[Any], prompts: list[list[int]]) -> ImageInputs:
+    """The `ImageInputs` of a completions request's `images` (tokenmill's extension: one token-id prompt whose
+    image tokens the client laid out, and its pictures as `image_url` parts, in order); 400 when the model
+    reads no images, a picture is bad, or the prompt's image tokens do not fit the pictures' grids."""
+    if not getattr(engine, "takes_images", False):
+        raise ApiError(400, "images: this model reads no images (serve a vision-language model folder)", "images")
+    if len(prompts) != 1:
+        raise ApiError(400, "images: one prompt per request with images", "images")
+    found = []
+    for k, part in enumerate(parts):
+        url = part.get("image_url") if isinstance(part, dict) and part.get("type") == "image_url" else None
+        found.append((f"images.{k}", url.get("url") if isinstance(url, dict) else url))
+    processor = engine.processor
+    inputs = processor.pixels(_load(found, engine.policy), tuple(field for field, _ in found))
+    want = int((inputs.image_grid_thw.prod(-1) // processor.merge**2).sum())
+    have = _image_slots(prompts[0], processor.image_token_id, processor.vision_start_id)
+    if have != want:
+        raise ApiError(400, f"images: the prompt has {have} image tokens for pictures that make {want}", "images")
+    return inputs
+
+
+def _image_slots(ids: list[int], image_id: int, start_id: int) -> int:
+    """Image tokens in runs right after a vision-start token (as `engines.local.vision.image_slots` reads them)."""
+    count, opened = 0, False
+    for t in ids:
+        if t == image_id:
+            count += opened
+        else:
+            opened = t == start_id
+    return count
 
 
 class VisionServingEngine:
@@ -111,6 +149,13 @@ class VisionServingEngine:
     def update_weights(self, *args: Any, **kwargs: Any) -> Any:
         with self._lock:  # never between two decoding steps of a request
             return self.engine.update_weights(*args, **kwargs)
+
+    def score_ranked(self, sequences: list[list[int]], top_k: int = 0) -> list[tuple[Any, tuple[int, ...]]]:
+        """Text prompts' logprobs (`prompt_logprobs`; the weight-sync probe), between requests."""
+        from tokenmill.engines.local.hf import HFEngine
+
+        with self._lock:
+            return HFEngine.score_ranked(self.engine, sequences, top_k)
 
     def stats(self) -> dict[str, int]:
         return {"running_rows": 0, "waiting_requests": self._waiting}
