@@ -4,9 +4,11 @@ pictures travel as data-URL `image_url` parts, and the served logprobs are the t
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import tokenmill
 
@@ -18,22 +20,30 @@ def digit_share(prompts, completions, **_):
     return [sum(ch.isdigit() for ch in t) / max(1, len(t)) for t in texts]
 
 
+def _page_config() -> dict:
+    """docs/vision.md's served-run block."""
+    page = (Path(__file__).parents[2] / "docs" / "vision.md").read_text()
+    block = page.split("<!-- tested: tests/e2e/test_vlm_process_engine.py -->\n```yaml\n", 1)[1].split("```", 1)[0]
+    return yaml.safe_load(block)
+
+
 def test_a_vlm_run_samples_from_a_spawned_server(tmp_path, tiny_vlm_path):
     torch.set_num_threads(1)
     out = tmp_path / "run"
+    page = _page_config()
     result = tokenmill.train({
         "model": {"path": tiny_vlm_path},
-        "data": {"task": "shapes", "num_train": 32, "num_eval": 0},
+        "data": {**page["data"], "num_train": 32, "num_eval": 0},
         "generation": {"group_size": 4, "max_tokens": 3},
         "training": {"learning_rate": 1e-2, "seed": 3},
-        "engine": {"placement": "process", "timeout_s": 120},
+        "engine": {**page["engine"], "timeout_s": 120},
         "controller": {"steps": 2, "prompts_per_step": 2},
         "tracking": {"output_dir": str(out), "console": "none"},
         "checkpoint": {"every": 0, "save_final": False},
     }, rewards=[digit_share])
-    assert result["last_metrics"]["step"] == 2
+    assert result["last_metrics"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "mismatch/max_abs" in line]
-    assert len(rows) == 2
+    assert [row["step"] for row in rows] == [1, 2]
     for row in rows:
         # the image tokens had their pictures on the server: without them the logprobs would differ by far more
         assert row["mismatch/tokens"] > 0 and row["mismatch/max_abs"] <= 1e-5, row

@@ -149,6 +149,8 @@ def test_a_text_model_refuses_image_parts(tiny_model_path):
         answer = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
         assert answer.status_code == 400
         assert answer.json()["error"]["message"].startswith("messages.0.content.1: this model reads no images")
+        answer = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6], "images": [_part("/x.png")]})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "images"
     finally:
         server.stop()
         engine.close()
@@ -168,3 +170,48 @@ def test_the_served_example_in_docs_vision_runs(served, tmp_path, capsys):
     exec(compile(code, "docs/vision.md", "exec"), {})  # noqa: S102 - the page's own example
     printed = capsys.readouterr().out
     assert printed.count("[") == 2 and printed.strip()  # the text, the token ids, their logprobs
+
+
+def test_a_remote_engine_sends_pictures_and_gets_the_in_process_samples(served, in_process):
+    """`RemoteEngine(images=True)`: token ids plus data-URL `image_url` parts on /v1/completions; the served
+    greedy completions and logprobs equal the in-process engine's."""
+    from tokenmill.engines.remote.client import RemoteEngine
+
+    client, _ = served
+    engine, processor = in_process
+    slots = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "count"}]}]
+    encoded = [processor.encode(slots, [_picture((255, 0, 0))]), processor.encode(slots, [_picture((0, 0, 255), 48)]),
+               processor.encode([{"role": "user", "content": "no picture"}], [])]
+    remote = RemoteEngine([str(client.base_url).rstrip("/")], pad_id=0, images=True)
+    assert remote.takes_images
+    params = SamplingParams(max_tokens=5, n=2, greedy=True)
+    try:
+        got = remote.generate([ids for ids, _ in encoded], params, images=[x for _, x in encoded])
+    finally:
+        remote.close()
+    want = engine.generate([ids for ids, _ in encoded], params, images=[x for _, x in encoded])
+    for got_group, want_group in zip(got, want, strict=True):
+        for g, w in zip(got_group, want_group, strict=True):
+            assert g.token_ids == w.token_ids
+            assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+    assert want[0][0].token_ids != want[1][0].token_ids or want[0][0].logprobs != want[1][0].logprobs
+
+
+def test_completions_with_images_check_the_image_tokens(served, in_process):
+    from tokenmill.engines.remote.client import image_parts
+
+    client, _ = served
+    _, processor = in_process
+    slots = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "count"}]}]
+    ids, inputs = processor.encode(slots, [_picture((255, 0, 0))])
+    parts = image_parts(inputs)
+    assert parts[0]["image_url"]["url"].startswith("data:image/png;base64,")
+    bigger = image_parts(processor.pixels([_picture((255, 0, 0), 48)]))
+    answer = client.post("/v1/completions", json={"prompt": ids, "images": bigger, "max_tokens": 2})
+    assert answer.status_code == 400
+    assert answer.json()["error"]["message"] == "images: the prompt has 4 image tokens for pictures that make 9"
+    bad = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    answer = client.post("/v1/completions", json={"prompt": ids, "images": bad, "max_tokens": 2})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "images.0"
+    answer = client.post("/v1/completions", json={"prompt": [ids, ids], "images": parts, "max_tokens": 2})
+    assert answer.status_code == 400 and "one prompt per request" in answer.json()["error"]["message"]
