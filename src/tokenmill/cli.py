@@ -333,6 +333,15 @@ def _limits(args: argparse.Namespace) -> Any:
     return ConnectionLimits(read_timeout_s=args.read_timeout_s, max_connections=args.max_connections)
 
 
+def _request_args(parser: argparse.ArgumentParser) -> None:
+    """What a `tokenmill serve` request may carry: its body size, and images (a vision-language model folder)."""
+    parser.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (413 beyond)")
+    parser.add_argument("--allow-remote-images", action="store_true",
+                        help="a vision-language model: fetch http(s) image_url parts (refused otherwise)")
+    parser.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
+                        help="a vision-language model: largest image (width x height) accepted (400 beyond)")
+
+
 def _with_serve_trainer(parser: argparse.ArgumentParser, sub) -> argparse.ArgumentParser:
     """`parser` with the `serve-trainer` command added to its subcommands `sub`."""
     st = sub.add_parser("serve-trainer", help="the training API (LoRA clients of one base model) over HTTP")
@@ -397,11 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     _kv_cache_args(srv)
     srv.add_argument("--seed", type=int, default=0, help="seed of the sampling of requests without their own")
     srv.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
-    srv.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (413 beyond)")
-    srv.add_argument("--allow-remote-images", action="store_true",
-                     help="a vision-language model: fetch http(s) image_url parts (refused otherwise)")
-    srv.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
-                     help="a vision-language model: largest image (width x height) accepted (400 beyond)")
+    _request_args(srv)
     srv.set_defaults(fn=cmd_serve)
     vl = sub.add_parser("vllm", help="start a vLLM server for a model folder (vLLM in its own cached venv)")
     vl.add_argument("model_dir", nargs="?", default=None, help="a Hugging Face model folder")

@@ -49,3 +49,10 @@ def test_a_vlm_run_samples_from_a_spawned_server(tmp_path, tiny_vlm_path):
         assert row["mismatch/tokens"] > 0 and row["mismatch/max_abs"] <= 1e-5, row
         assert row["probe/ok"] == 1.0 and row["probe/max_abs"] <= 1e-5  # the pushed weights reached the server
     assert (out / "server_0.log").is_file()
+
+
+def test_other_placements_are_still_refused_naming_the_field(tmp_path, tiny_vlm_path):
+    with pytest.raises(tokenmill.types.ConfigError, match=r"^engine.placement: .*\(process\)"):
+        tokenmill.train({"model": {"path": tiny_vlm_path}, "data": {"task": "shapes", "num_train": 8, "num_eval": 0},
+                         "engine": {"placement": "thread"}, "controller": {"steps": 1, "prompts_per_step": 2},
+                         "tracking": {"output_dir": str(tmp_path / "t"), "console": "none"}})
