@@ -173,6 +173,7 @@ def create_app(token: str, runs_dir: str | Path = "runs/composer", *, bind_host:
     _errors(app)
     _page_routes(app, static)
     _config_routes(app)
+    _trial_routes(app)  # before the run routes: `/api/runs/{id}` would take `/api/runs/{id}/models`
     _run_routes(app)
     return app
 
@@ -328,6 +329,31 @@ def _config_routes(app: FastAPI) -> None:
                                            seed=body.seed, reward_model_timeout_s=body.reward_model_timeout_s)
 
 
+def _trial_routes(app: FastAPI) -> None:
+    """Try the result and export it (`trial.py`)."""
+    runs: RunManager = app.state.runs
+
+    @app.post("/api/runs/{run_id:path}/try")
+    def try_result(run_id: str, body: TryBody) -> dict[str, Any]:
+        """The run's result and its base model answer one prompt (greedy), side by side."""
+        model = compare.run_config(runs.folder(run_id)).get("model")
+        base = model.get("path") if isinstance(model, dict) else None
+        try:
+            return app.state.trial.compare(runs, run_id, base, body.prompt, body.max_tokens, body.source)
+        except ConfigError as exc:
+            raise RunError(422, f"run {run_id!r}: {exc}") from None
+
+    @app.get("/api/runs/{run_id:path}/models")
+    def models(run_id: str) -> dict[str, Any]:
+        """What the run can be tried or exported from (final, each checkpoint), and the servers up now."""
+        return {"sources": sources(runs.folder(run_id)), "servers": app.state.trial.servers.alive()}
+
+    @app.post("/api/runs/{run_id:path}/export")
+    def export_model(run_id: str, body: ExportModelBody) -> dict[str, Any]:
+        """The run's final model or a checkpoint as a plain HF folder (LoRA adapters merged): its path."""
+        return app.state.trial.export(runs, run_id, body.source)
+
+
 def _run_routes(app: FastAPI) -> None:
     runs: RunManager = app.state.runs
 
@@ -374,26 +400,6 @@ def _run_routes(app: FastAPI) -> None:
     @app.get("/api/runs/{run_id:path}/clone")
     def clone(run_id: str) -> dict[str, Any]:
         return compare.clone(runs, run_id)
-
-    @app.post("/api/runs/{run_id:path}/try")
-    def try_result(run_id: str, body: TryBody) -> dict[str, Any]:
-        """The run's result and its base model answer one prompt (greedy), side by side."""
-        model = compare.run_config(runs.folder(run_id)).get("model")
-        base = model.get("path") if isinstance(model, dict) else None
-        try:
-            return app.state.trial.compare(runs, run_id, base, body.prompt, body.max_tokens, body.source)
-        except ConfigError as exc:
-            raise RunError(422, f"run {run_id!r}: {exc}") from None
-
-    @app.get("/api/runs/{run_id:path}/models")
-    def models(run_id: str) -> dict[str, Any]:
-        """What the run can be tried or exported from (final, each checkpoint), and the servers up now."""
-        return {"sources": sources(runs.folder(run_id)), "servers": app.state.trial.servers.alive()}
-
-    @app.post("/api/runs/{run_id:path}/export")
-    def export_model(run_id: str, body: ExportModelBody) -> dict[str, Any]:
-        """The run's final model or a checkpoint as a plain HF folder (LoRA adapters merged): its path."""
-        return app.state.trial.export(runs, run_id, body.source)
 
     @app.get("/api/runs/{run_id:path}/report")
     def report(run_id: str) -> dict[str, Any]:
