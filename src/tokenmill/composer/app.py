@@ -11,6 +11,7 @@ workers with a timeout (`preview.py`), runs only as argv-list subprocesses (`run
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gzip
 import hashlib
@@ -35,7 +36,7 @@ from tokenmill.composer.presets import presets
 from tokenmill.composer.preview import REWARD_MODEL_TIMEOUT_S, Previewer, PreviewError
 from tokenmill.composer.runs import DEFAULT_MAX_RUNS, FINAL, Cursor, RunError, RunManager, read_events
 from tokenmill.composer.schema_ui import schema_response
-from tokenmill.composer.trial import Trial
+from tokenmill.composer.trial import Trial, sources
 from tokenmill.config.modes import MODES
 from tokenmill.estimate import estimate_for_config
 from tokenmill.serving import ExposureError, host_name, is_loopback
@@ -112,6 +113,12 @@ class SweepBody(ConfigBody):
 class TryBody(_Body):
     prompt: str = Field(..., min_length=1, max_length=20_000)
     max_tokens: int = Field(64, ge=1, le=512)
+    source: str = Field("final", pattern=r"^(final|step_[0-9]+)$",
+                        description="The run's model to ask: final (its result) or a checkpoint (step_<n>)")
+
+
+class ExportModelBody(_Body):
+    source: str = Field("final", pattern=r"^(final|step_[0-9]+)$")
 
 
 class LabelsBody(_Body):
@@ -147,7 +154,12 @@ def create_app(token: str, runs_dir: str | Path = "runs/composer", *, bind_host:
     `max_runs` how many launched runs may run at once, `max_body_bytes` the largest request body (413)."""
     if not token:
         raise ValueError("token must be a non-empty string")
-    app = FastAPI(title="tokenmill composer", docs_url=None, redoc_url=None, openapi_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        app.state.trial.servers.close()  # the `tokenmill serve` processes of Try stop with the Composer
+
+    app = FastAPI(title="tokenmill composer", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.runs = RunManager(runs_dir, max_runs=max_runs)
     app.state.previewer = Previewer()
     app.state.trial = Trial()
@@ -161,6 +173,7 @@ def create_app(token: str, runs_dir: str | Path = "runs/composer", *, bind_host:
     _errors(app)
     _page_routes(app, static)
     _config_routes(app)
+    _trial_routes(app)  # before the run routes: `/api/runs/{id}` would take `/api/runs/{id}/models`
     _run_routes(app)
     return app
 
@@ -316,6 +329,31 @@ def _config_routes(app: FastAPI) -> None:
                                            seed=body.seed, reward_model_timeout_s=body.reward_model_timeout_s)
 
 
+def _trial_routes(app: FastAPI) -> None:
+    """Try the result and export it (`trial.py`)."""
+    runs: RunManager = app.state.runs
+
+    @app.post("/api/runs/{run_id:path}/try")
+    def try_result(run_id: str, body: TryBody) -> dict[str, Any]:
+        """The run's result and its base model answer one prompt (greedy), side by side."""
+        model = compare.run_config(runs.folder(run_id)).get("model")
+        base = model.get("path") if isinstance(model, dict) else None
+        try:
+            return app.state.trial.compare(runs, run_id, base, body.prompt, body.max_tokens, body.source)
+        except ConfigError as exc:
+            raise RunError(422, f"run {run_id!r}: {exc}") from None
+
+    @app.get("/api/runs/{run_id:path}/models")
+    def models(run_id: str) -> dict[str, Any]:
+        """What the run can be tried or exported from (final, each checkpoint), and the servers up now."""
+        return {"sources": sources(runs.folder(run_id)), "servers": app.state.trial.servers.alive()}
+
+    @app.post("/api/runs/{run_id:path}/export")
+    def export_model(run_id: str, body: ExportModelBody) -> dict[str, Any]:
+        """The run's final model or a checkpoint as a plain HF folder (LoRA adapters merged): its path."""
+        return app.state.trial.export(runs, run_id, body.source)
+
+
 def _run_routes(app: FastAPI) -> None:
     runs: RunManager = app.state.runs
 
@@ -362,16 +400,6 @@ def _run_routes(app: FastAPI) -> None:
     @app.get("/api/runs/{run_id:path}/clone")
     def clone(run_id: str) -> dict[str, Any]:
         return compare.clone(runs, run_id)
-
-    @app.post("/api/runs/{run_id:path}/try")
-    def try_result(run_id: str, body: TryBody) -> dict[str, Any]:
-        """The run's result and its base model answer one prompt (greedy), side by side."""
-        model = compare.run_config(runs.folder(run_id)).get("model")
-        base = model.get("path") if isinstance(model, dict) else None
-        try:
-            return app.state.trial.compare(runs, run_id, base, body.prompt, body.max_tokens)
-        except ConfigError as exc:
-            raise RunError(422, f"run {run_id!r}: {exc}") from None
 
     @app.get("/api/runs/{run_id:path}/report")
     def report(run_id: str) -> dict[str, Any]:

@@ -64,16 +64,30 @@ def rollout_metrics(groups: list[Group], accuracy_reward: str | None = None) -> 
     return m, [f"{e} (x{n})" for e, n in errors.most_common(3)]
 
 
-def sample_records(groups, k: int) -> list[dict[str, Any]]:
+MAX_LOGGED_TOKENS = 2048  # per logged sample: samples.jsonl stays a few kilobytes a line
+LOGPROB_DECIMALS = 5  # 1e-5 is finer than anything the token view shows, and keeps a number to ~9 characters
+
+
+def sample_records(groups, k: int, tokenizer: Any = None) -> list[dict[str, Any]]:
     """The first `k` samples of a step as JSON records (samples.jsonl). `advantage` is the one the sample
     trained with (with a critic: the mean of its per-token advantages over the trained tokens); `extras`, where
-    a reward logged any, what it logged for the sample (`log_extra`: an extracted answer, say)."""
+    a reward logged any, what it logged for the sample (`log_extra`: an extracted answer, say). With the run's
+    `tokenizer`, `tokens`: the completion token by token, `[text, logprob]` each (the sampler's logprob, the
+    one the trainer's ratio starts from; null for a token the policy did not write, e.g. an environment's)."""
     picked = [s for g in groups for s in g.samples][:k]
     return [
         {"prompt": s.prompt, "completion": s.completion, "reward": s.reward, "rewards": s.rewards,
          "advantage": _advantage(s), "stop": s.stop_reason.value} | ({"extras": s.extras} if s.extras else {})
+        | ({"tokens": token_records(s, tokenizer)} if tokenizer is not None else {})
         for s in picked
     ]
+
+
+def token_records(s: Sample, tokenizer: Any) -> list[list[Any]]:
+    """The completion's tokens as `[text, logprob]` (logprob rounded, null where the token is not trained)."""
+    start, end = s.prompt_len, min(len(s.tokens), s.prompt_len + MAX_LOGGED_TOKENS)
+    return [[tokenizer.decode([s.tokens[i]]), round(s.logprobs[i], LOGPROB_DECIMALS) if s.loss_mask[i] else None]
+            for i in range(start, end)]
 
 
 def _advantage(s: Sample) -> float:

@@ -174,7 +174,7 @@ def log_step(run: Run, step: int, groups: list[Group], step_metrics: dict[str, A
     if cfg.controller.eval_every and step % cfg.controller.eval_every == 0 and run.eval_rows is not None:
         metrics |= held_out(run)
     log.log(step, metrics)
-    log.log_samples(step, sample_records(groups, cfg.tracking.log_samples))
+    log.log_samples(step, sample_records(groups, cfg.tracking.log_samples, run.tokenizer))
     return metrics
 
 

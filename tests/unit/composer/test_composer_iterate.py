@@ -165,33 +165,6 @@ def test_runs_list_config_columns(client):
     assert "columns" not in client.get("/api/runs").json()["runs"][0]
 
 
-def test_a_finished_runs_model_and_its_base_answer_the_same_prompt(client, tiny_model_path, tmp_path):
-    """Each answer is the model's greedy continuation through tokenmill's engine: the same tokens as
-    transformers' own greedy decoding of that model, with a logprob per token (a probability, so <= 0)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tokenmill.testing import build_tiny_model
-
-    trained = build_tiny_model(tmp_path / "trained", hidden_size=32, num_layers=1, seed=7)
-    runs_dir = Path(client.get("/api/runs/a").json()["output_dir"]).parent
-    _run(runs_dir / "tried", {"model": {"path": tiny_model_path}, "data": {"task": "addition"}}, _rows(1.0))
-    assert client.post("/api/runs/tried/try", json={"prompt": "12+3="}).status_code == 409  # no final/ yet
-    (runs_dir / "tried" / "final").symlink_to(Path(trained), target_is_directory=True)
-    out = client.post("/api/runs/tried/try", json={"prompt": "12+3=", "max_tokens": 6}).json()
-    for key, path in (("result", trained), ("base", tiny_model_path)):
-        tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        text = tok.apply_chat_template([{"role": "user", "content": "12+3="}], add_generation_prompt=True,
-                                       tokenize=False) if tok.chat_template else "12+3="
-        ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        with torch.no_grad():
-            greedy = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)[0, ids.shape[1]:]
-        answer = out[key]
-        assert "".join(t["text"] for t in answer["tokens"]) == tok.decode(greedy), (key, answer)
-        assert len(answer["tokens"]) == len(greedy) and all(t["logprob"] <= 0 for t in answer["tokens"])
-
-
 def test_a_run_without_a_checkpoint_is_not_resumed(client):
     answer = client.post("/api/runs/a/resume")
     assert answer.status_code == 409 and "no complete checkpoint to resume from" in answer.json()["error"]

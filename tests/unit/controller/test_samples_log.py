@@ -46,6 +46,8 @@ def test_logged_advantages_are_the_grpo_advantages_of_the_logged_rewards(tiny_mo
         for r in g:
             assert r["advantage"] == pytest.approx((r["reward"] - mean) / (std + 1e-4), abs=1e-9)
     assert any(r["advantage"] != 0.0 for r in records)
+    for r in records:  # the token view: every completion token, with the logprob it was sampled with
+        assert 0 < len(r["tokens"]) <= 6 and all(lp is not None and lp <= 0 for _, lp in r["tokens"])
 
 
 def test_with_a_critic_the_logged_advantage_is_the_mean_token_advantage(tiny_model_path, tmp_path):
@@ -53,3 +55,31 @@ def test_with_a_critic_the_logged_advantage_is_the_mean_token_advantage(tiny_mod
     # GAE with the untrained critic's values: a non-zero advantage for every scored sample
     assert all(math.isfinite(r["advantage"]) for r in records)
     assert sum(r["advantage"] != 0.0 for r in records) >= GROUP
+
+
+def test_a_logged_sample_carries_its_tokens_with_the_engines_and_the_trainers_logprobs(tiny_model_path):
+    """`tokens` of a samples.jsonl record: each completion token's text and the logprob it was sampled with,
+    within 1e-5 of the engine's and of the trainer's recomputation (teacher-forced, temperature 1)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tokenmill.controller.evaluate import sample_records
+    from tokenmill.engines.local.hf import HFEngine
+    from tokenmill.types import Group, Sample, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    ids = list(tok("12+3=")["input_ids"])
+    [drawn] = HFEngine(model, tok, seed=3).generate([ids], SamplingParams(max_tokens=6, n=3, temperature=1.0))
+    samples = tuple(Sample(tokens=(*ids, *c.token_ids), loss_mask=(0,) * len(ids) + (1,) * len(c.token_ids),
+                           logprobs=(0.0,) * len(ids) + tuple(c.logprobs), prompt_len=len(ids), prompt="12+3=",
+                           completion=c.text, stop_reason=c.stop_reason) for c in drawn)
+    records = sample_records([Group(0, samples)], 3, tok)
+    assert "tokens" not in sample_records([Group(0, samples)], 3)[0]  # no tokenizer, no token view
+    for record, c, s in zip(records, drawn, samples, strict=True):
+        texts, logged = zip(*record["tokens"], strict=True)
+        assert "".join(texts) == tok.decode(list(c.token_ids)) and len(texts) == len(c.token_ids)
+        with torch.no_grad():
+            logits = model(torch.tensor([s.tokens])).logits[0, len(ids) - 1:-1]
+        trainer = logits.log_softmax(-1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0].tolist()
+        assert logged == pytest.approx(tuple(c.logprobs), abs=1e-5)
+        assert logged == pytest.approx(tuple(trainer), abs=1e-5)

@@ -136,6 +136,14 @@ export interface TrialAnswer {
   tokens: { text: string; logprob: number }[];
   stop: string;
   seconds: number;
+  server?: string;
+}
+
+/** A model a run can be tried or exported from: "final" or a checkpoint ("step_00000004"). */
+export interface ModelSource {
+  name: string;
+  ready: boolean;
+  exported?: boolean;
 }
 
 export interface SharedSample {
@@ -275,8 +283,11 @@ export const api = {
       (prompt === null ? "" : `&prompt=${encodeURIComponent(prompt)}`)),
   resume: (id: string) => call<{ id: string; status: string }>("POST", `/api/runs/${runPath(id)}/resume`),
   clone: (id: string) => call<{ mode: Mode; config: Config; rewards: RewardDraft[] }>("GET", `/api/runs/${runPath(id)}/clone`),
-  tryResult: (id: string, prompt: string, max_tokens: number) =>
-    call<{ result: TrialAnswer; base: TrialAnswer }>("POST", `/api/runs/${runPath(id)}/try`, { prompt, max_tokens }),
+  tryResult: (id: string, prompt: string, max_tokens: number, source = "final") =>
+    call<{ result: TrialAnswer; base: TrialAnswer }>("POST", `/api/runs/${runPath(id)}/try`, { prompt, max_tokens, source }),
+  models: (id: string) => call<{ sources: ModelSource[]; servers: string[] }>("GET", `/api/runs/${runPath(id)}/models`),
+  exportModel: (id: string, source: string) =>
+    call<{ source: string; path: string; adapter: string | null }>("POST", `/api/runs/${runPath(id)}/export`, { source }),
   report: (id: string) => call<{ report: Record<string, unknown> | null }>("GET", `/api/runs/${runPath(id)}/report`),
 };
 

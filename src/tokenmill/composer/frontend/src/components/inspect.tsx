@@ -1,10 +1,13 @@
 // Inspect a run's samples (samples.jsonl): the recent ones, searched and filtered by stop reason and reward; or
 // one step's (picked from the step list or by clicking a point of a curve) as GRPO groups side by side: the
 // prompt once, then each completion with every reward function's score, the total, the advantage, the length
-// and whether it was cut at max_tokens; and the histogram of that step's rewards.
+// and whether it was cut at max_tokens; and the histogram of that step's rewards. A completion the run logged
+// with its tokens (samples.jsonl's `tokens`: [text, logprob] each) is shown token by token, shaded by the
+// logprob it was sampled with (pale: the policy was sure; null: a token it did not write, left unshaded).
 import { useState } from "preact/hooks";
 import { formatNumber } from "./chart";
 import type { Row } from "./runpanels";
+import { tokenShade } from "./trypanel";
 
 const BINS = 10;
 
@@ -44,6 +47,20 @@ function Histogram({ values }: { values: number[] }) {
   );
 }
 
+/** The completion token by token, each shaded by its logprob, when the record has `tokens`; else its text. */
+function Completion({ row }: { row: Row }) {
+  const tokens = row.tokens;
+  if (!Array.isArray(tokens) || !tokens.length) return <>{text(row, "completion")}</>;
+  return (
+    <span class="tokens" data-testid="sample-tokens">
+      {(tokens as [string, number | null][]).map(([t, lp]) => typeof lp === "number" ? (
+        <span class="tok" data-logprob={lp} title={`logprob ${lp.toFixed(4)} (p ${Math.exp(lp).toFixed(3)})`}
+          style={{ background: tokenShade(lp) }}>{t}</span>
+      ) : <span class="tok" title="not written by the policy">{t}</span>)}
+    </span>
+  );
+}
+
 function Group({ prompt, rows, index }: { prompt: string; rows: Row[]; index: number }) {
   const names = [...new Set(rows.flatMap((r) => Object.keys((r.rewards as Record<string, unknown>) ?? {})))];
   return (
@@ -62,7 +79,7 @@ function Group({ prompt, rows, index }: { prompt: string; rows: Row[]; index: nu
           <tbody>
             {rows.map((r) => (
               <tr data-testid="group-sample">
-                <td class="text mono">{text(r, "completion")}</td>
+                <td class="text mono"><Completion row={r} /></td>
                 {names.map((n) => <td class="num mono">{fmt(((r.rewards as Record<string, number | null>) ?? {})[n])}</td>)}
                 <td class="num mono">{fmt(num(r, "reward"))}</td>
                 <td class="num mono">{fmt(num(r, "advantage"))}</td>
@@ -141,7 +158,7 @@ export function Inspect({ samples, step, onStep }: { samples: Row[]; step: numbe
                 <tr>
                   <td class="mono">{text(s, "step")}</td>
                   <td class="text">{text(s, "prompt")}</td>
-                  <td class="text mono">{text(s, "completion")}</td>
+                  <td class="text mono"><Completion row={s} /></td>
                   <td class="num mono">{fmt(num(s, "reward"))}</td>
                   <td class="num mono">{fmt(num(s, "advantage"))}</td>
                   <td>{text(s, "stop")}</td>

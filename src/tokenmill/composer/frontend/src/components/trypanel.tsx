@@ -1,8 +1,9 @@
-// Try the result: one prompt answered by the model a run left and by the base model it started from, greedy,
-// through tokenmill's engine; each answer's tokens coloured by their logprob (pale: the model was sure).
-import { useState } from "preact/hooks";
+// Try the result: one prompt answered by the model a run left (or one of its checkpoints) and by the base model
+// it started from, greedy, each by its own `tokenmill serve`; each answer's tokens coloured by their logprob
+// (pale: the model was sure). Export writes the chosen model as a plain HF folder (LoRA adapters merged).
+import { useEffect, useState } from "preact/hooks";
 import { api } from "../api";
-import type { TrialAnswer } from "../api";
+import type { ModelSource, TrialAnswer } from "../api";
 
 /** A token's background: white at logprob 0 (certain), deeper amber as the probability falls. */
 export function tokenShade(logprob: number): string {
@@ -20,7 +21,8 @@ function Answer({ title, answer, testId }: { title: string; answer: TrialAnswer;
             style={{ background: tokenShade(t.logprob) }}>{t.text}</span>
         ))}
       </div>
-      <div class="muted small">{answer.tokens.length} tokens · {answer.stop} · {answer.seconds.toFixed(2)} s</div>
+      <div class="muted small">{answer.tokens.length} tokens · {answer.stop} · {answer.seconds.toFixed(2)} s
+        {answer.server ? ` · ${answer.server}` : ""}</div>
     </div>
   );
 }
@@ -31,17 +33,29 @@ export function TryPanel({ runId }: { runId: string }) {
   const [busy, setBusy] = useState(false);
   const [error, setError] = useState<string | null>(null);
   const [out, setOut] = useState<{ result: TrialAnswer; base: TrialAnswer } | null>(null);
-  const ask = async () => {
+  const [sources, setSources] = useState<ModelSource[]>([]);
+  const [source, setSource] = useState("final");
+  const [exported, setExported] = useState<{ path: string; adapter: string | null } | null>(null);
+  useEffect(() => {
+    api.models(runId).then((m) => {
+      const ready = m.sources.filter((x) => x.ready);
+      setSources(ready);
+      if (ready.length && !ready.some((x) => x.name === "final")) setSource(ready[ready.length - 1].name);
+    }).catch(() => setSources([]));
+  }, [runId]);
+  const act = async (work: () => Promise<void>) => {
     setBusy(true);
     setError(null);
     try {
-      setOut(await api.tryResult(runId, prompt, maxTokens));
+      await work();
     } catch (e) {
       setError((e as Error).message);
     } finally {
       setBusy(false);
     }
   };
+  const ask = () => act(async () => setOut(await api.tryResult(runId, prompt, maxTokens, source)));
+  const exportIt = () => act(async () => setExported(await api.exportModel(runId, source)));
   return (
     <div class="card" data-testid="try-panel">
       <div class="card-head">
@@ -52,14 +66,31 @@ export function TryPanel({ runId }: { runId: string }) {
         data-testid="try-prompt" onInput={(e) => setPrompt((e.target as HTMLTextAreaElement).value)} />
       <div class="row" style={{ marginTop: "8px" }}>
         <label class="inline">
+          <span class="muted small">model</span>
+          <select class="input" data-testid="try-source" value={source} aria-label="the run's model to try"
+            onChange={(e) => { setSource((e.target as HTMLSelectElement).value); setExported(null); }}>
+            {(sources.length ? sources : [{ name: "final", ready: true }]).map((x) => (
+              <option value={x.name}>{x.name === "final" ? "final" : `checkpoint ${Number(x.name.slice(5))}`}</option>
+            ))}
+          </select>
+        </label>
+        <label class="inline">
           <span class="muted small">max tokens</span>
           <input class="input narrow" type="number" min={1} max={512} value={maxTokens} data-testid="try-max-tokens"
             onChange={(e) => setMaxTokens(Number((e.target as HTMLInputElement).value))} />
         </label>
         <button class="btn primary" data-testid="try-run" disabled={busy || !prompt.trim()} onClick={ask}>
-          {busy ? "Answering…" : "Ask both"}
+          {busy ? "Working…" : "Ask both"}
         </button>
+        <button class="btn" data-testid="try-export" disabled={busy} onClick={exportIt}
+          title="write this model as a plain Hugging Face folder (LoRA adapters merged)">Export</button>
       </div>
+      {exported && (
+        <div class="muted small" data-testid="try-exported" aria-live="polite">
+          HF folder: <span class="mono">{exported.path}</span>
+          {exported.adapter && <> · adapter: <span class="mono">{exported.adapter}</span></>}
+        </div>
+      )}
       {error && <div class="alert error" data-testid="try-error">{error}</div>}
       {out && (
         <div class="side-by-side">
