@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,10 +31,11 @@ import torch
 
 from tokenmill.recipes.tiny import build_tiny_model
 
-MODELS = {
-    "quickstart": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2},
-    "25M": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4},
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import weight_sync  # the in-process benchmark beside this one: its model shapes and its row
+
+MODELS = {name: weight_sync.MODELS[name] for name in ("quickstart", "25M")}
+sync_row = weight_sync.sync_row
 
 
 def _check(urls: list[str], want: dict[str, torch.Tensor]) -> None:
@@ -83,14 +84,7 @@ def bench_model(cluster, name: str, shape: dict, repeats: int, workdir: Path) ->
         fleet.close()
         group.close()
     params = sum(p.numel() for p in mirror.parameters())
-    mb = sum(p.numel() * p.element_size() for p in mirror.parameters()) / 2**20
-    row = {"model": name, "params": params, "mb": round(mb, 2), "replicas": 2, "trainer_ranks": 2}
-    for method, ts in times.items():
-        row[f"{method}_s"] = round(statistics.median(ts), 4)
-        row[f"{method}_all_s"] = [round(t, 4) for t in ts]
-        row[f"{method}_mb_per_s"] = round(mb / statistics.median(ts), 1)
-    row["files_over_broadcast"] = round(row["files_s"] / row["broadcast_s"], 2)
-    return row
+    return sync_row({"model": name, "params": params, "replicas": 2, "trainer_ranks": 2}, mirror, times)
 
 
 def main() -> None:

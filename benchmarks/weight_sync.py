@@ -88,10 +88,17 @@ def bench_model(name: str, shape: dict, repeats: int, workdir: Path) -> dict:
             sync.close()
         proc.terminate()
         proc.wait(timeout=10)
+    return sync_row({"model": name, "params": params}, model, times)
+
+
+def sync_row(row: dict, model, times: dict[str, list[float]]) -> dict:
+    """`row` plus, per method, the median push time, every time and the MB/s over `model`'s weights, and the
+    files / broadcast ratio."""
     mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-    row = {"model": name, "params": params, "mb": round(mb, 2)}
+    row["mb"] = round(mb, 2)
     for method, ts in times.items():
         row[f"{method}_s"] = round(statistics.median(ts), 4)
+        row[f"{method}_all_s"] = [round(t, 4) for t in ts]
         row[f"{method}_mb_per_s"] = round(mb / statistics.median(ts), 1)
     row["files_over_broadcast"] = round(row["files_s"] / row["broadcast_s"], 2)
     return row
