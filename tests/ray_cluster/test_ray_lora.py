@@ -78,44 +78,17 @@ def test_lora_ranks_push_adapters_that_the_replica_merges(ray_cluster, tmp_path)
         group.close()
 
 
-def digit_share(prompts, completions, **_):
-    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
-
-
 def test_a_lora_run_on_ray_ends_like_one_process_with_a_local_server(ray_cluster, tmp_path):
     """GRPO with LoRA, 2 trainer ranks and 1 replica taking adapter-only broadcasts: the same rewards every step and
     the final adapters within 5e-5 of a one-process LoRA run whose local `tokenmill serve` takes the merged
     weights through files."""
-    from safetensors.torch import load_file
-
-    import tokenmill
-    from tokenmill.config import RLConfig, load_config
-    from tokenmill.controller.ray.run import train_on_ray
     from tokenmill.testing import build_tiny_model
+    from tokenmill.testing.ray_runs import serve_then_ray, tiny_grpo_tree
 
     torch.set_num_threads(1)
     model = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
-    tree = {
-        "model": {"path": model, "lora": {"rank": 4, "alpha": 8}},
-        "data": {"task": "addition", "num_train": 200, "num_eval": 0},
-        "generation": {"group_size": 4, "max_tokens": 4},
-        "algorithm": {"mini_batches": 2},
-        "training": {"learning_rate": 1e-3, "seed": 3, "micro_batch_tokens": 64},
-        "controller": {"steps": 3, "prompts_per_step": 4},
-        "checkpoint": {"every": 0, "save_final": True},
-    }
-    tokenmill.train(tree | {"tracking": {"output_dir": str(tmp_path / "server"), "console": "none"},
-                            "engine": {"placement": "process", "threads": 1}}, rewards=[digit_share])
-    cfg = load_config(RLConfig, tree | {
-        "tracking": {"output_dir": str(tmp_path / "ray"), "console": "none"},
-        "cluster": {"backend": "ray", "nodes": 2, "cpus_per_node": 3, "trainer_ranks": 2, "engine_replicas": 1,
-                    "weight_sync": "broadcast", "max_restarts": 0, "call_timeout_s": 120}})
-    train_on_ray(cfg, rewards=[digit_share], cluster=ray_cluster)
-
-    def final(out):
-        return load_file(str(max((out / "checkpoints").glob("step_*")) / "model.safetensors"))
-
-    want, got = final(tmp_path / "server"), final(tmp_path / "ray")
+    tree = tiny_grpo_tree(model, lora={"rank": 4, "alpha": 8})
+    want, got = serve_then_ray(ray_cluster, tmp_path, tree, weight_sync="broadcast")
     assert sorted(got) == sorted(want) and any(".lora_B." in n for n in want)
     # the replica served the weights the local server did: the same samples, so the same rewards every step
     assert _rewards(tmp_path / "ray") == _rewards(tmp_path / "server")

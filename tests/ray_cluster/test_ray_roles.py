@@ -16,10 +16,7 @@ from safetensors.torch import load_file
 
 ray = pytest.importorskip("ray")
 
-
-def digit_share(prompts, completions, **_):
-    """A dense reward (share of digits), so a random-init model gets non-zero advantages."""
-    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+from tokenmill.testing.ray_runs import digit_share
 
 
 def _reward_model(folder: Path) -> str:

@@ -94,10 +94,6 @@ def test_ranks_broadcast_to_replicas_and_the_driver(ray_cluster, tmp_path):
         group.close()
 
 
-def digit_share(prompts, completions, **_):
-    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
-
-
 def test_a_colocated_broadcast_run_ends_like_one_process_with_a_local_server(ray_cluster, tmp_path, monkeypatch):
     """GRPO with 2 trainer ranks and 1 replica colocated with rank 0 (`cluster.colocate`), weights broadcast
     (`cluster.weight_sync`): the replica releases its memory once per update and takes it back before the push,
@@ -105,42 +101,20 @@ def test_a_colocated_broadcast_run_ends_like_one_process_with_a_local_server(ray
     requests): broadcast and colocation change where things run, not what is learnt."""
     from safetensors.torch import load_file
 
-    import tokenmill
-    from tokenmill.config import RLConfig, load_config
     from tokenmill.controller.ray.engines import EngineFleet
-    from tokenmill.controller.ray.run import train_on_ray
     from tokenmill.testing import build_tiny_model
+    from tokenmill.testing.ray_runs import serve_then_ray, tiny_grpo_tree
 
     torch.set_num_threads(1)
     model = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
-    tree = {
-        "model": {"path": model},
-        "data": {"task": "addition", "num_train": 200, "num_eval": 0},
-        "generation": {"group_size": 4, "max_tokens": 4},
-        "algorithm": {"mini_batches": 2},
-        "training": {"learning_rate": 1e-3, "seed": 3, "micro_batch_tokens": 64},
-        "controller": {"steps": 3, "prompts_per_step": 4},
-        "checkpoint": {"every": 0, "save_final": True},
-    }
-    tokenmill.train(tree | {"tracking": {"output_dir": str(tmp_path / "server"), "console": "none"},
-                            "engine": {"placement": "process", "threads": 1}}, rewards=[digit_share])
-    cfg = load_config(RLConfig, tree | {
-        "tracking": {"output_dir": str(tmp_path / "ray"), "console": "none"},
-        "cluster": {"backend": "ray", "nodes": 2, "cpus_per_node": 3, "trainer_ranks": 2, "engine_replicas": 1,
-                    "weight_sync": "broadcast", "colocate": True, "max_restarts": 0, "call_timeout_s": 120}})
     turns, original = [], EngineFleet.memory_turn
 
     def recorded(fleet, release):
         turns.append((release, [r.get("success") for r in original(fleet, release)]))
 
     monkeypatch.setattr(EngineFleet, "memory_turn", recorded)
-    train_on_ray(cfg, rewards=[digit_share], cluster=ray_cluster)
+    want, got = serve_then_ray(ray_cluster, tmp_path, tiny_grpo_tree(model), weight_sync="broadcast", colocate=True)
     assert turns == [(True, [True]), (False, [True])] * 3  # 3 steps: released during each update
-
-    def final(out):
-        return load_file(str(max((out / "checkpoints").glob("step_*")) / "model.safetensors"))
-
-    want, got = final(tmp_path / "server"), final(tmp_path / "ray")
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5, msg=name)
