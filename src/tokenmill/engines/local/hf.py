@@ -138,6 +138,7 @@ class HFEngine:
             self._routing.active = False  # only while generating: the module may be the trainer's
             self._fast = self._graphed = self.prefix_cache = self._buckets = None
             self.fast_decode_off = self.cuda_graphs_off = "recording the MoE routing"
+            self.paged.off = self.paged.on_device_off = "recording the MoE routing"
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of key/value state one token takes in the cache (all layers)."""
@@ -336,7 +337,7 @@ class HFEngine:
             self.prefix_cache.insert(prompt, kv)
 
     def _decode(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        paged = self.paged.off is None and self._routing is None and not has_forward_hooks(self.model)
+        paged = self.paged.off is None and not has_forward_hooks(self.model)
         if paged and self.paged.on_device_off is None and not params.stop:
             return decode_on_device(self, prompts, params)
         n = params.n
