@@ -102,6 +102,28 @@ class Run:
             self.lock.release()
 
 
+# where a vision-language policy's rollouts may run: beside the trainer's module, in a producer thread on a
+# copy of it, or in spawned `tokenmill serve` processes (which take pictures as `image_url` parts)
+VISION_PLACEMENTS = ("colocated", "thread", "process")
+
+
+def vision_engine(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any, amp: torch.dtype | None,
+                  sharded: bool) -> VisionEngine:
+    """The engine of a vision-language policy (each prompt's images encoded once per group), after the checks
+    of what does not take images yet."""
+    if cfg.engine.placement not in VISION_PLACEMENTS:
+        raise ConfigError(f"engine.placement: a vision-language model generates with its own module (colocated), "
+                          f"a copy in a rollout thread (thread) or spawned `tokenmill serve` processes (process); "
+                          f"{cfg.engine.placement} does not take images yet")
+    if cfg.controller.partial_rollouts:
+        raise ConfigError("controller.partial_rollouts: interrupting generations is done for text models only; "
+                          "a vision-language run finishes each rollout on the weights it started with")
+    if sharded:
+        raise ConfigError("training.backend: fsdp2 does not take images yet; train a vision-language model "
+                          "with training.backend: local")
+    return VisionEngine(model, tokenizer, seed=cfg.training.seed, autocast_dtype=amp)
+
+
 def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, dataset=None, *,
               trainer_group: Any = None, role_groups: dict | None = None) -> Run:
     """Every part of a run of `cfg`. `rewards`: Python reward functions beside the config's; `dataset`: rows in
@@ -137,11 +159,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     if cfg.record.replay is not None:  # trains on recorded rollouts: nothing generates, nothing evaluates
         engine, eval_rows = ReplayEngine(model, tokenizer), None
     elif is_vision_config(model.config):  # a vision-language policy: images encoded once per group
-        if sharded or cfg.engine.placement not in ("colocated", "process"):
-            raise ConfigError("engine.placement: a vision-language model trains in one process and generates "
-                              "with its own module (colocated) or spawned `tokenmill serve` processes (process); "
-                              "fsdp2 and other placements do not take images yet")
-        engine = VisionEngine(model, tokenizer, seed=cfg.training.seed, autocast_dtype=amp)
+        engine = vision_engine(cfg, model, tokenizer, amp, sharded)
     else:
         engine = (dist.RankedEngine if sharded else HFEngine)(
             model, tokenizer, seed=cfg.training.seed, autocast_dtype=amp,

@@ -206,10 +206,7 @@ def build_placement(run) -> Placement:
     cfg, model, engine = run.cfg, run.trainer.model, run.rollout.engine
     place = cfg.engine.placement
     if place == "thread":
-        from tokenmill.engines.local.hf import HFEngine
-
-        copied = HFEngine(copy.deepcopy(model), run.tokenizer, seed=cfg.training.seed,
-                          autocast_dtype=engine.autocast_dtype, **cfg.engine.paged_options())
+        copied = _engine_copy(run, engine)
         # one sampling stream: what a checkpoint saves (the run's engine's) is what the producer draws from
         copied.generator = engine.generator
         copied.version = engine.version
@@ -230,6 +227,20 @@ def build_placement(run) -> Placement:
     if place in ("process", "remote"):
         return _server_placement(run)
     raise ConfigError(f"engine.placement: {place!r} has no producer (colocated runs in place)")
+
+
+def _engine_copy(run, engine):
+    """The thread placement's engine: the run's engine kind over a copy of the trainer's module (a
+    vision-language policy's `VisionEngine`, so the producer's rows keep their pictures; else an `HFEngine`)."""
+    cfg, model = run.cfg, copy.deepcopy(run.trainer.model)
+    if getattr(engine, "takes_images", False):
+        from tokenmill.engines.local.vision import VisionEngine
+
+        return VisionEngine(model, run.tokenizer, seed=cfg.training.seed, autocast_dtype=engine.autocast_dtype)
+    from tokenmill.engines.local.hf import HFEngine
+
+    return HFEngine(model, run.tokenizer, seed=cfg.training.seed, autocast_dtype=engine.autocast_dtype,
+                    **cfg.engine.paged_options())
 
 
 def producer_side(run, engine) -> RolloutSide:
