@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import tokenmill
+from tokenmill.types import ConfigError
 
 pytest.importorskip("PIL")
 
@@ -69,5 +70,5 @@ def test_a_thread_engine_samples_with_the_pictures_and_equals_colocated(tmp_path
 def test_partial_rollouts_with_images_are_refused_naming_the_field(tmp_path, tiny_vlm_path):
     cfg = _config(tiny_vlm_path, tmp_path / "p", placement="thread")
     cfg["controller"].update(partial_rollouts=True, max_staleness=1)
-    with pytest.raises(tokenmill.types.ConfigError, match=r"^controller.partial_rollouts: "):
+    with pytest.raises(ConfigError, match=r"^controller.partial_rollouts: "):
         tokenmill.train(cfg, rewards=[digit_share])
