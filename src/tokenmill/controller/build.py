@@ -118,9 +118,10 @@ def vision_engine(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any, amp: to
     if cfg.controller.partial_rollouts:
         raise ConfigError("controller.partial_rollouts: interrupting generations is done for text models only; "
                           "a vision-language run finishes each rollout on the weights it started with")
-    if sharded:
-        raise ConfigError("training.backend: fsdp2 does not take images yet; train a vision-language model "
-                          "with training.backend: local")
+    if sharded:  # each prompt seeded by its place in the step, whichever rank draws it
+        from tokenmill.training import dist
+
+        return dist.RankedVisionEngine(model, tokenizer, seed=cfg.training.seed, autocast_dtype=amp)
     return VisionEngine(model, tokenizer, seed=cfg.training.seed, autocast_dtype=amp)
 
 
@@ -178,7 +179,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     tk = cfg.tracking
     actor: Rollout = agent or generator
     if sharded:  # each rank plays its share of the prompts; rank 0 alone logs and evaluates
-        actor = dist.ShardedRollout(actor, engine if isinstance(engine, dist.RankedEngine) else None)
+        actor = dist.ShardedRollout(actor, engine if isinstance(engine, dist.PromptSeeded) else None)
     if sharded and not dist.is_main():
         logger, eval_rows = dist.QuietLogger(), None
     else:

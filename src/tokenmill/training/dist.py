@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from tokenmill.engines.base import call_seed
 from tokenmill.engines.local.hf import HFEngine
+from tokenmill.engines.local.vision import VisionEngine
 from tokenmill.types import Completion, ConfigError, Group, SamplingParams
 
 # A collective that waits longer than this raises instead of hanging: long enough for rank 0's held-out
@@ -116,27 +117,30 @@ class ShardedRollout:
         return [g for part, _ in parts for g in part], parts[0][1]
 
 
-class RankedEngine(HFEngine):
-    """An in-process engine on one rank. A sampled (not greedy) call draws each prompt on its own, from the seed
-    `call_seed(seed, version, index)`, where index is the prompt's position among the prompts drawn since the
-    last weight update (`ShardedRollout` starts a rank's count at its first row's position in the step), so a
-    prompt's samples are the same whichever rank draws it and however many ranks there are. Greedy calls (the
-    held-out evaluation) are batched as usual. A checkpoint keeps every rank's RNG as before (a resumed run
-    reseeds each prompt the same way: the version comes back with the weights)."""
+class PromptSeeded:
+    """An in-process engine on one rank (mixed into `HFEngine` or `VisionEngine`). A sampled (not greedy) call
+    draws each prompt on its own, from the seed `call_seed(seed, version, index)`, where index is the prompt's
+    position among the prompts drawn since the last weight update (`ShardedRollout` starts a rank's count at
+    its first row's position in the step), so a prompt's samples are the same whichever rank draws it and
+    however many ranks there are. Greedy calls (the held-out evaluation) are batched as usual. A checkpoint
+    keeps every rank's RNG as before (a resumed run reseeds each prompt the same way: the version comes back
+    with the weights)."""
 
     def __init__(self, *args: Any, seed: int = 0, **kwargs: Any) -> None:
         super().__init__(*args, seed=seed, **kwargs)
         self.seed = seed
         self.drawn = 0  # prompts drawn since the last weight update (by all the ranks, up to this rank's turn)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, **images: Any) -> list[list[Completion]]:
+        """`images`: a vision engine's `images=` (each prompt's `ImageInputs`), passed on prompt by prompt."""
         if params.greedy:
-            return super().generate(prompts, params)
+            return super().generate(prompts, params, **images)
+        pictures = images.get("images")
         out: list[list[Completion]] = []
-        for prompt in prompts:  # alone: its draws depend on nothing but its seed (not on a batch's other rows)
+        for i, prompt in enumerate(prompts):  # alone: its draws depend on nothing but its seed
             self.generator.manual_seed(call_seed(self.seed, self.version, self.drawn))
             self.drawn += 1
-            out += super().generate([prompt], params)
+            out += super().generate([prompt], params, **({} if pictures is None else {"images": [pictures[i]]}))
         return out
 
     def update_weights(self, named_tensors, version: int) -> None:
@@ -149,6 +153,14 @@ class RankedEngine(HFEngine):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         ranks = state.get("ranks")
         super().load_state_dict(ranks[rank() % len(ranks)] if ranks else state)
+
+
+class RankedEngine(PromptSeeded, HFEngine):
+    """The text engine of one rank, each prompt drawn from its own seed (`PromptSeeded`)."""
+
+
+class RankedVisionEngine(PromptSeeded, VisionEngine):
+    """A vision-language policy's engine on one rank, each prompt (with its pictures) drawn from its own seed."""
 
 
 class QuietLogger:

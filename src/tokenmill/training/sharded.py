@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from tokenmill.engines.local.vision import vision_tower
 from tokenmill.training.base import BatchLoss
 from tokenmill.training.batch import Batch, greedy_spans
 from tokenmill.training.critic import Critic
@@ -71,12 +72,18 @@ class ShardedCheckpointError(TokenmillError):
 
 def shard_model(model: torch.nn.Module) -> torch.nn.Module:
     """FSDP2 in place: each decoder layer is its own unit (gathered only while it runs), then the root (the
-    embeddings and head). Gradients are summed across ranks (see the module docstring)."""
+    embeddings and head). Gradients are summed across ranks (see the module docstring).
+
+    A vision-language model's frozen vision tower is not sharded: every rank keeps the whole of it, without
+    gradients, so a micro-batch without pictures and one with them run the same collectives. A tower that
+    trains (`model.freeze_vision: false`) is part of the root unit, gathered with the embeddings."""
     device = next(model.parameters()).device
     mesh = init_device_mesh(device.type, (world(),))
     for layer in _decoder_layers(model):
         fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    tower = vision_tower(model)
+    held = {p for p in tower.parameters() if not p.requires_grad} if tower is not None else set()
+    fully_shard(model, mesh=mesh, ignored_params=held or None)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -87,11 +94,30 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks: the children of the `ModuleList` named `layers` (Llama, Qwen, Mistral...),
-    `h` (GPT-2) or `blocks`, wherever a wrapper (peft, a value head) put it."""
+    `h` (GPT-2) or `blocks`, wherever a wrapper (peft, a value head) put it; a vision-language model's
+    language layers, not its vision tower's blocks."""
+    tower = vision_tower(model)
+    inside_tower = set(tower.modules()) if tower is not None else set()
     for name, module in model.named_modules():
+        if module in inside_tower:
+            continue
         if isinstance(module, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "h", "blocks"):
             return list(module)
     return []
+
+
+def root_forward(model: torch.nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` run as the forward of `model` when it is an FSDP2 root: its hooks gather the root
+    unit's weights (embeddings, head, a trainable vision tower) around it and set up the backward, which a
+    forward that does not go through `model(...)` (the vision-language path's own embedding of the pictures,
+    `engines.local.vision.backbone`) would otherwise miss. A plain call for any other module."""
+    if not isinstance(model, FSDPModule):
+        return fn(*args, **kwargs)
+    model.forward = lambda: fn(*args, **kwargs)  # an instance attribute: `model()` runs it inside the hooks
+    try:
+        return model()
+    finally:
+        del model.forward
 
 
 def rank_rows(batch: Batch, ranks: int) -> list[list[int]]:
@@ -99,6 +125,8 @@ def rank_rows(batch: Batch, ranks: int) -> list[list[int]]:
     largest first to the least-loaded rank (by tokens); each rank's rows in batch order (longest first)."""
     if batch.prompt_lens_B is not None:
         segments = [rows for _, rows in prompt_segments(batch)]
+        if batch.images_B is not None:  # the same prompt tokens over other pictures: another prompt
+            segments = [part for rows in segments for part in _by_pictures(batch.images_B, rows)]
     else:
         segments = [[b] for b in range(batch.size)]
     lengths = batch.lengths_B.tolist()
@@ -112,12 +140,24 @@ def rank_rows(batch: Batch, ranks: int) -> list[list[int]]:
     return [sorted(rows) for rows in out]
 
 
+def _by_pictures(images_B: tuple, rows: list[int]) -> list[list[int]]:
+    """`rows` split by the pictures they carry, in first-seen order. A group's samples share one `ImageInputs`
+    object, and every rank's global batch has the same sharing (all ranks unpickle the same gathered groups),
+    so the split agrees across ranks without reading the pixels."""
+    parts: dict[int, list[int]] = {}
+    for b in rows:
+        parts.setdefault(id(images_B[b]), []).append(b)
+    return list(parts.values())
+
+
 def micro_batch_count(batch: Batch | None, token_budget: int, *, share_prompts: bool, pack_sequences: bool) -> int:
     """How many forward passes `micro_token_stats` makes over `batch`, without running the model (the same
     choice of packing and the same `greedy_spans` as `micro_packs` / `Batch.micro_batches`)."""
     if batch is None:
         return 0
-    segments = packing_segments(batch, share_prompts=share_prompts, pack_sequences=pack_sequences)
+    segments = None  # a batch with images: padded rows (`training.vision`)
+    if batch.images_B is None:
+        segments = packing_segments(batch, share_prompts=share_prompts, pack_sequences=pack_sequences)
     if segments is None:
         widths = batch.lengths_B.tolist()  # sorted longest first, like the rows
     else:

@@ -21,6 +21,7 @@ import torch
 from tokenmill.engines.local.vision import backbone, rope_positions, vision_tower
 from tokenmill.training.batch import Batch
 from tokenmill.training.logprobs import head_token_stats
+from tokenmill.training.sharded import root_forward
 
 log = logging.getLogger(__name__)
 _told = False
@@ -57,7 +58,8 @@ def vision_token_stats(
     pos_3_B_T, _ = rope_positions(model, ids_B_T, grid, real_B_T.long())
     autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     with autocast:
-        hidden_B_T_H = backbone(model, ids_B_T, pixels, grid, pos_3_B_T, use_cache=False).last_hidden_state
+        hidden_B_T_H = root_forward(model, backbone, model, ids_B_T, pixels, grid, pos_3_B_T,
+                                    use_cache=False).last_hidden_state
     predicted = real_B_T.clone()
     predicted[:, 0] = False  # position t >= 1 is predicted from t - 1
     b_N, t_N = predicted.nonzero(as_tuple=True)
