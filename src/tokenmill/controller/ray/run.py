@@ -41,7 +41,8 @@ def _spec(cfg) -> BackendSpec:
     trainer = TrainerSpec.from_config(cfg, autocast_dtype(cfg.model, resolve_device(cfg.model.device)))
     return BackendSpec(cfg.model.path, str(shards), seed=cfg.training.seed, trainer=trainer,
                        tokenizer_path=cfg.model.tokenizer_path,
-                       lora=cfg.model.lora if cfg.model.lora.rank > 0 else None)
+                       lora=cfg.model.lora if cfg.model.lora.rank > 0 else None,
+                       freeze_vision=cfg.model.freeze_vision)
 
 
 def _check(cfg) -> None:

@@ -56,6 +56,42 @@ class BackendSpec:
     reference: dict[str, Any] | None = None  # the reference's forward settings (TrainerSpec.reference_kwargs)
     critic: Any = None  # a `controller.ray.roles.CriticSpec` when the group holds the critic
     lora: Any = None  # model.lora (a LoRAConfig with rank > 0): each rank wraps its model with the adapters
+    freeze_vision: bool = True  # model.freeze_vision: a vision-language policy's tower held, as on the driver
+
+
+def rank_model(spec: BackendSpec) -> Any:
+    """The policy folder's model in fp32, as `training.model.load_policy` loads it on the driver: a
+    vision-language one (a `vision_config`) through `AutoModelForImageTextToText`, its vision tower frozen
+    unless `spec.freeze_vision` is false."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from tokenmill.engines.local.vision import is_vision_config
+
+    vision = is_vision_config(AutoConfig.from_pretrained(spec.model_path))
+    model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(
+        spec.model_path, dtype=torch.float32)
+    if vision:
+        from tokenmill.training.vision import freeze_vision_tower
+
+        freeze_vision_tower(model, spec.freeze_vision)
+    return model
+
+
+def rank_lora(spec: BackendSpec, model: Any) -> Any:
+    """`model` with `spec.lora`'s adapters, placed as on the driver: a vision-language policy's 'all-linear'
+    adapters on its language model only, a trainable tower in full beside them."""
+    from tokenmill.engines.local.vision import is_vision_config
+    from tokenmill.training.lora import add_lora
+    from tokenmill.training.vision import LANGUAGE_LORA_TARGETS, freeze_vision_tower
+
+    lora, vision = spec.lora, is_vision_config(model.config)
+    if vision and lora.target_modules == "all-linear":
+        lora = lora.model_copy(update={"target_modules": LANGUAGE_LORA_TARGETS})
+    model = add_lora(model, lora, task_type="CAUSAL_LM", field="model.lora")
+    if vision and not spec.freeze_vision:
+        freeze_vision_tower(model, False)
+    return model
 
 
 def rank_backend(spec: BackendSpec, model: Any, device: Any) -> Any:
@@ -81,7 +117,6 @@ class TrainerRankActor:
     def setup(self, spec: BackendSpec, init_method: str, rank: int, world: int) -> dict[str, Any]:
         import ray
         import torch
-        from transformers import AutoModelForCausalLM
 
         from tokenmill.training.dist import init_distributed
 
@@ -92,7 +127,7 @@ class TrainerRankActor:
         torch.manual_seed(spec.seed)
         from tokenmill.controller.ray.roles import rank_critic, rank_reference
 
-        model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32)
+        model = rank_model(spec)
         device = next(model.parameters()).device
         self.backend = self.reference = self.critic = None
         if "reference" in spec.roles:  # the initial weights, before the trainer shards `model` in place
@@ -101,9 +136,7 @@ class TrainerRankActor:
             self.critic = rank_critic(spec, device)
         if "policy" in spec.roles:
             if spec.lora is not None:  # the adapters start as the driver's: `set_trainable`
-                from tokenmill.training.lora import add_lora
-
-                model = add_lora(model, spec.lora, task_type="CAUSAL_LM", field="model.lora")
+                model = rank_lora(spec, model)
             self.backend = rank_backend(spec, model, device)
         self.rank = rank
         return {"rank": rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
