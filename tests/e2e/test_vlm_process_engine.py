@@ -55,5 +55,6 @@ def test_a_vlm_run_samples_from_a_spawned_server(tmp_path, tiny_vlm_path):
 def test_other_placements_are_still_refused_naming_the_field(tmp_path, tiny_vlm_path):
     with pytest.raises(ConfigError, match=r"^engine.placement: .*\(process\)"):
         tokenmill.train({"model": {"path": tiny_vlm_path}, "data": {"task": "shapes", "num_train": 8, "num_eval": 0},
-                         "engine": {"placement": "worker"}, "controller": {"steps": 1, "prompts_per_step": 2},
+                         "engine": {"placement": "remote", "urls": ["http://127.0.0.1:9"]},
+                         "controller": {"steps": 1, "prompts_per_step": 2},
                          "tracking": {"output_dir": str(tmp_path / "t"), "console": "none"}})

@@ -102,9 +102,9 @@ class Run:
             self.lock.release()
 
 
-# where a vision-language policy's rollouts may run: beside the trainer's module, in a producer thread on a
-# copy of it, or in spawned `tokenmill serve` processes (which take pictures as `image_url` parts)
-VISION_PLACEMENTS = ("colocated", "thread", "process")
+# where a vision-language policy's rollouts may run: beside the trainer's module, on a copy of it in a producer
+# thread or a worker process, or in spawned `tokenmill serve` processes (which take pictures as `image_url` parts)
+VISION_PLACEMENTS = ("colocated", "thread", "worker", "process")
 
 
 def vision_engine(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any, amp: torch.dtype | None,
@@ -113,8 +113,8 @@ def vision_engine(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any, amp: to
     of what does not take images yet."""
     if cfg.engine.placement not in VISION_PLACEMENTS:
         raise ConfigError(f"engine.placement: a vision-language model generates with its own module (colocated), "
-                          f"a copy in a rollout thread (thread) or spawned `tokenmill serve` processes (process); "
-                          f"{cfg.engine.placement} does not take images yet")
+                          f"a copy in a rollout thread (thread) or a worker process (worker), or spawned "
+                          f"`tokenmill serve` processes (process); {cfg.engine.placement} does not take images yet")
     if cfg.controller.partial_rollouts:
         raise ConfigError("controller.partial_rollouts: interrupting generations is done for text models only; "
                           "a vision-language run finishes each rollout on the weights it started with")

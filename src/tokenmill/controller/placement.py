@@ -1,14 +1,15 @@
 """Where the async producer's engine lives (`engine.placement`), and how new weights reach it.
 
-- thread:  a second `HFEngine` in this process holding a copy of the weights. The trainer's `push` stages a
-           copy; the producer thread applies it between rollouts (or, with partial rollouts, between chunks of
-           tokens), so the engine's weights never change under a running forward.
+- thread:  a second in-process engine (`HFEngine`, or `VisionEngine` for a vision-language policy) holding a
+           copy of the weights. The trainer's `push` stages a copy; the producer thread applies it between
+           rollouts (or, with partial rollouts, between chunks of tokens), so the engine's weights never change
+           under a running forward.
 - process: `tokenmill serve` subprocesses on free loopback ports (`engines.server.app.spawn_servers`), reached
            through a seeded `RemoteEngine`; weights go through `engines.remote.sync.for_servers` (files or
            broadcast). The servers are stopped at the end.
-- worker:  the in-process engine in a spawned worker process (`engines.local.worker`): the two sides run at once
-           on their own cores; a push copies the weights into shared memory, the producer has the worker
-           load them between rollouts. CPU only.
+- worker:  the in-process engine in a spawned worker process (`engines.local.worker`; a `VisionEngine` for a
+           vision-language policy): the two sides run at once on their own cores; a push copies the weights
+           into shared memory, the producer has the worker load them between rollouts. CPU only.
 - remote:  the same client and sync, for servers at `engine.urls` (ours, vLLM, SGLang).
 
 Colocated runs need none of this (the engine shares the trainer's module; see `feeds.InlineFeed`). A new
@@ -223,7 +224,8 @@ def build_placement(run) -> Placement:
         return WorkerPlacement(WorkerEngine(
             model, run.tokenizer, seed=cfg.training.seed, threads=thread_split(cfg)[0],
             fast_decode=cfg.engine.fast_decode, max_batch_tokens=cfg.engine.max_batch_tokens,
-            timeout_s=cfg.engine.timeout_s, version=engine.version, engine_options=cfg.engine.paged_options()))
+            timeout_s=cfg.engine.timeout_s, version=engine.version, engine_options=cfg.engine.paged_options(),
+            vision=getattr(engine, "takes_images", False)))
     if place in ("process", "remote"):
         return _server_placement(run)
     raise ConfigError(f"engine.placement: {place!r} has no producer (colocated runs in place)")

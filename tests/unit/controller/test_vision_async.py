@@ -72,3 +72,16 @@ def test_partial_rollouts_with_images_are_refused_naming_the_field(tmp_path, tin
     cfg["controller"].update(partial_rollouts=True, max_staleness=1)
     with pytest.raises(ConfigError, match=r"^controller.partial_rollouts: "):
         tokenmill.train(cfg, rewards=[digit_share])
+
+
+def test_a_worker_process_samples_with_the_pictures_from_the_pushed_weights(tmp_path, tiny_vlm_path):
+    torch.set_num_threads(1)
+    out = tmp_path / "worker"
+    tokenmill.train(_config(tiny_vlm_path, out, placement="worker"), rewards=[digit_share])
+    rows = _steps(out)
+    assert [r["step"] for r in rows] == [1, 2, 3] and len({r["grad_norm"] for r in rows}) > 1
+    for row in rows:
+        # the worker's VisionEngine read each prompt's pixels, at the weights the trainer had just pushed
+        # through shared memory (staleness 0): its logprobs are the trainer's
+        assert row["mismatch/tokens"] > 0 and row["mismatch/max_abs"] <= 1e-5, row
+        assert row["async/staleness_max"] == 0

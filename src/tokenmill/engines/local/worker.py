@@ -7,6 +7,8 @@ re-imported) with a copy of the policy, so the two sides run at once on their ow
 
 - `generate` sends the prompt token ids over a socket and waits for the completions (the same `Completion`
   objects the in-process engine returns; tokens and logprobs are those of `HFEngine` on the same weights).
+  A vision-language policy's worker runs a `VisionEngine` (`vision=True`): each prompt's `ImageInputs` go
+  with its ids (the pixel values and grids, not the source pictures).
 - `update_weights` copies the new tensors into a shared-memory staging area and returns: a memory copy, no
   serialisation, no waiting for the worker. `apply_staged` (called between rollouts) has the worker load
   the staged tensors into its own copy, so weights never change under a running forward; the two take one
@@ -32,6 +34,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterable
+from dataclasses import replace
 from multiprocessing import resource_tracker, shared_memory
 from multiprocessing.connection import Connection
 from typing import Any
@@ -62,11 +65,12 @@ class WorkerEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, seed: int = 0, threads: int = 1,
                  fast_decode: bool = True, max_batch_tokens: int = 0, timeout_s: float = 120.0,
-                 version: int = 0, engine_options: dict | None = None) -> None:
+                 version: int = 0, engine_options: dict | None = None, vision: bool = False) -> None:
         device = next(model.parameters()).device
         if device.type != "cpu":
             raise ValueError(f"the worker engine runs on the CPU (the model is on {device})")
         self.timeout_s, self.version, self.closed = timeout_s, version, False
+        self.takes_images = vision  # `rollout.generator.build_generator` then sends each prompt's images
         self._staged = version
         self._pipe = threading.Lock()  # one request on the socket at a time
         self._stage = threading.Lock()  # a push and the worker's load of the block never overlap
@@ -93,7 +97,7 @@ class WorkerEngine:
         self._conn = Connection(os.dup(mine.fileno()))
         mine.close()
         opts = {"threads": threads, "seed": seed, "fast_decode": fast_decode, "max_batch_tokens": max_batch_tokens,
-                "version": version, "engine_options": engine_options or {}}
+                "version": version, "engine_options": engine_options or {}, "vision": vision}
         try:
             # the module by value (plain pickle: its tensors are copied, nothing of the trainer's is shared)
             self._conn.send_bytes(pickle.dumps((pickle.dumps(model), tokenizer, self._shm.name, layout, opts)))
@@ -109,8 +113,8 @@ class WorkerEngine:
         if self.closed:
             raise EngineUnavailable("the worker engine is closed")
         try:
-            if request is not None:
-                self._conn.send(request)
+            if request is not None:  # plain pickle: tensors (a prompt's pixels) by value, not as shared handles
+                self._conn.send_bytes(pickle.dumps(request))
             if not self._conn.poll(timeout_s):
                 self.process.kill()
                 raise EngineUnavailable(self._state(f"no answer within {timeout_s:g}s; killed"))
@@ -126,9 +130,15 @@ class WorkerEngine:
         alive = "still running" if code is None else f"exited with code {code}"
         return f"the worker engine (pid {self.process.pid}, {alive}): {what}"
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 images: list | None = None) -> list[list[Completion]]:
+        """`images`: a vision worker's per-prompt `ImageInputs` (or None), sent without their source pictures."""
+        request: tuple = ("generate", [list(p) for p in prompts], params)
+        if self.takes_images:
+            images = images if images is not None else [getattr(p, "images", None) for p in prompts]
+            request += ([None if x is None else replace(x, pictures=()) for x in images],)
         with self._pipe:
-            return self._call(("generate", [list(p) for p in prompts], params), self.timeout_s)
+            return self._call(request, self.timeout_s)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Stage the tensors (names as the model's `named_parameters`; the ones that train); the worker loads
@@ -187,8 +197,13 @@ def _serve(conn: Connection) -> None:
         shm = shared_memory.SharedMemory(name=shm_name)
         resource_tracker.unregister(shm._name, "shared_memory")  # the trainer owns (and unlinks) the block
         model = pickle.loads(replica).eval().requires_grad_(False)
-        engine = HFEngine(model, tokenizer, seed=opts["seed"], fast_decode=opts["fast_decode"],
-                          max_batch_tokens=opts["max_batch_tokens"], **opts["engine_options"])
+        if opts["vision"]:
+            from tokenmill.engines.local.vision import VisionEngine
+
+            engine = VisionEngine(model, tokenizer, seed=opts["seed"])
+        else:
+            engine = HFEngine(model, tokenizer, seed=opts["seed"], fast_decode=opts["fast_decode"],
+                              max_batch_tokens=opts["max_batch_tokens"], **opts["engine_options"])
         engine.version = opts["version"]
         own = dict(model.named_parameters())
         targets = [(own[name], view) for name, view in staging_views(shm.buf, layout).items()]
@@ -213,10 +228,10 @@ def _serve(conn: Connection) -> None:
                 engine.version, calls = args[0], 0
                 reply: Any = engine.version
             elif kind == "generate":
-                prompts, params = args
+                prompts, params, *images = args  # a vision worker's: each prompt's ImageInputs
                 engine.generator.manual_seed(call_seed(opts["seed"], engine.version, calls))
                 calls += 1
-                reply = engine.generate(prompts, params)
+                reply = engine.generate(prompts, params, *images)
             else:
                 raise ValueError(f"unknown request {kind!r}")
         except Exception as exc:  # noqa: BLE001 - one failed request, answered; the worker serves on
