@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 import tokenmill
@@ -37,6 +38,13 @@ def _config(model: str, out, **engine) -> dict:
     }
 
 
+def _page_engine() -> dict:
+    """docs/vision.md's placement block: its engine section."""
+    page = (Path(__file__).parents[3] / "docs" / "vision.md").read_text()
+    block = page.split("<!-- tested: tests/unit/controller/test_vision_async.py -->\n```yaml\n", 1)[1]
+    return yaml.safe_load(block.split("```", 1)[0])["engine"]
+
+
 def _steps(out) -> list[dict]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "reward/mean" in r]
@@ -46,7 +54,8 @@ def test_a_thread_engine_samples_with_the_pictures_and_equals_colocated(tmp_path
     torch.set_num_threads(1)
     colocated, thread = tmp_path / "colocated", tmp_path / "thread"
     tokenmill.train(_config(tiny_vlm_path, colocated), rewards=[digit_share])
-    tokenmill.train(_config(tiny_vlm_path, thread, placement="thread"), rewards=[digit_share])
+    assert _page_engine() == {"placement": "thread"}
+    tokenmill.train(_config(tiny_vlm_path, thread, **_page_engine()), rewards=[digit_share])
     a, b = _steps(colocated), _steps(thread)
     assert [r["step"] for r in b] == [1, 2, 3]
     for x, y in zip(a, b, strict=True):
