@@ -68,6 +68,15 @@ def _train(backend, path: str) -> list[dict[str, float]]:
             for s in range(STEPS)]
 
 
+def _step(backend, path: str) -> dict[str, torch.Tensor]:
+    """One more update on step 7's batch; the weights after it, the tower's included."""
+    from torch.distributed.tensor import DTensor
+
+    policy_update(_samples(path, 7), backend, ALGO, pad_id=0, max_tokens=8, rng=random.Random(7))
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in backend.model.named_parameters()}
+
+
 def _worker(rank: int, world: int, tmp: str, model_path: str) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -89,6 +98,16 @@ def _worker(rank: int, world: int, tmp: str, model_path: str) -> None:
         record["tower_grads"] = sorted(n for n, p in tower.items() if p.grad is not None)
         record["tower"] = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                            for n, p in tower.items()}
+        if frozen:  # a sharded checkpoint (the whole tower on every rank beside the shards) resumes exactly
+            backend.checkpoint_dir = Path(tmp) / "shards"
+            state = backend.state_dict()
+            record["next"] = _step(backend, model_path)
+            resumed = ShardedBackend(_model(model_path), checkpoint_dir=Path(tmp) / "shards", **KWARGS)
+            with torch.no_grad():
+                for p in resumed.model.parameters():
+                    p.add_(1.0)  # the loaded state, not the initial weights, is what continues
+            resumed.load_state_dict(state)
+            record["resumed_next"] = _step(resumed, model_path)
         out[frozen] = record
     out["reference"] = ShardedReference(_model(model_path), temperature=1.0, token_budget=80).forward(probe)
     torch.save(out, Path(tmp) / f"rank{rank}.pt")
@@ -144,6 +163,15 @@ def test_two_ranks_train_what_one_process_does(two_ranks, frozen):
     else:  # trained, sharded with the root unit
         assert r0[False]["tower_sharded"] == sorted(tower)
         assert any(not torch.equal(r0[False]["tower"][n], start[f"model.visual.{n}"]) for n in tower)
+
+
+def test_a_sharded_vlm_checkpoint_resumes_exactly(two_ranks):
+    _, r0, r1 = two_ranks
+    for r in (r0, r1):
+        assert r[True]["next"].keys() == r[True]["resumed_next"].keys()
+        assert any(n.startswith("model.visual.") for n in r[True]["next"])
+        for name, t in r[True]["next"].items():
+            assert torch.equal(r[True]["resumed_next"][name], t), name
 
 
 def test_the_sharded_reference_reads_the_pictures(two_ranks):
