@@ -197,6 +197,8 @@ def rollout(cfg: RLConfig, side: RolloutSide, step: int) -> tuple[list[Group], d
         rows = side.source.next_rows(want - len(groups))
         new, made = side.actor.rollout(rows, version=side.engine.version, first_group=len(groups))
         info |= made
+        if cfg.training.deterministic:  # the trainer's own numbers for what the engine drew (zero mismatch)
+            new = exact_logprobs(cfg, side.engine, new)
         new = shape_overlong(new, cfg.generation.max_tokens, algo.overlong_buffer, algo.overlong_penalty)
         if algo.dynamic_sampling:
             kept = [g for g in new if has_spread(g)]
@@ -208,6 +210,21 @@ def rollout(cfg: RLConfig, side: RolloutSide, step: int) -> tuple[list[Group], d
     if algo.dynamic_sampling:
         info["sampling/dropped_groups"] = float(dropped)
     return groups, info
+
+
+def exact_logprobs(cfg: RLConfig, engine, groups: list[Group]) -> list[Group]:
+    """With `training.deterministic` and an engine in this process (colocated, thread): the groups with their
+    logprobs from a scoring pass through the trainer's per-sample function (`engines.local.scoring.rescore_groups`),
+    timed as `timing_s/rescore`; other engines' groups as they came (docs/reliability.md, "Zero mismatch")."""
+    from tokenmill.engines.local.hf import HFEngine
+    from tokenmill.engines.local.scoring import rescore_groups
+
+    tr = cfg.training
+    if not isinstance(engine, HFEngine) or tr.backend != "local":
+        return groups
+    with stage("rescore"):
+        return rescore_groups(engine, groups, temperature=cfg.generation.temperature,
+                              chunk_bytes=int(tr.logprob_chunk_mib * 2**20) if tr.chunked_logprobs else 0)
 
 
 def preemption(run: Run) -> Preemption:

@@ -292,3 +292,16 @@ def _teacher_at(teacher, taught, predicting: tuple, predicted: tuple):
         return taught[1], taught[0][predicting]
     ids_B_T_K, top_B_T_K = teacher
     return None, ids_B_T_K[predicted], top_B_T_K[predicted]
+
+
+def row_logprobs(model: torch.nn.Module, tokens, *, temperature: float, chunk_bytes: int,
+                 autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`[L]`: the token logprobs of one sequence as a row of exactly its L tokens (no padding, no neighbour),
+    through `sequence_token_stats`: what the trainer computes for it with `training.deterministic`
+    (`micro_token_stats(..., batch_invariant=True)`), so an engine scoring its samples with this function on
+    the same weights reports the trainer's numbers bit for bit (docs/reliability.md, "Zero mismatch")."""
+    device = next(model.parameters()).device
+    ids_1_L = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+    lp_1_L, _ = sequence_token_stats(model, ids_1_L, lengths_B=torch.tensor([ids_1_L.shape[1]]),
+                                     temperature=temperature, chunk_bytes=chunk_bytes, autocast_dtype=autocast_dtype)
+    return lp_1_L[0]
