@@ -1,0 +1,55 @@
+"""A short GRPO run with `training.deterministic: true` on the in-process engine reads `mismatch/max_abs`
+exactly 0.0 at every step and TIS weighs every token by exactly 1 (the engine reports the scoring pass's
+logprobs, `controller.rl.exact_logprobs`); the same run without it shows the decode pass's gap."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def restored_torch():
+    """`make_deterministic` switches process-wide torch settings: put them back for the tests after this one."""
+    algorithms, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    yield
+    torch.use_deterministic_algorithms(algorithms)
+    torch.set_num_threads(threads)
+
+
+def _run(model: str, folder, deterministic: bool) -> list[dict]:
+    from tokenmill.config import RLConfig, load_config
+    from tokenmill.controller import build_run, run_rl
+
+    cfg = load_config(RLConfig, {
+        "model": {"path": model}, "data": {"task": "addition", "num_eval": 0},
+        "generation": {"group_size": 4, "max_tokens": 6, "temperature": 0.9},
+        "algorithm": {"off_policy": "tis", "mini_batches": 2},
+        "training": {"learning_rate": 1e-2, "deterministic": deterministic, "micro_batch_tokens": 64},
+        "controller": {"steps": 3, "prompts_per_step": 3},
+        "health": {"mismatch_every": 1}, "tracking": {"output_dir": str(folder), "console": "none"},
+        "checkpoint": {"every": 0, "save_final": False},
+    })
+    run = build_run(cfg)
+    try:
+        run_rl(run)
+    finally:
+        run.close()
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_deterministic_run_has_zero_mismatch_and_unit_importance_weights(tiny_model_path, tmp_path, restored_torch):
+    rows = _run(tiny_model_path, tmp_path / "exact", deterministic=True)
+    assert len(rows) == 3 and all(r["mismatch/tokens"] > 0 for r in rows)
+    assert [r["mismatch/max_abs"] for r in rows] == [0.0, 0.0, 0.0]
+    assert [r["mismatch/kl"] for r in rows] == [0.0, 0.0, 0.0]
+    assert [r["is_weight_mean"] for r in rows] == [1.0, 1.0, 1.0]
+    assert all(r["timing_s/rescore"] > 0 for r in rows)  # the scoring pass is timed as a stage of its own
+
+
+def test_the_same_run_without_it_shows_the_decode_pass_gap(tiny_model_path, tmp_path):
+    rows = _run(tiny_model_path, tmp_path / "decode", deterministic=False)
+    assert all(0 < r["mismatch/max_abs"] < 1e-4 for r in rows)
+    assert "timing_s/rescore" not in rows[0]
