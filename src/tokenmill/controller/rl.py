@@ -214,17 +214,18 @@ def rollout(cfg: RLConfig, side: RolloutSide, step: int) -> tuple[list[Group], d
 
 def exact_logprobs(cfg: RLConfig, engine, groups: list[Group]) -> list[Group]:
     """With `training.deterministic` and an engine in this process (colocated, thread): the groups with their
-    logprobs from a scoring pass through the trainer's per-sample function (`engines.local.scoring.rescore_groups`),
+    logprobs from a scoring pass through the trainer's per-sample function (`training.logprobs.rescore_groups`),
     timed as `timing_s/rescore`; other engines' groups as they came (docs/reliability.md, "Zero mismatch")."""
     from tokenmill.engines.local.hf import HFEngine
-    from tokenmill.engines.local.scoring import rescore_groups
+    from tokenmill.training.logprobs import rescore_groups
 
     tr = cfg.training
     if not isinstance(engine, HFEngine) or tr.backend != "local":
         return groups
     with stage("rescore"):
-        return rescore_groups(engine, groups, temperature=cfg.generation.temperature,
-                              chunk_bytes=int(tr.logprob_chunk_mib * 2**20) if tr.chunked_logprobs else 0)
+        return rescore_groups(engine.model, groups, temperature=cfg.generation.temperature,
+                              chunk_bytes=int(tr.logprob_chunk_mib * 2**20) if tr.chunked_logprobs else 0,
+                              autocast_dtype=engine.autocast_dtype)
 
 
 def preemption(run: Run) -> Preemption:

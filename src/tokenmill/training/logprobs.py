@@ -22,6 +22,7 @@ the model's own forward.
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -305,3 +306,27 @@ def row_logprobs(model: torch.nn.Module, tokens, *, temperature: float, chunk_by
     lp_1_L, _ = sequence_token_stats(model, ids_1_L, lengths_B=torch.tensor([ids_1_L.shape[1]]),
                                      temperature=temperature, chunk_bytes=chunk_bytes, autocast_dtype=autocast_dtype)
     return lp_1_L[0]
+
+
+def rescore_groups(model: torch.nn.Module, groups: list, *, temperature: float, chunk_bytes: int,
+                   autocast_dtype: torch.dtype | None = None) -> list:
+    """`groups` with each trainable sample's logprobs replaced by `row_logprobs` under `model` (an in-process
+    engine's: `controller.rl.exact_logprobs`), in eval mode without gradients: with `training.deterministic`
+    the trainer computes exactly these numbers, so on the same weights the engine/trainer mismatch is 0 bit
+    for bit. The tokens stay the ones the decode pass drew (docs/reliability.md, "Zero mismatch"); untrained
+    positions keep 0."""
+
+    def rescored(s):
+        if not (s.trainable and any(s.loss_mask)):
+            return s
+        lp = row_logprobs(model, s.tokens, temperature=temperature, chunk_bytes=chunk_bytes,
+                          autocast_dtype=autocast_dtype).tolist()
+        return s.with_(logprobs=tuple(v if m else 0.0 for v, m in zip(lp, s.loss_mask, strict=True)))
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            return [replace(g, samples=tuple(rescored(s) for s in g.samples)) for g in groups]
+    finally:
+        model.train(was_training)

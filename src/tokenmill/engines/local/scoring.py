@@ -7,8 +7,6 @@ what the trainer would.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from tokenmill.types import PromptLogprobs
@@ -90,28 +88,3 @@ def _score_batch(model, seqs: list[list[int]], top_k: int, pad_id: int,
     return out
 
 
-
-def rescore_groups(engine, groups: list, *, temperature: float, chunk_bytes: int) -> list:
-    """`groups` with each trainable sample's logprobs replaced by those of a scoring pass on `engine`'s model
-    (an in-process engine: `engine.model`), one sample per row through the trainer's own function
-    (`training.logprobs.row_logprobs`): with `training.deterministic` the trainer computes exactly these
-    numbers, so on the same weights the engine/trainer mismatch is 0 bit for bit. The tokens stay the ones
-    the decode pass drew (docs/reliability.md, "Zero mismatch"); untrained positions keep 0."""
-    from tokenmill.training.logprobs import row_logprobs
-
-    model = engine.model
-    was_training = model.training
-    model.eval()
-
-    def rescored(s):
-        if not (s.trainable and any(s.loss_mask)):
-            return s
-        lp = row_logprobs(model, s.tokens, temperature=temperature, chunk_bytes=chunk_bytes,
-                          autocast_dtype=engine.autocast_dtype).tolist()
-        return s.with_(logprobs=tuple(v if m else 0.0 for v, m in zip(lp, s.loss_mask, strict=True)))
-
-    try:
-        with torch.inference_mode():
-            return [replace(g, samples=tuple(rescored(s) for s in g.samples)) for g in groups]
-    finally:
-        model.train(was_training)

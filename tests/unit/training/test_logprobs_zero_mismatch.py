@@ -13,10 +13,10 @@ import torch
 
 from tokenmill.config.schema import AlgorithmConfig
 from tokenmill.engines.local.hf import HFEngine
-from tokenmill.engines.local.scoring import rescore_groups
 from tokenmill.health.mismatch import MismatchWatch
 from tokenmill.training.batch import collate
 from tokenmill.training.local import LocalBackend
+from tokenmill.training.logprobs import rescore_groups
 from tokenmill.training.update import policy_update
 from tokenmill.types import Group, Sample, SamplingParams
 
@@ -45,7 +45,7 @@ def drawn(tiny_model, tokenizer):
     """(the engine, the decode pass's samples, the same samples with the scoring pass's logprobs)."""
     engine = HFEngine(tiny_model, tokenizer, seed=0)
     groups = _grpo_groups(engine, tokenizer)
-    scored = rescore_groups(engine, groups, temperature=TEMPERATURE, chunk_bytes=CHUNK)
+    scored = rescore_groups(engine.model, groups, temperature=TEMPERATURE, chunk_bytes=CHUNK)
     flat = [s for g in groups for s in g.samples]
     return engine, flat, [s for g in scored for s in g.samples]
 
@@ -102,7 +102,7 @@ def test_the_training_forward_equals_the_engine_scores(drawn):
     model = engine.model
     small = 1e-4  # MiB: a few positions per chunk of the LM head, so the training forward checkpoints chunks
     regrouped = [Group(0, tuple(decoded))]
-    scored = list(rescore_groups(engine, regrouped, temperature=TEMPERATURE, chunk_bytes=int(small * 2**20))[0].samples)
+    scored = list(rescore_groups(engine.model, regrouped, temperature=TEMPERATURE, chunk_bytes=int(small * 2**20))[0].samples)
     backend = _backend(model, micro_batch_tokens=64, logits_chunk_mib=small, batch_invariant=True)
     batch = collate(scored, [1.0] * len(scored), pad_id=0)
     seen = []
