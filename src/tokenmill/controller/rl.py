@@ -197,7 +197,7 @@ def rollout(cfg: RLConfig, side: RolloutSide, step: int) -> tuple[list[Group], d
         rows = side.source.next_rows(want - len(groups))
         new, made = side.actor.rollout(rows, version=side.engine.version, first_group=len(groups))
         info |= made
-        if cfg.training.deterministic:  # the trainer's own numbers for what the engine drew (zero mismatch)
+        if cfg.training.deterministic and cfg.training.zero_mismatch:  # the trainer's numbers for what was drawn
             new = exact_logprobs(cfg, side.engine, new)
         new = shape_overlong(new, cfg.generation.max_tokens, algo.overlong_buffer, algo.overlong_penalty)
         if algo.dynamic_sampling:
@@ -213,7 +213,8 @@ def rollout(cfg: RLConfig, side: RolloutSide, step: int) -> tuple[list[Group], d
 
 
 def exact_logprobs(cfg: RLConfig, engine, groups: list[Group]) -> list[Group]:
-    """With `training.deterministic` and an engine in this process (colocated, thread): the groups with their
+    """With `training.deterministic` (and `zero_mismatch`), an engine in this process (colocated, thread) and the
+    local trainer: the groups with their
     logprobs from a scoring pass through the trainer's per-sample function (`training.logprobs.rescore_groups`),
     timed as `timing_s/rescore`; other engines' groups as they came (docs/reliability.md, "Zero mismatch")."""
     from tokenmill.engines.local.hf import HFEngine

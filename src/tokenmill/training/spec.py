@@ -70,7 +70,7 @@ class TrainerSpec:
             temperature=cfg.generation.temperature, autocast_dtype=autocast_dtype, share_prompts=tr.share_prompts,
             logits_chunk_mib=tr.logprob_chunk_mib if tr.chunked_logprobs else 0, fast_forward=tr.fast_forward,
             activation_checkpointing=tr.activation_checkpointing, kernels=tr.kernels,
-            optimizer_offload=tr.optimizer_offload, batch_invariant=tr.deterministic,
+            optimizer_offload=tr.optimizer_offload, batch_invariant=tr.deterministic and tr.zero_mismatch,
             distill=cfg.distillation if full_kl(cfg) else None, router_replay=tr.router_replay,
         )
 

@@ -53,3 +53,15 @@ def test_the_same_run_without_it_shows_the_decode_pass_gap(tiny_model_path, tmp_
     rows = _run(tiny_model_path, tmp_path / "decode", deterministic=False)
     assert all(0 < r["mismatch/max_abs"] < 1e-4 for r in rows)
     assert "timing_s/rescore" not in rows[0]
+
+
+def test_only_deterministic_with_zero_mismatch_makes_the_trainer_batch_invariant():
+    from tokenmill.config import RLConfig, load_config
+    from tokenmill.training.spec import TrainerSpec
+
+    def invariant(**training) -> bool:
+        cfg = load_config(RLConfig, {"model": {"path": "m"}, "data": {"task": "addition"}, "training": training})
+        return TrainerSpec.from_config(cfg, None).batch_invariant
+
+    assert invariant(deterministic=True) and not invariant()
+    assert not invariant(deterministic=True, zero_mismatch=False) and not invariant(zero_mismatch=True)
