@@ -214,9 +214,9 @@ def rollout(cfg: RLConfig, side: RolloutSide, step: int) -> tuple[list[Group], d
 
 def exact_logprobs(cfg: RLConfig, engine, groups: list[Group]) -> list[Group]:
     """With `training.deterministic` (and `zero_mismatch`), an engine in this process (colocated, thread) and the
-    local trainer: the groups with their
-    logprobs from a scoring pass through the trainer's per-sample function (`training.logprobs.rescore_groups`),
-    timed as `timing_s/rescore`; other engines' groups as they came (docs/reliability.md, "Zero mismatch")."""
+    local trainer: the groups with the logprobs of a scoring pass through the trainer's per-sample function
+    (`training.logprobs.rescore_groups`; samples of the engine's current weights), timed as `timing_s/rescore`;
+    other engines' groups as they came (docs/reliability.md, "Zero mismatch")."""
     from tokenmill.engines.local.hf import HFEngine
     from tokenmill.training.logprobs import rescore_groups
 
@@ -226,7 +226,7 @@ def exact_logprobs(cfg: RLConfig, engine, groups: list[Group]) -> list[Group]:
     with stage("rescore"):
         return rescore_groups(engine.model, groups, temperature=cfg.generation.temperature,
                               chunk_bytes=int(tr.logprob_chunk_mib * 2**20) if tr.chunked_logprobs else 0,
-                              autocast_dtype=engine.autocast_dtype)
+                              autocast_dtype=engine.autocast_dtype, version=engine.version)
 
 
 def preemption(run: Run) -> Preemption:

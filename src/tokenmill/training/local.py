@@ -70,8 +70,8 @@ def micro_token_stats(
     device = next(model.parameters()).device
     top_k = teacher is not None and not isinstance(teacher, torch.nn.Module)
     routed = replay and batch.routes_B_T_R is not None
-    segments = None if top_k or routed or batch_invariant else packing_segments(batch, share_prompts=share_prompts,
-                                                                 pack_sequences=pack_sequences)
+    segments = None if top_k or routed or batch_invariant else packing_segments(
+        batch, share_prompts=share_prompts, pack_sequences=pack_sequences)
     if segments is not None:
         for micro, packed in micro_packs(batch, token_budget, segments):
             micro = micro.to(device)
@@ -82,8 +82,8 @@ def micro_token_stats(
             yield packed.batch_rows, micro, *stats
         return
     start = 0
-    micros = (batch.slice(i, i + 1) for i in range(batch.size)) if batch_invariant else batch.micro_batches(token_budget)
-    for micro in micros:
+    one_each = (batch.slice(i, i + 1) for i in range(batch.size))  # batch_invariant: a row of its own tokens
+    for micro in one_each if batch_invariant else batch.micro_batches(token_budget):
         micro = micro.to(device)
         taught = tuple(t.to(device) for t in teacher.top(micro.input_ids_B_T, micro.lengths_B)) if top_k else teacher
         rows = torch.arange(start, start + micro.size)

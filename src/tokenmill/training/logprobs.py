@@ -309,15 +309,19 @@ def row_logprobs(model: torch.nn.Module, tokens, *, temperature: float, chunk_by
 
 
 def rescore_groups(model: torch.nn.Module, groups: list, *, temperature: float, chunk_bytes: int,
-                   autocast_dtype: torch.dtype | None = None) -> list:
+                   autocast_dtype: torch.dtype | None = None, version: int | None = None) -> list:
     """`groups` with each trainable sample's logprobs replaced by `row_logprobs` under `model` (an in-process
     engine's: `controller.rl.exact_logprobs`), in eval mode without gradients: with `training.deterministic`
     the trainer computes exactly these numbers, so on the same weights the engine/trainer mismatch is 0 bit
     for bit. The tokens stay the ones the decode pass drew (docs/reliability.md, "Zero mismatch"); untrained
-    positions keep 0."""
+    positions keep 0. With `version` (the weights `model` holds), a sample drawn by other weights (an older
+    version, a partial rollout across an update) keeps its decode logprobs: those are its behaviour policy's."""
+
+    def drawn_here(s) -> bool:
+        return version is None or (s.version == version and all(v == version for v in s.token_versions))
 
     def rescored(s):
-        if not (s.trainable and any(s.loss_mask)):
+        if not (s.trainable and any(s.loss_mask) and drawn_here(s)):
             return s
         lp = row_logprobs(model, s.tokens, temperature=temperature, chunk_bytes=chunk_bytes,
                           autocast_dtype=autocast_dtype).tolist()

@@ -137,3 +137,16 @@ def test_the_decode_pass_logprobs_show_a_mismatch(drawn):
     metrics = policy_update(decoded, backend, AlgorithmConfig(off_policy="tis"), pad_id=0, max_tokens=12,
                             rng=random.Random(0), watch=watch)
     assert metrics["mismatch/max_abs"] > 0.0 and metrics["is_weight_mean"] != 1.0
+
+
+def test_samples_drawn_by_other_weights_keep_their_decode_logprobs(drawn):
+    """An older version's sample, or a partial rollout across an update, was drawn by other weights: their
+    logprobs are its behaviour policy's, so the scoring pass of the current weights leaves them alone."""
+    engine, decoded, scored = drawn
+    across = decoded[1].with_(token_versions=(0,) * (decoded[1].completion_len - 1) + (1,))
+    group = Group(0, (decoded[0], across, decoded[2]))
+    out = rescore_groups(engine.model, [group], temperature=TEMPERATURE, chunk_bytes=CHUNK, version=0)[0].samples
+    assert out[0].logprobs == scored[0].logprobs and out[2].logprobs == scored[2].logprobs
+    assert out[1].logprobs == decoded[1].logprobs  # its last token came from version 1
+    newer = rescore_groups(engine.model, [group], temperature=TEMPERATURE, chunk_bytes=CHUNK, version=1)[0]
+    assert [s.logprobs for s in newer.samples] == [s.logprobs for s in group.samples]

@@ -86,5 +86,3 @@ def _score_batch(model, seqs: list[list[int]], top_k: int, pad_id: int,
             tops = tuple(dict(zip(top[1][b][t], top[0][b][t], strict=True)) for t in range(n))
         out.append((PromptLogprobs(tuple(picked[b][:n]), tops), tuple(ranks[b][:n])))
     return out
-
-
