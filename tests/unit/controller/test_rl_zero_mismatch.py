@@ -65,3 +65,21 @@ def test_only_deterministic_with_zero_mismatch_makes_the_trainer_batch_invariant
 
     assert invariant(deterministic=True) and not invariant()
     assert not invariant(deterministic=True, zero_mismatch=False) and not invariant(zero_mismatch=True)
+
+
+def test_a_deterministic_thread_engine_runs_the_fixed_thread_count_like_the_trainer(monkeypatch):
+    """Its scoring pass then reduces in the trainer's order; other placements keep their split."""
+    import os
+
+    from tokenmill.config import RLConfig, load_config
+    from tokenmill.controller.placement import thread_split
+
+    def cfg(placement: str, deterministic: bool):
+        return load_config(RLConfig, {"model": {"path": "m"}, "data": {"task": "addition"},
+                                      "engine": {"placement": placement}, "training": {"deterministic": deterministic}})
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(8)))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    monkeypatch.delenv("TOKENMILL_DETERMINISTIC_THREADS", raising=False)
+    assert thread_split(cfg("thread", True)) == (1, 1) and thread_split(cfg("thread", False)) == (4, 4)
+    assert thread_split(cfg("worker", True)) == (4, 4) and thread_split(cfg("colocated", True)) == (0, 0)
