@@ -19,7 +19,12 @@ def restored_torch():
     torch.set_num_threads(threads)
 
 
-def _run(model: str, folder, deterministic: bool) -> list[dict]:
+def digit_share(prompts, completions, **_):
+    """A dense reward, so the random-init model gets non-zero advantages and its weights move every step."""
+    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+
+
+def _run(model: str, folder, deterministic: bool, **sections) -> list[dict]:
     from tokenmill.config import RLConfig, load_config
     from tokenmill.controller import build_run, run_rl
 
@@ -30,9 +35,9 @@ def _run(model: str, folder, deterministic: bool) -> list[dict]:
         "training": {"learning_rate": 1e-2, "deterministic": deterministic, "micro_batch_tokens": 64},
         "controller": {"steps": 3, "prompts_per_step": 3},
         "health": {"mismatch_every": 1}, "tracking": {"output_dir": str(folder), "console": "none"},
-        "checkpoint": {"every": 0, "save_final": False},
+        "checkpoint": {"every": 0, "save_final": False}, **sections,
     })
-    run = build_run(cfg)
+    run = build_run(cfg, rewards=[digit_share])
     try:
         run_rl(run)
     finally:
@@ -47,6 +52,16 @@ def test_a_deterministic_run_has_zero_mismatch_and_unit_importance_weights(tiny_
     assert [r["mismatch/kl"] for r in rows] == [0.0, 0.0, 0.0]
     assert [r["is_weight_mean"] for r in rows] == [1.0, 1.0, 1.0]
     assert all(r["timing_s/rescore"] > 0 for r in rows)  # the scoring pass is timed as a stage of its own
+    assert all(r["grad_norm"] > 0 for r in rows)  # the weights moved between steps: the engine followed them
+
+
+def test_a_thread_engine_of_the_current_weights_has_zero_mismatch(tiny_model_path, tmp_path, restored_torch):
+    """A copy of the policy decoding in a thread: pushed weights are the trainer's bits, and both sides run
+    the mode's fixed thread count."""
+    rows = _run(tiny_model_path, tmp_path / "thread", deterministic=True, engine={"placement": "thread"})
+    assert [r["async/staleness_max"] for r in rows] == [0, 0, 0] and all(r["grad_norm"] > 0 for r in rows)
+    assert [r["mismatch/max_abs"] for r in rows] == [0.0, 0.0, 0.0]
+    assert all(r["async/producer_rescore_s"] > 0 for r in rows)
 
 
 def test_the_same_run_without_it_shows_the_decode_pass_gap(tiny_model_path, tmp_path):
