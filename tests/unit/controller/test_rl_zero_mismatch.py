@@ -70,16 +70,19 @@ def test_the_same_run_without_it_shows_the_decode_pass_gap(tiny_model_path, tmp_
     assert "timing_s/rescore" not in rows[0]
 
 
-def test_only_deterministic_with_zero_mismatch_makes_the_trainer_batch_invariant():
+def test_only_deterministic_with_zero_mismatch_and_an_in_process_engine_makes_the_trainer_batch_invariant():
     from tokenmill.config import RLConfig, load_config
     from tokenmill.training.spec import TrainerSpec
 
-    def invariant(**training) -> bool:
-        cfg = load_config(RLConfig, {"model": {"path": "m"}, "data": {"task": "addition"}, "training": training})
+    def invariant(placement: str = "colocated", **training) -> bool:
+        cfg = load_config(RLConfig, {"model": {"path": "m"}, "data": {"task": "addition"}, "training": training,
+                                     "engine": {"placement": placement}})
         return TrainerSpec.from_config(cfg, None).batch_invariant
 
-    assert invariant(deterministic=True) and not invariant()
+    assert invariant(deterministic=True) and invariant("thread", deterministic=True) and not invariant()
     assert not invariant(deterministic=True, zero_mismatch=False) and not invariant(zero_mismatch=True)
+    # an engine in another process cannot score through the trainer's function: the trainer keeps its batches
+    assert not invariant("process", deterministic=True) and not invariant("worker", deterministic=True)
 
 
 def test_a_deterministic_thread_engine_runs_the_fixed_thread_count_like_the_trainer(monkeypatch):
