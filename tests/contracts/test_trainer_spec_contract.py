@@ -53,6 +53,7 @@ CHECKS = {
     "kernels": lambda b, m, s: b.kernels == s.kernels,
     "optimizer_offload": lambda b, m, s: b.optimizer_offload == s.optimizer_offload and (
         b.optimizer.param_groups[0]["params"][0].device.type == "cpu"),
+    "batch_invariant": lambda b, m, s: b.batch_invariant == s.batch_invariant,
 }
 
 
@@ -71,7 +72,7 @@ def spec(teacher_path):
         lr_schedule="linear", max_grad_norm=0.5, micro_batch_tokens=96, temperature=0.7,
         autocast_dtype=torch.bfloat16, share_prompts=False, logits_chunk_mib=2, fast_forward=False,
         pack_sequences=True, track_entropy=False, activation_checkpointing=True, optimizer_offload=True,
-        distill=DistillConfig(teacher={"path": teacher_path}, kl_coef=0.3), router_replay="r3",
+        batch_invariant=True, distill=DistillConfig(teacher={"path": teacher_path}, kl_coef=0.3), router_replay="r3",
     )
 
 

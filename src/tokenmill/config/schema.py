@@ -212,8 +212,8 @@ class TrainingConfig(OptimConfig):
     )
     deterministic: bool = Field(
         False, description="Bit-exact runs: deterministic torch algorithms and a fixed thread count, so a run "
-        "killed and resumed ends with exactly the weights of an uninterrupted one (slower; see "
-        "docs/reliability.md)."
+        "killed and resumed ends with exactly the weights of an uninterrupted one, and (zero_mismatch) engine "
+        "logprobs equal to the trainer's bit for bit (slower; see docs/reliability.md)."
     )
     backend: Literal["local", "fsdp2"] = Field(
         "local", description="local: one process trains the whole model. fsdp2: every torchrun rank trains a "
@@ -246,6 +246,13 @@ class TrainingConfig(OptimConfig):
         True, description="Before the policy loads on a GPU, compare tokenmill estimate's peak with the device's "
         "memory and refuse a run that will not fit, naming the settings that would (false: load anyway). "
         "TOKENMILL_DEVICE_MEMORY_GIB sets the memory to check against (any device)."
+    )
+    zero_mismatch: bool = Field(
+        True, description="With deterministic: true, an in-process engine (colocated or thread) reports for each "
+        "sample the logprobs of a scoring pass through the trainer's own function, and the trainer computes "
+        "each sample as a row of its own, so mismatch/max_abs is exactly 0 and importance weights exactly 1 "
+        "(slower on small models; docs/reliability.md, \"Zero mismatch\"). false: a deterministic run keeps the "
+        "batched forwards (resume still bit-exact). No effect without deterministic."
     )
 
     @model_validator(mode="after")

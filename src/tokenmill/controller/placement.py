@@ -193,9 +193,14 @@ def thread_split(cfg) -> tuple[int, int]:
     that together ask for more threads than there are cores spin against each other (measured here: a
     training step 30x slower), so generation gets `engine.threads` (default: half the cores, shared by the
     spawned servers) and the trainer at most the rest (never more than it has). Remote engines take no cores
-    here: (0, 0) = leave as is."""
+    here: (0, 0) = leave as is. A thread engine under `training.deterministic`: its fixed count on both sides (a
+    reduction's order, so its rounding, is then the same in the engine's scoring pass and the trainer's)."""
     if cfg.engine.placement in ("colocated", "remote"):
         return 0, 0
+    if cfg.training.deterministic and cfg.engine.placement == "thread":  # one count for the engine and the trainer
+        from tokenmill.checkpoint.determinism import deterministic_threads
+
+        return deterministic_threads(), deterministic_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     engines = cfg.engine.num_servers if cfg.engine.placement == "process" else 1
     per_engine = cfg.engine.threads or max(1, cores // (2 * engines))

@@ -30,6 +30,7 @@ from tokenmill.tracking.stages import stage, step_timer
 from tokenmill.training.critic import gae_advantages
 from tokenmill.training.dist import barrier, is_main, max_over_ranks
 from tokenmill.training.model import parameter_counts
+from tokenmill.training.spec import zero_mismatch
 from tokenmill.training.teacher import distill_groups
 from tokenmill.training.update import UpdateWatch, policy_update, value_update
 from tokenmill.types import ConfigError, Group, Sample
@@ -197,6 +198,8 @@ def rollout(cfg: RLConfig, side: RolloutSide, step: int) -> tuple[list[Group], d
         rows = side.source.next_rows(want - len(groups))
         new, made = side.actor.rollout(rows, version=side.engine.version, first_group=len(groups))
         info |= made
+        if zero_mismatch(cfg):  # the trainer's own numbers for what the engine drew
+            new = exact_logprobs(cfg, side.engine, new)
         new = shape_overlong(new, cfg.generation.max_tokens, algo.overlong_buffer, algo.overlong_penalty)
         if algo.dynamic_sampling:
             kept = [g for g in new if has_spread(g)]
@@ -208,6 +211,23 @@ def rollout(cfg: RLConfig, side: RolloutSide, step: int) -> tuple[list[Group], d
     if algo.dynamic_sampling:
         info["sampling/dropped_groups"] = float(dropped)
     return groups, info
+
+
+def exact_logprobs(cfg: RLConfig, engine, groups: list[Group]) -> list[Group]:
+    """With `training.spec.zero_mismatch(cfg)` (deterministic, an engine in this process, the local trainer):
+    the groups with the logprobs of a scoring pass through the trainer's per-sample function
+    (`training.logprobs.rescore_groups`; samples of the engine's current weights), timed as `timing_s/rescore`;
+    other engines' groups as they came (docs/reliability.md, "Zero mismatch")."""
+    from tokenmill.engines.local.hf import HFEngine
+    from tokenmill.training.logprobs import rescore_groups
+
+    tr = cfg.training
+    if not isinstance(engine, HFEngine):  # a vision-language engine: its trainer keeps padded rows
+        return groups
+    with stage("rescore"):
+        return rescore_groups(engine.model, groups, temperature=cfg.generation.temperature,
+                              chunk_bytes=int(tr.logprob_chunk_mib * 2**20) if tr.chunked_logprobs else 0,
+                              autocast_dtype=engine.autocast_dtype, version=engine.version)
 
 
 def preemption(run: Run) -> Preemption:

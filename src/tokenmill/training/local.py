@@ -45,6 +45,7 @@ def micro_token_stats(
     chunk_bytes: int = DEFAULT_CHUNK_MIB << 20,
     teacher: Any = None,
     replay: bool = False,
+    batch_invariant: bool = False,
 ) -> Iterator[tuple[torch.Tensor, ...]]:
     """Per micro-batch: (its rows in `batch`, the micro-batch on the model's device, its token logprobs, its
     token entropies or None). Groups sharing a prompt are packed (`training.packing`; only completion tokens
@@ -56,7 +57,9 @@ def micro_token_stats(
     logprobs `[B, T, K]` (`training.teacher.TopKTeacher`: the bucketed KL, on padded rows, never packed).
     With `replay` and recorded routes (`batch.routes_B_T_R`), a mixture-of-experts model routes each token as
     recorded (`training.router_replay`; padded rows, never packed), until the caller asks for the next tuple
-    (so a backward through a recomputed forward routes the same)."""
+    (so a backward through a recomputed forward routes the same). `batch_invariant` (`training.deterministic`):
+    every sample is a micro-batch of its own, a row of exactly its tokens, so its numbers never depend on the
+    batch it came in, the token budget or the packing (`logprobs.row_logprobs` computes the same)."""
     if batch.images_B is not None:  # a vision-language policy's batch: padded rows (`training.vision`)
         from tokenmill.training.vision import vision_micro_stats
 
@@ -67,8 +70,8 @@ def micro_token_stats(
     device = next(model.parameters()).device
     top_k = teacher is not None and not isinstance(teacher, torch.nn.Module)
     routed = replay and batch.routes_B_T_R is not None
-    segments = None if top_k or routed else packing_segments(batch, share_prompts=share_prompts,
-                                                                 pack_sequences=pack_sequences)
+    segments = None if top_k or routed or batch_invariant else packing_segments(
+        batch, share_prompts=share_prompts, pack_sequences=pack_sequences)
     if segments is not None:
         for micro, packed in micro_packs(batch, token_budget, segments):
             micro = micro.to(device)
@@ -79,7 +82,8 @@ def micro_token_stats(
             yield packed.batch_rows, micro, *stats
         return
     start = 0
-    for micro in batch.micro_batches(token_budget):
+    one_each = (batch.slice(i, i + 1) for i in range(batch.size))  # batch_invariant: a row of its own tokens
+    for micro in one_each if batch_invariant else batch.micro_batches(token_budget):
         micro = micro.to(device)
         taught = tuple(t.to(device) for t in teacher.top(micro.input_ids_B_T, micro.lengths_B)) if top_k else teacher
         rows = torch.arange(start, start + micro.size)
@@ -104,6 +108,7 @@ def batch_logprobs(
     autocast_dtype: torch.dtype | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_MIB << 20,
     replay: bool = False,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Logprobs of the tokens of `batch` under `model`, micro-batched, on the CPU, aligned with the batch.
     With shared prompts (and `share_prompts`) the groups are packed and only completion tokens get a value
@@ -111,7 +116,7 @@ def batch_logprobs(
     out = torch.zeros_like(batch.old_logprobs_B_T)
     for rows, _, lp, _ in micro_token_stats(model, batch, temperature=temperature, token_budget=token_budget,
                                             share_prompts=share_prompts, autocast_dtype=autocast_dtype,
-                                            chunk_bytes=chunk_bytes, replay=replay):
+                                            chunk_bytes=chunk_bytes, replay=replay, batch_invariant=batch_invariant):
         out[rows, : lp.shape[1]] = lp.float().cpu()
     return out
 
@@ -204,6 +209,7 @@ class LocalBackend:
         activation_checkpointing: bool = False,
         kernels: str = "none",
         optimizer_offload: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         from tokenmill.training.kernels import apply_trainer_kernels
 
@@ -232,6 +238,7 @@ class LocalBackend:
         self.autocast_dtype = autocast_dtype
         self.share_prompts = share_prompts
         self.pack_sequences = pack_sequences
+        self.batch_invariant = batch_invariant  # one sample per row (`micro_token_stats`; training.deterministic)
 
     @property
     def teacher_in_loss(self) -> bool:
@@ -249,7 +256,7 @@ class LocalBackend:
             share_prompts=self.share_prompts, pack_sequences=self.pack_sequences,
             entropy=self.track_entropy or bonus, entropy_grad=bonus,
             autocast_dtype=self.autocast_dtype, chunk_bytes=self.chunk_bytes, teacher=self.distill_teacher,
-            replay=self.router_replay != "off",
+            replay=self.router_replay != "off", batch_invariant=self.batch_invariant,
         )
         for _, micro, logprobs_B_T, ent, *kl in stats:
             loss, metrics = loss_fn(logprobs_B_T, micro)
@@ -273,7 +280,7 @@ class LocalBackend:
         return batch_logprobs(
             self.model, batch, temperature=self.temperature, token_budget=self.micro_batch_tokens,
             share_prompts=self.share_prompts, autocast_dtype=self.autocast_dtype, chunk_bytes=self.chunk_bytes,
-            replay=self.router_replay != "off",
+            replay=self.router_replay != "off", batch_invariant=self.batch_invariant,
         )
 
     @torch.no_grad()

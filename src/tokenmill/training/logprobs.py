@@ -22,6 +22,7 @@ the model's own forward.
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -292,3 +293,44 @@ def _teacher_at(teacher, taught, predicting: tuple, predicted: tuple):
         return taught[1], taught[0][predicting]
     ids_B_T_K, top_B_T_K = teacher
     return None, ids_B_T_K[predicted], top_B_T_K[predicted]
+
+
+def row_logprobs(model: torch.nn.Module, tokens, *, temperature: float, chunk_bytes: int,
+                 autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`[L]`: the token logprobs of one sequence as a row of exactly its L tokens (no padding, no neighbour),
+    through `sequence_token_stats`: what the trainer computes for it with `training.deterministic`
+    (`micro_token_stats(..., batch_invariant=True)`), so an engine scoring its samples with this function on
+    the same weights reports the trainer's numbers bit for bit (docs/reliability.md, "Zero mismatch")."""
+    device = next(model.parameters()).device
+    ids_1_L = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+    lp_1_L, _ = sequence_token_stats(model, ids_1_L, lengths_B=torch.tensor([ids_1_L.shape[1]]),
+                                     temperature=temperature, chunk_bytes=chunk_bytes, autocast_dtype=autocast_dtype)
+    return lp_1_L[0]
+
+
+def rescore_groups(model: torch.nn.Module, groups: list, *, temperature: float, chunk_bytes: int,
+                   autocast_dtype: torch.dtype | None = None, version: int | None = None) -> list:
+    """`groups` with each trainable sample's logprobs replaced by `row_logprobs` under `model` (an in-process
+    engine's: `controller.rl.exact_logprobs`), in eval mode without gradients: with `training.deterministic`
+    the trainer computes exactly these numbers, so on the same weights the engine/trainer mismatch is 0 bit
+    for bit. The tokens stay the ones the decode pass drew (docs/reliability.md, "Zero mismatch"); untrained
+    positions keep 0. With `version` (the weights `model` holds), a sample drawn by other weights (an older
+    version, a partial rollout across an update) keeps its decode logprobs: those are its behaviour policy's."""
+
+    def drawn_here(s) -> bool:
+        return version is None or (s.version == version and all(v == version for v in s.token_versions))
+
+    def rescored(s):
+        if not (s.trainable and any(s.loss_mask) and drawn_here(s)):
+            return s
+        lp = row_logprobs(model, s.tokens, temperature=temperature, chunk_bytes=chunk_bytes,
+                          autocast_dtype=autocast_dtype).tolist()
+        return s.with_(logprobs=tuple(v if m else 0.0 for v, m in zip(lp, s.loss_mask, strict=True)))
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            return [replace(g, samples=tuple(rescored(s) for s in g.samples)) for g in groups]
+    finally:
+        model.train(was_training)

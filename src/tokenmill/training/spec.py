@@ -50,6 +50,8 @@ class TrainerSpec:
     activation_checkpointing: bool = False
     kernels: str = "none"  # none | liger
     optimizer_offload: bool = False
+    # training.deterministic: every sample a row of its own, so its logprobs are the engine's `row_logprobs`
+    batch_invariant: bool = False
     # on-policy distillation's full reverse KL in the loss
     distill: Any = None  # config.distill.DistillConfig or None
 
@@ -68,7 +70,7 @@ class TrainerSpec:
             temperature=cfg.generation.temperature, autocast_dtype=autocast_dtype, share_prompts=tr.share_prompts,
             logits_chunk_mib=tr.logprob_chunk_mib if tr.chunked_logprobs else 0, fast_forward=tr.fast_forward,
             activation_checkpointing=tr.activation_checkpointing, kernels=tr.kernels,
-            optimizer_offload=tr.optimizer_offload,
+            optimizer_offload=tr.optimizer_offload, batch_invariant=zero_mismatch(cfg),
             distill=cfg.distillation if full_kl(cfg) else None, router_replay=tr.router_replay,
         )
 
@@ -111,3 +113,12 @@ def policy_backend(spec: TrainerSpec, model: torch.nn.Module, *, teacher: Any = 
         backend = LocalBackend(model, **kwargs)
     spec.apply_fast_forward(model, backend.model)
     return backend
+
+
+def zero_mismatch(cfg: Any) -> bool:
+    """Whether an `RLConfig` run gets `training.deterministic`'s zero mismatch: deterministic with
+    `zero_mismatch` on, the local trainer and an engine in its process (colocated or thread), the one that can
+    score its samples through the trainer's function (docs/reliability.md, "Zero mismatch")."""
+    tr = cfg.training
+    return bool(tr.deterministic and tr.zero_mismatch and tr.backend == "local"
+                and cfg.engine.placement in ("colocated", "thread"))
