@@ -245,7 +245,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
               max_batch_tokens=args.max_batch_tokens, seed=args.seed, device=args.device,
               kv_cache=args.kv_cache, kv_block_size=args.kv_block_size,
               max_body_bytes=int(args.max_body_mb * 2**20), limits=_limits(args),
-              allow_remote_images=args.allow_remote_images, max_image_pixels=args.max_image_pixels)
+              allow_remote_images=args.allow_remote_images, max_image_pixels=args.max_image_pixels,
+              return_routed_experts=args.enable_return_routed_experts)
     except ValueError as exc:  # an unsafe exposure, a bad folder or flag: one line, no traceback
         print(f"tokenmill serve: {exc}", file=sys.stderr)
         return 2
@@ -301,6 +302,9 @@ def _kv_cache_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache", default="static", choices=["static", "paged"],
                         help="decode key/value cache: static (one padded batch) or paged (blocks; docs/performance.md)")
     parser.add_argument("--kv-block-size", type=_positive(int), default=16, help="tokens per block of the paged cache")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="a mixture-of-experts model: record each token's experts, returned to requests with "
+                             "return_routed_experts (router replay r3; vLLM's flag name)")
 
 
 def _positive(kind: type) -> Any:

@@ -42,7 +42,7 @@ def test_a_run_with_router_replay_completes(moe_path, tmp_path, mode):
         if mode == "r3":  # every token's experts, from the engine (the last sampled token's unknown: -1)
             assert all(len(s.routes) == len(s.tokens) and len(s.routes[0]) == 4 for s in samples)
         else:  # r2 records in the trainer, at the update
-            assert all(s.routes == () for s in samples)
+            assert all(s.routes is None for s in samples)
         run_rl(run)
     finally:
         run.close()

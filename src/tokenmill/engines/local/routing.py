@@ -16,10 +16,13 @@ itself). int16 holds 32767 experts and the -1; a 30-layer, top-8 model's 1000-to
 
 from __future__ import annotations
 
+import base64
+import io
 import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 ROUTES_DTYPE = torch.int16
@@ -113,3 +116,28 @@ class RoutingRecorder:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+# ------------------------------------------------------------------------------------------ the wire form
+def encode_routed_experts(routes_T_R: torch.Tensor, layers: int) -> str:
+    """A completion's routing as vLLM's `routed_experts` answers it (`--enable-return-routed-experts`): base64 of
+    the `.npy` of a `[tokens read, layers, top_k]` array, uint8 (uint16 past 255 experts); the tokens read are
+    the prompt's and the completion's but the last sampled one, which no forward reads."""
+    read = routes_T_R[: max(0, routes_T_R.shape[0] - 1)].to(torch.int32)
+    dtype = np.uint8 if read.numel() == 0 or int(read.max()) < 256 else np.uint16
+    array = read.reshape(read.shape[0], layers, -1).numpy().astype(dtype)
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def decode_routed_experts(text: str, length: int) -> torch.Tensor:
+    """`encode_routed_experts`'s answer (tokenmill serve's or vLLM's) as the int16 `[length, layers x top_k]` a
+    `Completion` carries: rows past what the server read (the last sampled token) are -1."""
+    array = np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
+    if array.ndim != 3:
+        raise ValueError(f"routed_experts: expected a [tokens, layers, top_k] array, got shape {array.shape}")
+    read = torch.from_numpy(array.astype(np.int32)).reshape(array.shape[0], -1)
+    if read.shape[0] > length:
+        raise ValueError(f"routed_experts: {read.shape[0]} tokens' routing for a sequence of {length} tokens")
+    return fit_routes(read, length)
