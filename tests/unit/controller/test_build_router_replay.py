@@ -51,6 +51,36 @@ def test_a_run_with_router_replay_completes(moe_path, tmp_path, mode):
     assert len(steps) == 2 and all(math.isfinite(r["loss"]) for r in steps)
 
 
+def _process(path, out):
+    cfg = _cfg(path, out, "r3")
+    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"placement": "process", "sync": "files"})})
+
+
+def test_an_r3_run_through_spawned_servers_completes(moe_path, tmp_path, monkeypatch):
+    """engine.placement process: `tokenmill serve --enable-return-routed-experts` records, the remote engine asks
+    every request for its routing, and the completions the run trains on carry it."""
+    from tokenmill.engines.remote.client import RemoteEngine
+
+    seen = []
+    generate = RemoteEngine.generate
+
+    def keep(self, *args, **kwargs):  # the real call; what it returned is kept for the assertions
+        out = generate(self, *args, **kwargs)
+        seen.extend(c for group in out for c in group)
+        return out
+
+    monkeypatch.setattr(RemoteEngine, "generate", keep)
+    run = build_run(_process(moe_path, tmp_path))
+    try:
+        run_rl(run)
+    finally:
+        run.close()
+    assert seen and all(c.routes.shape[1] == 4 and (c.routes[:-1] >= 0).all() for c in seen)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert len(steps) == 2 and all(math.isfinite(r["loss"]) for r in steps)
+
+
 def test_a_dense_model_is_refused(tiny_model_path, tmp_path):
     with pytest.raises(ConfigError, match="training.router_replay: .* has no mixture-of-experts router"):
         build_run(_cfg(tiny_model_path, tmp_path, "r3"))

@@ -131,7 +131,7 @@ def test_r2_replays_the_pre_update_routing_in_every_pass(moe):
 
 
 @pytest.mark.parametrize("section, needle, r2_ok", [
-    ({"engine": {"placement": "process", "sync": "files"}}, "engine.placement colocated or thread", True),
+    ({"engine": {"placement": "worker"}}, "the worker placement does not record it", True),
     ({"env": {"name": "guess_number"}}, "single-turn rollouts", True),
     ({"training": {"backend": "fsdp2"}}, "runs on training.backend local", False),
 ])
