@@ -425,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     vl.add_argument("--lora-rank", type=int, default=0, help="> 0: take LoRA adapters up to this rank at run time "
                     "(rounded up to a rank vLLM takes: 1, 8, 16, 32, ...)")
     vl.add_argument("--timeout-s", type=float, default=300.0, help="longest wait for the server to be ready")
+    vl.add_argument("--enable-return-routed-experts", action="store_true",
+                    help="a mixture-of-experts model: answer each completion's routing (router replay r3; vLLM's V2 "
+                         "model runner, which needs Triton: not on the CPU build)")
     vl.set_defaults(fn=cmd_vllm)
     comp = sub.add_parser("composer", help="web UI: compose a config, preview rewards, launch and watch runs")
     comp.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")

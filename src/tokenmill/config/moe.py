@@ -8,7 +8,8 @@ from typing import Any
 def check_router_replay(cfg: Any) -> None:
     """Router replay runs on the local trainer; r3 on rollouts whose engine records the routing (an `RLConfig`):
     the in-process engine (colocated, thread) or servers that answer `routed_experts` (process: spawned
-    `tokenmill serve --enable-return-routed-experts`; remote: tokenmill serve or vLLM started with that flag)."""
+    `tokenmill serve --enable-return-routed-experts`; remote: tokenmill serve or vLLM started with that flag), in
+    single-turn rollouts, agent episodes (`env`, step-wise or not) and proxy mode alike."""
     mode = cfg.training.router_replay
     if mode != "off" and cfg.training.backend != "local":
         raise ValueError(f"training.router_replay: {mode} runs on training.backend local")
@@ -16,6 +17,3 @@ def check_router_replay(cfg: Any) -> None:
         raise ValueError("training.router_replay: r3 replays the routing the engine records; the worker placement "
                          "does not record it (use colocated, thread, process or remote, or r2, which records in the "
                          "trainer)")
-    if mode == "r3" and (cfg.env is not None or cfg.proxy is not None):
-        raise ValueError("training.router_replay: r3 records single-turn rollouts; an env or proxy episode is "
-                         "not recorded (use r2, which records in the trainer)")

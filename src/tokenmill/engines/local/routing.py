@@ -55,6 +55,18 @@ def prompt_routes(taken_N_R: torch.Tensor, prompts: Sequence[Sequence[int]]) -> 
     return [per_P_L_R[i, width - len(p):] for i, p in enumerate(prompts)]
 
 
+def extend_routes(known_T_R: torch.Tensor | None, call_T_R: torch.Tensor) -> torch.Tensor:
+    """A multi-turn episode's routing after one more engine call: the rows already recorded (by the calls that
+    read those tokens first, where the sampling logprobs of those turns came from) kept, the rest (the last
+    turn's final token, the observation, the new turn) taken from `call_T_R`, the routing of what this call
+    read (its prompt is the episode so far)."""
+    if known_T_R is None:
+        return call_T_R
+    unread = (known_T_R < 0).all(-1).nonzero()
+    kept = int(unread[0]) if len(unread) else known_T_R.shape[0]
+    return torch.cat([known_T_R[:kept], call_T_R[kept:]]).to(ROUTES_DTYPE)
+
+
 def concat_routes(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """Row chunks (a prompt's `[L, R]`, then one `[R]` or `[1, R]` per decode step) as one int16 `[T, R]`."""
     return torch.cat([p.reshape(-1, p.shape[-1]) for p in parts]).to(ROUTES_DTYPE)
