@@ -17,3 +17,6 @@ def check_router_replay(cfg: Any) -> None:
         raise ValueError("training.router_replay: r3 replays the routing the engine records; the worker placement "
                          "does not record it (use colocated, thread, process or remote, or r2, which records in the "
                          "trainer)")
+    if mode == "r3" and getattr(cfg, "cluster", None) is not None and cfg.cluster.engine_replicas:
+        raise ValueError("training.router_replay: r3 needs engines that record the routing; Ray's engine replicas "
+                         "(cluster.engine_replicas) do not (use r2, which records in the trainer)")

@@ -132,6 +132,8 @@ def test_r2_replays_the_pre_update_routing_in_every_pass(moe):
 
 @pytest.mark.parametrize("section, needle, r2_ok", [
     ({"engine": {"placement": "worker"}}, "the worker placement does not record it", True),
+    ({"cluster": {"backend": "ray", "engine_replicas": 2}, "engine": {"placement": "process"}}, "engine replicas",
+     True),
     ({"training": {"backend": "fsdp2"}}, "runs on training.backend local", False),
 ])
 def test_router_replay_config_is_checked_by_field(section, needle, r2_ok):
