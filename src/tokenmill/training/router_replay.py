@@ -24,7 +24,13 @@ from contextlib import contextmanager
 
 import torch
 
-from tokenmill.engines.local.routing import ROUTES_DTYPE, RoutingRecorder, as_routes, moe_routers, routes_width
+from tokenmill.engines.local.routing import (
+    ROUTES_DTYPE,
+    RoutingRecorder,
+    as_routes,
+    moe_routers,
+    routes_width,
+)
 from tokenmill.types import Sample
 
 MODES = ("off", "r2", "r3")
