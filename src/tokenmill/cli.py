@@ -298,13 +298,22 @@ def _server_args(parser: argparse.ArgumentParser, *, port: int, token_env: str) 
 
 
 def _kv_cache_args(parser: argparse.ArgumentParser) -> None:
-    """`tokenmill serve`'s key/value cache flags (engine.kv_cache, engine.kv_block_size)."""
+    """`tokenmill serve`'s key/value cache flags (engine.kv_cache, engine.kv_block_size), and the routing it records
+    with `--enable-return-routed-experts` (router replay r3; recording turns the paged cache off)."""
     parser.add_argument("--kv-cache", default="static", choices=["static", "paged"],
                         help="decode key/value cache: static (one padded batch) or paged (blocks; docs/performance.md)")
     parser.add_argument("--kv-block-size", type=_positive(int), default=16, help="tokens per block of the paged cache")
     parser.add_argument("--enable-return-routed-experts", action="store_true",
                         help="a mixture-of-experts model: record each token's experts, returned to requests with "
                              "return_routed_experts (router replay r3; vLLM's flag name)")
+
+
+def _vllm_start_args(parser: argparse.ArgumentParser) -> None:
+    """`tokenmill vllm`'s start-up flags: how long to wait, and the routing answer (router replay r3)."""
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="longest wait for the server to be ready")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="a mixture-of-experts model: answer each completion's routing (router replay r3; vLLM's "
+                             "V2 model runner, which needs Triton: not on the CPU build)")
 
 
 def _positive(kind: type) -> Any:
@@ -424,10 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     vl.add_argument("--no-prefix-cache", action="store_true", help="turn vLLM's prefix caching off")
     vl.add_argument("--lora-rank", type=int, default=0, help="> 0: take LoRA adapters up to this rank at run time "
                     "(rounded up to a rank vLLM takes: 1, 8, 16, 32, ...)")
-    vl.add_argument("--timeout-s", type=float, default=300.0, help="longest wait for the server to be ready")
-    vl.add_argument("--enable-return-routed-experts", action="store_true",
-                    help="a mixture-of-experts model: answer each completion's routing (router replay r3; vLLM's V2 "
-                         "model runner, which needs Triton: not on the CPU build)")
+    _vllm_start_args(vl)
     vl.set_defaults(fn=cmd_vllm)
     comp = sub.add_parser("composer", help="web UI: compose a config, preview rewards, launch and watch runs")
     comp.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")

@@ -148,3 +148,11 @@ def test_r3_through_a_loopback_server_drops_the_mismatch_as_in_process(moe):
     for key in ("mismatch/max_abs", "mismatch/kl"):
         for mode in ("off", "r3"):
             assert stats["served", mode][key] == pytest.approx(stats["local", mode][key], rel=0.2)
+
+
+def test_serve_refuses_the_flag_for_a_dense_model(tiny_model_path, capsys):
+    from tokenmill.cli import main
+
+    assert main(["serve", tiny_model_path, "--port", "0", "--enable-return-routed-experts"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("tokenmill serve: --enable-return-routed-experts: the model has no mixture-of-experts")
