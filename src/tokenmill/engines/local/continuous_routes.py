@@ -36,8 +36,9 @@ class RouteRecording:
             self._routing.active = True  # the engine owns its module: nothing else trains it
 
     @property
-    def records_routing(self) -> bool:
-        return self._routing is not None
+    def routing_layers(self) -> int:
+        """Router layers of the routing it records (what `routed_experts` is shaped by); 0 when not recording."""
+        return 0 if self._routing is None else len(self._routing.routers)
 
     def _record_routes(self, rows: list) -> None:
         """After a forward over `rows` (module docstring): give each row the routing of what it read."""

@@ -114,10 +114,11 @@ class Completer:
         none; 400 when this server does not record (started without --enable-return-routed-experts)."""
         if not body.return_routed_experts:
             return 0
-        if not getattr(self.engine, "records_routing", False):
+        layers = getattr(self.engine, "routing_layers", 0)
+        if not layers:
             raise ApiError(400, "return_routed_experts: this server does not record the routing (serve a "
                                 "mixture-of-experts model with --enable-return-routed-experts)", "return_routed_experts")
-        return len(self.engine._routing.routers)
+        return layers
 
     def check_episode(self, episode_id: str | None, n: int) -> None:
         if episode_id is None:
