@@ -16,7 +16,9 @@ update or cancelled). `temperature: 0` is greedy decoding (logprobs then of the 
 `prompt_logprobs: k` on /v1/completions (vLLM's extra, token-id prompts or text) adds each choice's
 `prompt_logprobs`, vLLM's shape: `[None, {"<id>": {"logprob", "rank", "decoded_token"}, ...}, ...]`, the prompt
 token's logprob at temperature 1 and its k most likely alternatives; with `max_tokens: 0` nothing is sampled
-(the `Scorer` of a remote engine). `stream: true` answers with server-sent events, one chunk per token
+(the `Scorer` of a remote engine). `return_routed_experts: true` (tokenmill's extension; a server started with
+`--enable-return-routed-experts`) adds each choice's `routed_experts`, vLLM's form of the MoE routing (router
+replay r3, `engines.local.routing.encode_routed_experts`). `stream: true` answers with server-sent events, one chunk per token
 (`tokenmill.engines.server.streaming`). A client that disconnects cancels its request: the engine stops decoding it at its next step.
 
 Errors are OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`: 400 a bad body (`param` names the
