@@ -1,13 +1,15 @@
 """Router replay on a tiny random-init Qwen3-MoE: the engine/trainer mismatch with replay off, r2 and r3, and a
 short GRPO run with r3 against one without.
 
-    python benchmarks/router_replay.py [--steps 30] [--skip-learning]
+    python benchmarks/router_replay.py [--steps 30] [--skip-learning] [--engine local|served]
 
 Part 1 (mismatch): an engine on a copy of the model samples 96 completions of up to 20 tokens in bf16 autocast
 while recording its routing; the fp32 trainer scores the same tokens with replay off, r2 (its own routing: the
 same as off for this pass) and r3 (the engine's routing). Also: the share of tokens on which some layer's
 expert set differs, and the share of trained tokens each off-policy mask (`icepop` [0.8, 1.25], `binary_kl` 1e-3)
-would drop, off and r3.
+would drop, off and r3. `--engine served` samples through `tokenmill serve` on loopback instead (a continuous
+engine in bf16 autocast recording its routing, behind the OpenAI app; `RemoteEngine` asks each request for its
+`routed_experts`); results then go to router_replay_served.json.
 Part 2 (learning): GRPO from the random-init MoE (8 prompts x 8 samples of 8 tokens a step, learning rate
 1e-3), rewarded with the share of digits in the completion (`digit_share` below), `training.router_replay` off
 and r3, through tokenmill's own run; the mean reward over the first and the last five steps. Writes
@@ -29,21 +31,43 @@ RESULTS = Path(__file__).resolve().parent / "results" / "router_replay.json"
 MOE = {"hidden_size": 64, "num_layers": 2, "num_experts": 8, "top_k": 2, "expert_size": 64}
 
 
-def mismatch(base: str) -> dict[str, dict[str, float]]:
+def sample(model, tok, prompts, params, where: str):
+    """The completions of a bf16 engine on a copy of `model` that records its routing: in process (local) or
+    behind `tokenmill serve`'s app on loopback, read by `RemoteEngine` (served)."""
+    from tokenmill.engines.local.continuous import ContinuousEngine
+    from tokenmill.engines.local.hf import HFEngine
+    from tokenmill.engines.remote.client import RemoteEngine
+    from tokenmill.engines.server.app import create_app
+    from tokenmill.serving import start_in_thread
+
+    if where == "local":
+        engine = HFEngine(copy.deepcopy(model), tok, seed=1, autocast_dtype=torch.bfloat16)
+        engine.record_routing(True)
+        return engine.generate(prompts, params)
+    engine = ContinuousEngine(copy.deepcopy(model), tok, seed=1, autocast_dtype=torch.bfloat16)
+    engine.record_routing(True)
+    server, _ = start_in_thread(create_app(engine, model_name="moe"))
+    remote = RemoteEngine([server.url], pad_id=tok.pad_token_id, routed_experts="ask")
+    try:
+        return remote.generate(prompts, params)
+    finally:
+        remote.close()
+        server.stop()
+        engine.close()
+
+
+def mismatch(base: str, where: str = "local") -> dict[str, dict[str, float]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tokenmill.algorithms.losses import behaviour_weights
-    from tokenmill.engines.local.hf import HFEngine
     from tokenmill.health.mismatch import mismatch_stats
     from tokenmill.training import LocalBackend, collate
     from tokenmill.training.router_replay import trainer_routes
     from tokenmill.types import Sample, SamplingParams, StopReason
 
     model, tok = AutoModelForCausalLM.from_pretrained(base), AutoTokenizer.from_pretrained(base)
-    engine = HFEngine(copy.deepcopy(model), tok, seed=1, autocast_dtype=torch.bfloat16)
-    engine.record_routing(True)
     prompts = [[5 + i, 6 + i, 7, 8 + i, 9] for i in range(12)]
-    out = engine.generate(prompts, SamplingParams(n=8, max_tokens=20, temperature=1.0))
+    out = sample(model, tok, prompts, SamplingParams(n=8, max_tokens=20, temperature=1.0), where)
     samples = [Sample(tokens=tuple(p) + c.token_ids, loss_mask=(0,) * len(p) + (1,) * len(c.token_ids),
                       logprobs=(0.0,) * len(p) + c.logprobs, prompt_len=len(p), prompt="", completion=c.text,
                       stop_reason=StopReason.STOP, routes=c.routes)
@@ -53,7 +77,7 @@ def mismatch(base: str) -> dict[str, dict[str, float]]:
     with torch.no_grad():
         own = trainer_routes(model, batch, 8192)
     known = (batch.routes_B_T_R >= 0).all(-1) & trained
-    k = engine.model.config.num_experts_per_tok
+    k = model.config.num_experts_per_tok
     sets = lambda r: torch.cat([r[..., i:i + k].sort(-1).values for i in range(0, r.shape[-1], k)], -1)
     flipped = (sets(own) != sets(batch.routes_B_T_R)).any(-1) & known
     rows: dict[str, dict[str, float]] = {}
@@ -111,12 +135,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--skip-learning", action="store_true")
+    parser.add_argument("--engine", choices=["local", "served"], default="local",
+                        help="sample in process, or through tokenmill serve on loopback (mismatch only)")
     args = parser.parse_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         from tokenmill.recipes.tiny import build_tiny_moe_model
 
-        table = mismatch(build_tiny_moe_model(Path(tmp) / "moe", **MOE))
+        table = mismatch(build_tiny_moe_model(Path(tmp) / "moe", **MOE), args.engine)
         print(f"{'replay':8} {'mean_abs':>9} {'max_abs':>8} {'kl':>9} {'icepop':>7} {'binary_kl':>9}")
         for mode in ("off", "r2", "r3"):
             r = table[mode]
@@ -124,10 +150,11 @@ def main() -> None:
                   f"{r['icepop_masked_frac']:7.4f} {r['binary_kl_masked_frac']:9.4f}")
         print(f"tokens whose expert set differs in some layer: {table['routing']['expert_set_differs_frac']:.3f}")
         result = {"mismatch": table}
-        if not args.skip_learning:
+        if not args.skip_learning and args.engine == "local":
             result["learning"] = learning(Path(tmp), args.steps)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    where = RESULTS if args.engine == "local" else RESULTS.with_name("router_replay_served.json")
+    where.parent.mkdir(exist_ok=True)
+    where.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -245,7 +245,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
               max_batch_tokens=args.max_batch_tokens, seed=args.seed, device=args.device,
               kv_cache=args.kv_cache, kv_block_size=args.kv_block_size,
               max_body_bytes=int(args.max_body_mb * 2**20), limits=_limits(args),
-              allow_remote_images=args.allow_remote_images, max_image_pixels=args.max_image_pixels)
+              allow_remote_images=args.allow_remote_images, max_image_pixels=args.max_image_pixels,
+              return_routed_experts=args.enable_return_routed_experts)
     except ValueError as exc:  # an unsafe exposure, a bad folder or flag: one line, no traceback
         print(f"tokenmill serve: {exc}", file=sys.stderr)
         return 2
@@ -297,10 +298,22 @@ def _server_args(parser: argparse.ArgumentParser, *, port: int, token_env: str) 
 
 
 def _kv_cache_args(parser: argparse.ArgumentParser) -> None:
-    """`tokenmill serve`'s key/value cache flags (engine.kv_cache, engine.kv_block_size)."""
+    """`tokenmill serve`'s key/value cache flags (engine.kv_cache, engine.kv_block_size), and the routing it records
+    with `--enable-return-routed-experts` (router replay r3; recording turns the paged cache off)."""
     parser.add_argument("--kv-cache", default="static", choices=["static", "paged"],
                         help="decode key/value cache: static (one padded batch) or paged (blocks; docs/performance.md)")
     parser.add_argument("--kv-block-size", type=_positive(int), default=16, help="tokens per block of the paged cache")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="a mixture-of-experts model: record each token's experts, returned to requests with "
+                             "return_routed_experts (router replay r3; vLLM's flag name)")
+
+
+def _vllm_start_args(parser: argparse.ArgumentParser) -> None:
+    """`tokenmill vllm`'s start-up flags: how long to wait, and the routing answer (router replay r3)."""
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="longest wait for the server to be ready")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="a mixture-of-experts model: answer each completion's routing (router replay r3; vLLM's "
+                             "V2 model runner, which needs Triton: not on the CPU build)")
 
 
 def _positive(kind: type) -> Any:
@@ -420,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     vl.add_argument("--no-prefix-cache", action="store_true", help="turn vLLM's prefix caching off")
     vl.add_argument("--lora-rank", type=int, default=0, help="> 0: take LoRA adapters up to this rank at run time "
                     "(rounded up to a rank vLLM takes: 1, 8, 16, 32, ...)")
-    vl.add_argument("--timeout-s", type=float, default=300.0, help="longest wait for the server to be ready")
+    _vllm_start_args(vl)
     vl.set_defaults(fn=cmd_vllm)
     comp = sub.add_parser("composer", help="web UI: compose a config, preview rewards, launch and watch runs")
     comp.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")

@@ -55,15 +55,15 @@ class Completion:
     """What an engine returns for one request: sampled token ids and their logprobs.
 
     routes: where the engine records a mixture-of-experts model's routing (`engines.local.routing`), the
-            expert indices (layers x top_k, -1: not recorded) of the prompt's tokens then the sampled ones,
-            one tuple per token; empty otherwise
+            expert indices of the prompt's tokens then the sampled ones: an int16 tensor `[T, layers x top_k]`
+            (-1: not recorded, e.g. the last sampled token, which no forward reads); None otherwise
     """
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     stop_reason: StopReason
     text: str = ""
-    routes: tuple[tuple[int, ...], ...] = ()
+    routes: Any = field(default=None, compare=False)  # torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -129,9 +129,9 @@ class Sample:
     token_versions: the policy version of each completion token when a completion spans weight updates
                 (partial rollouts); `version` is then the oldest. Empty: every token is from `version`
     extras:     what the reward functions logged for this sample with `log_extra` (column -> value)
-    routes:     a mixture-of-experts policy's expert indices per token as the engine routed it (layers x
-                top_k each, -1 where not recorded), replayed by the trainer (`training.router_replay`);
-                empty when not recorded
+    routes:     a mixture-of-experts policy's expert indices per token as the engine routed it: an int16
+                tensor `[T, layers x top_k]` (-1 where not recorded), replayed by the trainer
+                (`training.router_replay`); None when not recorded (a tuple of per-token tuples is read too)
     episode:    a step-wise agent sample (`env.stepwise`): one model call of the episode with this number; the
                 calls of one episode share its return and its advantage. -1: the sample is a whole trajectory
     images:     the prompt's images as the vision encoder reads them (a vision-language policy); None: text only
@@ -156,7 +156,7 @@ class Sample:
     row: dict[str, Any] = field(default_factory=dict)
     token_versions: tuple[int, ...] = ()
     extras: dict[str, Any] = field(default_factory=dict)
-    routes: tuple[tuple[int, ...], ...] = ()
+    routes: Any = field(default=None, compare=False)  # torch.Tensor | None
     episode: int = -1
     images: ImageInputs | None = field(default=None, compare=False)
 

@@ -37,7 +37,11 @@ _ADVANCED = {
            "critic.learning_rate", "critic.warmup_steps", "training.warmup_steps", "training.lr_schedule",
            "training.max_grad_norm", "training.weight_decay", "training.micro_batch_tokens", "training.seed",
            "controller.eval_every", "tracking.output_dir", "tracking.log_samples", "checkpoint.every",
-           "checkpoint.resume", "env.name", "env.max_turns", "engine.placement", "controller.max_staleness"],
+           "checkpoint.resume", "env.name", "env.max_turns", "engine.placement", "controller.max_staleness",
+           # what a run of 2026 tunes (issue 38): off-policy correction and its masks, MoE router replay,
+           # step-wise agent samples (proxy.stepwise stays with the rest of the proxy section, at expert)
+           "algorithm.off_policy", "algorithm.is_cap", "algorithm.mask_low", "algorithm.mask_high",
+           "algorithm.mask_kl", "training.router_replay", "env.stepwise"],
     "preference": ["model.device", "model.dtype", "model.lora.alpha", "model.lora.target_modules",
                    "data.split", "data.num_train", "data.num_eval", "warmup_steps", "lr_schedule", "max_grad_norm",
                    "weight_decay", "seed"],

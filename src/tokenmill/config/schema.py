@@ -223,7 +223,8 @@ class TrainingConfig(OptimConfig):
     router_replay: Literal["off", "r2", "r3"] = Field(
         "off", description="Mixture-of-experts policies: route each token in the trainer to the experts it went "
         "to before instead of choosing again. r3: the experts the engine chose while sampling, replayed in every "
-        "trainer pass (single-turn rollouts on an in-process engine: engine.placement colocated or thread); r2: "
+        "trainer pass (single-turn rollouts; engine.placement colocated, thread, process, or remote servers started "
+        "with --enable-return-routed-experts: tokenmill serve, vLLM); r2: "
         "the trainer's own choice in a no-grad pass before the update, replayed in the update's passes "
         "(docs/health.md). off for a dense model."
     )

@@ -278,6 +278,8 @@ def _server_placement(run) -> ServerPlacement:
     procs: list[subprocess.Popen] = []
     fleet = run.engine_fleet  # engine replicas on Ray (tokenmill.controller.ray.engines.EngineFleet), or None
     ours = fleet is not None or cfg.engine.placement == "process"  # tokenmill servers
+    r3 = cfg.training.router_replay == "r3"  # the servers record the routing; vLLM's answer it unasked
+    vllm = cfg.engine.weight_sync in ("vllm", "vllm_broadcast")
     try:
         if fleet is not None:
             urls = list(fleet.urls)
@@ -287,7 +289,8 @@ def _server_placement(run) -> ServerPlacement:
                                         device=str(run.rollout.engine.device), log_dir=run.output_dir,
                                         extra_args=("--kv-cache", cfg.engine.kv_cache,
                                                     "--kv-block-size", str(cfg.engine.kv_block_size),
-                                                    *_image_args(cfg, run.rollout.engine)))
+                                                    *_image_args(cfg, run.rollout.engine),
+                                                    *(("--enable-return-routed-experts",) if r3 else ())))
         else:
             urls = list(cfg.engine.urls)
         # a LoRA run into vLLM pushes the adapters, sampled under their own name (tokenmill.engines.vllm); not
@@ -312,7 +315,8 @@ def _server_placement(run) -> ServerPlacement:
         # spawned ones seeded per request, so a resume is exact
         engine = RemoteEngine(urls, **kwargs, prompts_per_request=0 if ours else 1,
                               seed=cfg.training.seed if cfg.engine.placement == "process" else None,
-                              images=getattr(run.rollout.engine, "takes_images", False))
+                              images=getattr(run.rollout.engine, "takes_images", False),
+                              routed_experts="off" if not r3 else "server" if vllm else "ask")
         if fleet is not None:
             fleet.attach(engine)  # a replaced replica joins its pool and sync, with the current weights
     except BaseException:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tokenmill.data.chat import ChatTemplateError
+from tokenmill.engines.local.routing import extend_routes, fit_routes
 from tokenmill.envs.base import EnvFactory, Message, as_messages, as_step_result, call
 from tokenmill.tracking.stages import stage
 from tokenmill.types import Completion, ConfigError, Group, Sample, SamplingParams, StopReason
@@ -95,6 +96,7 @@ class AgentEpisode:
     turns: int = 0
     turn_rewards: list[float] = field(default_factory=list)
     calls: list[tuple[tuple[int, ...], Completion]] = field(default_factory=list)  # step-wise: (prompt ids, turn)
+    routes: Any = None  # router replay r3: the MoE routing of `tokens` as the engine read them (`extend_routes`)
     info: dict[str, Any] = field(default_factory=dict)
     stop: StopReason = StopReason.STOP
     error: str | None = None
@@ -295,6 +297,8 @@ class AgentLoop:
         ep.turns += 1
         if self.stepwise:
             ep.calls.append((tuple(ep.tokens), turn))
+        elif turn.routes is not None:
+            ep.routes = extend_routes(ep.routes, turn.routes)
         ep.tokens += turn.token_ids
         ep.mask += [1] * len(turn.token_ids)
         ep.logprobs += turn.logprobs
@@ -374,6 +378,7 @@ class AgentLoop:
             group_id=first_group + ep.group, reward=ep.reward, rewards={"env": None if ep.error else ep.reward},
             reward_errors={"env": ep.error} if ep.error else {},
             row={**ep.task, "messages": ep.messages, "turns": ep.turns, "info": ep.info},
+            routes=None if ep.routes is None else fit_routes(ep.routes, len(tokens)),
         )
 
 
@@ -390,7 +395,7 @@ class AgentLoop:
                 tokens=prompt + turn.token_ids, loss_mask=(0,) * len(prompt) + (1,) * n,
                 logprobs=(0.0,) * len(prompt) + turn.logprobs, prompt_len=len(prompt), completion=turn.text,
                 stop_reason=StopReason.ERROR if ep.error else turn.stop_reason, episode=ep.index,
-                row={**whole.row, "step": k, "step_reward": step_reward},
+                row={**whole.row, "step": k, "step_reward": step_reward}, routes=turn.routes,
             ))
         return out
 

@@ -34,14 +34,17 @@ if TYPE_CHECKING:
 class ProxyService:
     """The proxy endpoint at `url` (`/proxy/<episode id>/v1`, `/v1/episodes/<episode id>/reward`) over a copy of
     `model` at policy `version`; `recorder` holds the episodes it served. A reply takes at most `max_tokens`
-    (also the default). `close` stops the agent, the server and the engine."""
+    (also the default); with `record_routes` the engine records a mixture-of-experts model's routing, kept with
+    each recorded call (router replay r3). `close` stops the agent, the server and the engine."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, cfg: ProxyConfig, *, seed: int, max_tokens: int,
-                 version: int = 0) -> None:
+                 version: int = 0, record_routes: bool = False) -> None:
         check_exposure(cfg.host, cfg.token, cfg.allow_remote, flag="proxy.allow_remote", token_flag="proxy.token")
         self.cfg, self.agent = cfg, None
         self.engine = ContinuousEngine(copy.deepcopy(model).eval(), tokenizer, seed=seed)
         self.engine.version = version
+        if record_routes:
+            self.engine.record_routing(True)
         self.recorder = EpisodeRecorder(ttl_s=cfg.episode_ttl_s, stepwise=cfg.stepwise)
         app = create_app(self.engine, model_name="policy", token=cfg.token, recorder=self.recorder,
                          default_max_tokens=max_tokens, max_tokens_cap=max_tokens)

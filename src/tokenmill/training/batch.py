@@ -127,7 +127,7 @@ def collate(samples: Sequence[Sample], weights: Sequence[float], pad_id: int) ->
         advantages_B=torch.tensor([s.advantage for s in picked], dtype=torch.float32),
         prompt_lens_B=torch.tensor([s.prompt_len for s in picked], dtype=torch.long),
         sample_index_B=torch.tensor(order, dtype=torch.long),
-        routes_B_T_R=routes_tensor(picked, width) if any(s.routes for s in picked) else None,
+        routes_B_T_R=routes_tensor(picked, width),
         images_B=tuple(s.images for s in picked) if any(s.images is not None for s in picked) else None,
         **per_token,
     )

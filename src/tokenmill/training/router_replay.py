@@ -24,7 +24,13 @@ from contextlib import contextmanager
 
 import torch
 
-from tokenmill.engines.local.routing import RoutingRecorder, moe_routers, routes_width
+from tokenmill.engines.local.routing import (
+    ROUTES_DTYPE,
+    RoutingRecorder,
+    as_routes,
+    moe_routers,
+    routes_width,
+)
 from tokenmill.types import Sample
 
 MODES = ("off", "r2", "r3")
@@ -33,22 +39,23 @@ MODES = ("off", "r2", "r3")
 def routes_tensor(samples: Sequence[Sample], width: int) -> torch.Tensor | None:
     """`[B, width, R]` long of the samples' `routes`, -1 past each sample's end or where it has none; None when
     no sample has any."""
-    widths = {len(r) for s in samples for r in s.routes[:1]}
+    given = [as_routes(s.routes) for s in samples]
+    widths = {r.shape[-1] for r in given if r is not None}
     if not widths:
         return None
     if len(widths) > 1:
         raise ValueError(f"samples carry routes of different widths {sorted(widths)} (another model?)")
     (per_token,) = widths
     out = torch.full((len(samples), width, per_token), -1, dtype=torch.long)
-    for b, s in enumerate(samples):
-        if s.routes:
-            out[b, : len(s.routes)] = torch.tensor(s.routes, dtype=torch.long)
+    for b, r in enumerate(given):
+        if r is not None:
+            out[b, : r.shape[0]] = r[:width]
     return out
 
 
 def _replace_topk(module: torch.nn.Module, output, chosen_N_K: torch.Tensor):
     logits_N_E, _, computed_N_K = output
-    chosen_N_K = chosen_N_K.to(computed_N_K.device)
+    chosen_N_K = chosen_N_K.to(computed_N_K.device, computed_N_K.dtype)
     known_N_1 = (chosen_N_K >= 0).all(-1, keepdim=True)
     index_N_K = torch.where(known_N_1, chosen_N_K, computed_N_K)
     probs_N_E = torch.softmax(logits_N_E, dim=-1, dtype=torch.float)
@@ -123,5 +130,5 @@ def with_trainer_routes(samples: Sequence[Sample], backend, pad_id: int) -> list
     out = list(samples)
     for row, i in enumerate(batch.sample_index_B.tolist()):
         s = samples[i]
-        out[i] = s.with_(routes=tuple(tuple(r) for r in routes_B_T_R[row, : len(s.tokens)].tolist()))
+        out[i] = s.with_(routes=routes_B_T_R[row, : len(s.tokens)].to(ROUTES_DTYPE))
     return out

@@ -42,10 +42,40 @@ def test_a_run_with_router_replay_completes(moe_path, tmp_path, mode):
         if mode == "r3":  # every token's experts, from the engine (the last sampled token's unknown: -1)
             assert all(len(s.routes) == len(s.tokens) and len(s.routes[0]) == 4 for s in samples)
         else:  # r2 records in the trainer, at the update
-            assert all(s.routes == () for s in samples)
+            assert all(s.routes is None for s in samples)
         run_rl(run)
     finally:
         run.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert len(steps) == 2 and all(math.isfinite(r["loss"]) for r in steps)
+
+
+def _process(path, out):
+    cfg = _cfg(path, out, "r3")
+    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"placement": "process", "sync": "files"})})
+
+
+def test_an_r3_run_through_spawned_servers_completes(moe_path, tmp_path, monkeypatch):
+    """engine.placement process: `tokenmill serve --enable-return-routed-experts` records, the remote engine asks
+    every request for its routing, and the completions the run trains on carry it."""
+    from tokenmill.engines.remote.client import RemoteEngine
+
+    seen = []
+    generate = RemoteEngine.generate
+
+    def keep(self, *args, **kwargs):  # the real call; what it returned is kept for the assertions
+        out = generate(self, *args, **kwargs)
+        seen.extend(c for group in out for c in group)
+        return out
+
+    monkeypatch.setattr(RemoteEngine, "generate", keep)
+    run = build_run(_process(moe_path, tmp_path))
+    try:
+        run_rl(run)
+    finally:
+        run.close()
+    assert seen and all(c.routes.shape[1] == 4 and (c.routes[:-1] >= 0).all() for c in seen)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
     assert len(steps) == 2 and all(math.isfinite(r["loss"]) for r in steps)

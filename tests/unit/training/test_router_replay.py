@@ -131,8 +131,9 @@ def test_r2_replays_the_pre_update_routing_in_every_pass(moe):
 
 
 @pytest.mark.parametrize("section, needle, r2_ok", [
-    ({"engine": {"placement": "process", "sync": "files"}}, "engine.placement colocated or thread", True),
-    ({"env": {"name": "guess_number"}}, "single-turn rollouts", True),
+    ({"engine": {"placement": "worker"}}, "the worker placement does not record it", True),
+    ({"cluster": {"backend": "ray", "engine_replicas": 2}, "engine": {"placement": "process"}}, "engine replicas",
+     True),
     ({"training": {"backend": "fsdp2"}}, "runs on training.backend local", False),
 ])
 def test_router_replay_config_is_checked_by_field(section, needle, r2_ok):
@@ -146,3 +147,12 @@ def test_router_replay_config_is_checked_by_field(section, needle, r2_ok):
         load_config(RLConfig, tree("r3"))
     if r2_ok:  # r2 records in the trainer: any engine, any rollout
         assert load_config(RLConfig, tree("r2")).training.router_replay == "r2"
+
+
+@pytest.mark.parametrize("section", [{"env": {"name": "guess_number"}}, {"env": {"name": "guess_number",
+                                                                                  "stepwise": True}},
+                                     {"engine": {"placement": "remote", "urls": ["http://127.0.0.1:9"]}},
+                                     {"engine": {"placement": "process"}}])
+def test_r3_is_taken_where_the_engine_records(section):
+    tree = {"model": {"path": "m"}, "data": {"task": "addition"}, "training": {"router_replay": "r3"}, **section}
+    assert load_config(RLConfig, tree).training.router_replay == "r3"

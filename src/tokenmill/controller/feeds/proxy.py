@@ -28,7 +28,8 @@ class ProxyFeed:
         cfg = run.cfg
         self.run, self.rollout = run, rollout
         self.service = ProxyService(run.trainer.model, run.tokenizer, cfg.proxy, seed=cfg.training.seed,
-                                    max_tokens=cfg.generation.max_tokens, version=start)
+                                    max_tokens=cfg.generation.max_tokens, version=start,
+                                    record_routes=cfg.training.router_replay == "r3")
         url = self.service.url
         run.logger.message(f"proxy endpoint: {url}/proxy/<episode id>/v1 (OpenAI API); post rewards "
                            f"to {url}/v1/episodes/<episode id>/reward")

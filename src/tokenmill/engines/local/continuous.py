@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.engines.base import EngineUnavailable
+from tokenmill.engines.local.continuous_routes import RouteRecording
 from tokenmill.engines.local.cuda_graphs import graphs_blocker
 from tokenmill.engines.local.fast_decode import has_sliding_layers
 from tokenmill.engines.local.graph_buckets import BucketedGraphs
@@ -94,6 +95,10 @@ class _Request:
         p = self.params
         self.spec = (p.temperature, p.top_p, float(p.top_k), float(p.greedy))
 
+    @property
+    def claim(self) -> int:  # key/value cache tokens its rows may fill: n x (prompt + max_tokens)
+        return self.params.n * (len(self.prompt) + self.params.max_tokens)
+
 
 @dataclass(eq=False)
 class _Row:
@@ -101,14 +106,10 @@ class _Row:
     index: int  # which of the request's n samples
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    routes: list[torch.Tensor] = field(default_factory=list)  # what it read, while recording (`RouteRecording`)
 
 
-def _claim(request: _Request) -> int:
-    """Key/value cache tokens a request's rows may fill: n x (prompt + max_tokens)."""
-    return request.params.n * (len(request.prompt) + request.params.max_tokens)
-
-
-class ContinuousEngine(HFEngine):
+class ContinuousEngine(RouteRecording, HFEngine):
     """An `InferenceEngine` whose `generate` and `submit` share one continuously batched decode loop.
 
     max_batch:           running rows at most (a request takes `n` rows)
@@ -415,7 +416,7 @@ class ContinuousEngine(HFEngine):
         """Queued requests that fit (rows and prefill budget), in arrival order; cancelled ones are dropped."""
         taken: list[_Request] = []
         rows, longest = len(self._rows), 0
-        claimed = sum(_claim(r.request) // r.request.params.n for r in self._rows)
+        claimed = sum(r.request.claim // r.request.params.n for r in self._rows)
         while self._waiting:
             request = self._waiting[0]
             if request.future.cancelled():
@@ -423,7 +424,7 @@ class ContinuousEngine(HFEngine):
                 continue
             longest_if = max(longest, len(request.prompt))
             over_tokens = bool(self.max_batch_tokens) and rows > 0 and (
-                claimed + _claim(request) > self.max_batch_tokens)
+                claimed + request.claim > self.max_batch_tokens)
             if over_tokens or (taken and longest_if * (len(taken) + 1) > self.max_prefill_tokens):
                 break
             if rows + request.params.n > self.max_batch:
@@ -432,7 +433,7 @@ class ContinuousEngine(HFEngine):
             if not request.future.set_running_or_notify_cancel():
                 continue
             taken.append(request)
-            rows, longest, claimed = rows + request.params.n, longest_if, claimed + _claim(request)
+            rows, longest, claimed = rows + request.params.n, longest_if, claimed + request.claim
         return taken
 
     def _admit(self, requests: list[_Request]) -> None:
@@ -529,6 +530,7 @@ class ContinuousEngine(HFEngine):
     def _advance(self, rows: list[_Row], logits_B_V: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """Sample one token per row, record it, finish the rows that are done; return the tokens and the
         indices of the rows that go on."""
+        self._record_routes(rows)
         tok_B, logp_B = self._sample(rows, logits_B_V)
         keep: list[int] = []
         for r, (row, t, lp) in enumerate(zip(rows, tok_B.tolist(), logp_B.tolist(), strict=True)):
@@ -575,7 +577,8 @@ class ContinuousEngine(HFEngine):
     def _finish(self, row: _Row, reason: StopReason) -> None:
         request = row.request
         text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
-        request.results[row.index] = self._completion(row.tokens, row.logprobs, reason, text, request.params)
+        done = self._completion(row.tokens, row.logprobs, reason, text, request.params)
+        request.results[row.index] = self._with_routes(row, done)
         if all(c is not None for c in request.results) and not request.future.done():
             request.future.finished_step = self.steps
             request.future.set_result(list(request.results))
@@ -594,5 +597,4 @@ def _left_pad(t: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
     missing = width - t.shape[dim]
     if missing == 0:
         return t
-    pad = [0, 0] * (t.dim() - 1 - dim) + [missing, 0]
-    return F.pad(t, pad)
+    return F.pad(t, [0, 0] * (t.dim() - 1 - dim) + [missing, 0])

@@ -29,6 +29,7 @@ from tokenmill.engines.local.graph_buckets import BucketedGraphs
 from tokenmill.engines.local.paged import PagedKV
 from tokenmill.engines.local.paged_decode import PagedOptions, decode_on_device
 from tokenmill.engines.local.prefix_cache import PrefixCache
+from tokenmill.engines.local.routing import concat_routes, fit_routes, prompt_routes
 from tokenmill.engines.local.sampling import sample_tokens
 from tokenmill.types import Completion, PromptLogprobs, SamplingParams, StopReason
 
@@ -390,22 +391,19 @@ class HFEngine:
                 mask_B_L = torch.cat([mask_B_L, mask_B_L.new_ones((len(live), 1))], dim=1)
             logits_B_V = self._step(tok_B, next_pos_B, mask_B_L if padded else None, cache)
             if routes is not None:  # the routing of the token each live row just read
-                for seq, r in zip(live, self._routing.take().tolist(), strict=True):
-                    routes[seq].append(tuple(r))
+                for seq, r_R in zip(live, self._routing.take(), strict=True):
+                    routes[seq].append(r_R)
             next_pos_B = next_pos_B + 1
         texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
         out = [self._completion(tokens[i], logps[i], reasons[i], texts[i], params) for i in range(total)]
         if routes is None:
             return out
-        return [replace(c, routes=_fit_routes(r, len(prompts[i // n]) + len(c.token_ids)))
+        return [replace(c, routes=fit_routes(concat_routes(r), len(prompts[i // n]) + len(c.token_ids)))
                 for i, (c, r) in enumerate(zip(out, routes, strict=True))]
 
-    def _prompt_routes(self, prompts: list[list[int]], n: int) -> list[list[tuple[int, ...]]]:
+    def _prompt_routes(self, prompts: list[list[int]], n: int) -> list[list[torch.Tensor]]:
         """Each of the `n` rows per prompt starts with its prompt's routing from the (left-padded) prefill."""
-        width = max(len(p) for p in prompts)
-        taken = self._routing.take()
-        per_P_L = taken.view(len(prompts), width, taken.shape[-1]).tolist()
-        return [[tuple(r) for r in per_P_L[i][width - len(p):]] for i, p in enumerate(prompts) for _ in range(n)]
+        return [[r] for r in prompt_routes(self._routing.take(), prompts) for _ in range(n)]
 
     def _step(self, tok_B: torch.Tensor, pos_B: torch.Tensor, mask_B_K: torch.Tensor | None, cache) -> torch.Tensor:
         """One decode step: each row's next-token logits `[B, V]`; `mask_B_K` (None: no padding) covers the cached
@@ -456,7 +454,3 @@ class HFEngine:
         return Completion(tuple(token_ids), tuple(logprobs), reason or StopReason.LENGTH, text)
 
 
-def _fit_routes(routes: list[tuple[int, ...]], length: int) -> tuple[tuple[int, ...], ...]:
-    """`routes` cut or padded (with -1: the last sampled token is never read) to the sequence's `length`."""
-    missing = (-1,) * len(routes[0]) if routes else ()
-    return tuple(routes[:length]) + (missing,) * (length - len(routes))

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tokenmill.engines.base import call_seed
+from tokenmill.engines.local.routing import decode_routed_experts
 from tokenmill.engines.remote.pool import EndpointPool
 from tokenmill.types import Completion, ImageInputs, PromptLogprobs, SamplingParams, StopReason
 
@@ -62,12 +63,17 @@ class RemoteEngine:
                    server gives prompt i of a request seed + i (tokenmill serve does), so what the servers draw
                    does not depend on what they served before: a client made afresh at the same version (a
                    resumed run) draws what the first one drew
+    routed_experts: a mixture-of-experts policy's routing per completion (router replay r3), which every
+                   answer must then carry: "ask" sends `return_routed_experts` with each request (tokenmill serve's
+                   extension; the server started with --enable-return-routed-experts); "server": the server sends
+                   it unasked (vLLM started with --enable-return-routed-experts); "off": not needed. A choice's
+                   `routed_experts` (vLLM's form, both servers') becomes `Completion.routes` whenever it is there
     """
 
     def __init__(self, urls: list[str], *, pad_id: int, token: str | None = None, model: str = "tokenmill",
                  timeout_s: float = 300.0, retries: int = 3, backoff_s: float = 0.5, cooldown_s: float = 5.0,
                  sync: WeightSync | None = None, max_parallel: int = 256, prompts_per_request: int = 1,
-                 seed: int | None = None, images: bool = False) -> None:
+                 seed: int | None = None, images: bool = False, routed_experts: str = "off") -> None:
         self.pool = EndpointPool(urls, token=token, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
                                  cooldown_s=cooldown_s)
         self.pad_id = pad_id
@@ -75,6 +81,9 @@ class RemoteEngine:
         self.sync = sync
         self.prompts_per_request = prompts_per_request
         self.seed = seed
+        if routed_experts not in ("off", "ask", "server"):
+            raise ValueError(f"routed_experts: off, ask or server, got {routed_experts!r}")
+        self.routed_experts = routed_experts
         self.takes_images = images  # `rollout.generator.build_generator` then gives it a generator that reads images
         self._drawn = self._start = 0  # prompts drawn since the last push; the first of the call in progress
         self.version = 0
@@ -110,7 +119,8 @@ class RemoteEngine:
             if len(choices) != (end - start) * params.n:
                 raise ValueError(f"the engine server answered {len(choices)} choices for {end - start} prompt(s) "
                                  f"x n={params.n}")
-            out += [[_completion(c) for c in choices[i * params.n:(i + 1) * params.n]] for i in range(end - start)]
+            out += [[_completion(c, len(prompts[start + i]), self.routed_experts != "off")
+                     for c in choices[i * params.n:(i + 1) * params.n]] for i in range(end - start)]
         return out
 
     def _spans(self, count: int) -> list[tuple[int, int]]:
@@ -131,6 +141,8 @@ class RemoteEngine:
             body["top_k"] = params.top_k
         if params.stop:
             body["stop"] = list(params.stop)
+        if self.routed_experts == "ask":
+            body["return_routed_experts"] = True
         if self.seed is not None:
             body["seed"] = call_seed(self.seed, self.version, self._start + first)
         return body
@@ -206,8 +218,9 @@ def image_parts(inputs: ImageInputs | None) -> list[dict[str, Any]]:
     return parts
 
 
-def _completion(choice: dict[str, Any]) -> Completion:
-    """A choice of an OpenAI completions answer as a `Completion`; needs the token ids and their logprobs."""
+def _completion(choice: dict[str, Any], prompt_len: int, routed: bool = False) -> Completion:
+    """A choice of an OpenAI completions answer as a `Completion`; needs the token ids and their logprobs; its
+    `routed_experts`, where there, become the routes of the prompt's and the completion's tokens."""
     ids = choice.get("token_ids")
     logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
     if ids is None or logprobs is None:
@@ -217,8 +230,14 @@ def _completion(choice: dict[str, Any]) -> Completion:
         raise ValueError(f"the server returned {len(ids)} token ids but {len(logprobs)} logprobs")
     reason = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT}.get(choice.get("finish_reason"),
                                                                           StopReason.STOP)
+    experts = choice.get("routed_experts")
+    if routed and not experts and choice.get("finish_reason") != "abort":  # (vLLM: none before a first forward)
+        raise ValueError("the engine server's answer has no routed_experts: router replay r3 needs a server that "
+                         "records them (tokenmill serve or vLLM started with --enable-return-routed-experts, on a "
+                         "mixture-of-experts model)")
+    routes = None if not experts else decode_routed_experts(experts, prompt_len + len(ids))
     return Completion(tuple(int(t) for t in ids), tuple(float(x) for x in logprobs), reason,
-                      choice.get("text", ""))
+                      choice.get("text", ""), routes=routes)
 
 
 def _prompt_logprobs(ids: list[int], answer: dict[str, Any], top_k: int) -> PromptLogprobs:

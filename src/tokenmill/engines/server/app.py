@@ -16,7 +16,9 @@ update or cancelled). `temperature: 0` is greedy decoding (logprobs then of the 
 `prompt_logprobs: k` on /v1/completions (vLLM's extra, token-id prompts or text) adds each choice's
 `prompt_logprobs`, vLLM's shape: `[None, {"<id>": {"logprob", "rank", "decoded_token"}, ...}, ...]`, the prompt
 token's logprob at temperature 1 and its k most likely alternatives; with `max_tokens: 0` nothing is sampled
-(the `Scorer` of a remote engine). `stream: true` answers with server-sent events, one chunk per token
+(the `Scorer` of a remote engine). `return_routed_experts: true` (tokenmill's extension; a server started with
+`--enable-return-routed-experts`) adds each choice's `routed_experts`, vLLM's form of the MoE routing (router
+replay r3, `engines.local.routing.encode_routed_experts`). `stream: true` answers with server-sent events, one chunk per token
 (`tokenmill.engines.server.streaming`). A client that disconnects cancels its request: the engine stops decoding it at its next step.
 
 Errors are OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`: 400 a bad body (`param` names the
@@ -108,6 +110,17 @@ class Completer:
         """Tokens left in the model's context after the longest prompt (the engine refuses a full one)."""
         left = max(1, self.limit - max(len(p) for p in prompts)) if self.limit else 1 << 30
         return min(left, self.max_tokens_cap) if self.max_tokens_cap else left
+
+    def route_layers(self, body: CompletionBody | ChatBody) -> int:
+        """The router layers of the routing a request asked for (`return_routed_experts`), 0 when it asked for
+        none; 400 when this server does not record (started without --enable-return-routed-experts)."""
+        if not body.return_routed_experts:
+            return 0
+        layers = getattr(self.engine, "routing_layers", 0)
+        if not layers:
+            raise ApiError(400, "return_routed_experts: this server does not record the routing (serve a "
+                                "mixture-of-experts model with --enable-return-routed-experts)", "return_routed_experts")
+        return layers
 
     def check_episode(self, episode_id: str | None, n: int) -> None:
         if episode_id is None:
@@ -214,6 +227,7 @@ class Completer:
             if body.prompt_logprobs is not None:
                 raise ApiError(400, "prompt_logprobs: not with images", "prompt_logprobs")
             images = await asyncio.to_thread(completion_images, self.engine, body.images, prompts)
+        layers = self.route_layers(body)
         scored = None if body.prompt_logprobs is None else await self.score(prompts, body.prompt_logprobs)
         if scoring_only:
             return self.scored_answer(prompts, scored)
@@ -232,7 +246,7 @@ class Completer:
                           "logprobs": logprobs}
                 if scored is not None:
                     choice["prompt_logprobs"] = scored[i]
-                choices.append(choice | wire.extras(prompt, c, future.policy_version))
+                choices.append(choice | wire.extras(prompt, c, future.policy_version, layers))
         self.record(episode_id, prompts[0], futures[0], body.prompt)
         head = wire.envelope("cmpl", "text_completion", self.model_name)
         return wire.answer(head, prompts, [f.policy_version for f in futures], choices)
@@ -279,6 +293,7 @@ class Completer:
             return self.check_room([list(self.tokenizer(text, add_special_tokens=False)["input_ids"])],
                                    "messages")[0], None
 
+        layers = self.route_layers(body)
         prompt, images = await asyncio.to_thread(render)
         wanted = body.max_completion_tokens or body.max_tokens or self.default_max_tokens
         params = wire.sampling(body, min(wanted, self.room([prompt])))
@@ -292,7 +307,7 @@ class Completer:
             message, reason = wire.chat_message(c, bool(body.tools))
             logprobs = wire.chat_logprobs(self.tokenizer, c.token_ids, c.logprobs) if body.logprobs else None
             choice = {"index": j, "message": message, "finish_reason": reason, "logprobs": logprobs}
-            choices.append(choice | wire.extras(prompt, c, future.policy_version))
+            choices.append(choice | wire.extras(prompt, c, future.policy_version, layers))
         self.record(episode_id, prompt, future, body.messages)
         head = wire.envelope("chatcmpl", "chat.completion", self.model_name)
         return wire.answer(head, [prompt], [future.policy_version], choices)
@@ -407,13 +422,14 @@ def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, token: s
           max_batch: int = 256, max_batch_tokens: int = 0, seed: int = 0, device: str = "cpu",
           max_body_bytes: int = serving.DEFAULT_MAX_BODY_BYTES, limits: ConnectionLimits | None = None,
           kv_cache: str = "static", kv_block_size: int = 16, allow_remote_images: bool = False,
-          max_image_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+          max_image_pixels: int = DEFAULT_MAX_PIXELS, return_routed_experts: bool = False) -> None:
     """Load `model_dir` into a ContinuousEngine and serve it until interrupted; once it accepts connections,
     print its `serving.ready_line` (port 0 binds a free port, named there). Loopback only unless `allow_remote`
     and a token are both given (ValueError otherwise). `limits`: read timeout and connection cap.
     A vision-language folder (a `vision_config` in config.json) is served by a `VisionServingEngine`: chat
     messages may carry `image_url` parts, fetched from http(s) only with `allow_remote_images`, each at most
-    `max_image_pixels` (width x height)."""
+    `max_image_pixels` (width x height). `return_routed_experts`: record a mixture-of-experts model's routing,
+    returned to requests that ask (`return_routed_experts`, for router replay r3)."""
     import torch
 
     serving.check_exposure(host, token, allow_remote)
@@ -437,6 +453,8 @@ def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, token: s
     except (OSError, ValueError) as exc:
         sock.close()
         raise ValueError(f"MODEL_DIR {model_dir!r}: could not load it: {exc}".splitlines()[0]) from None
+    if return_routed_experts:
+        _record_routing(engine, sock)
     name = served_model_name or Path(model_dir).resolve().name
     app = create_app(engine, model_name=name, token=token, allowed_hosts=serving.bind_names(host),
                      max_body_bytes=max_body_bytes)
@@ -450,6 +468,18 @@ def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, token: s
         serving.serve_forever(app, sock, on_ready=ready, limits=limits)
     finally:
         engine.close()
+
+
+def _record_routing(engine, sock) -> None:
+    """`--enable-return-routed-experts`: the engine records its routing, or a one-line refusal."""
+    from tokenmill.engines.local.routing import moe_routers
+
+    if not isinstance(engine, ContinuousEngine) or not moe_routers(engine.model):
+        engine.close()
+        sock.close()
+        raise ValueError("--enable-return-routed-experts: the model has no mixture-of-experts router to record "
+                         "(a text model of a family with transformers' top-k routers, e.g. Qwen3-MoE)")
+    engine.record_routing(True)
 
 
 def _is_vision_folder(model_dir: str) -> bool:

@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenmill.engines.local.routing import encode_routed_experts
 from tokenmill.engines.local.scoring import MAX_TOP_K
 from tokenmill.serving import ApiError
 from tokenmill.types import Completion, PromptLogprobs, SamplingParams
@@ -48,6 +49,10 @@ class _Sampling(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool | None = Field(None, description="vLLM's flag; token ids are always returned.")
+    return_routed_experts: bool = Field(False, description="tokenmill's extension for router replay: each choice "
+                                        "carries `routed_experts`, vLLM's form (base64 `.npy`, [tokens read, "
+                                        "layers, top_k]), from a server started with "
+                                        "--enable-return-routed-experts.")
 
 
 class CompletionBody(_Sampling):
@@ -91,6 +96,8 @@ def refuse_unsupported(body: _Sampling) -> None:
             raise ApiError(400, "n: scoring a prompt (max_tokens 0) answers one choice per prompt", "n")
         if body.prompt_logprobs is not None and body.stream:
             raise ApiError(400, "prompt_logprobs: not with stream", "prompt_logprobs")
+    if body.return_routed_experts and body.stream:
+        raise ApiError(400, "return_routed_experts: not with stream", "return_routed_experts")
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > 16 or any(not s for s in stops):
         raise ApiError(400, "stop: up to 16 non-empty strings", "stop")
@@ -217,8 +224,13 @@ def prompt_logprobs(tokenizer, ids: Sequence[int], scored: PromptLogprobs, ranks
     return out
 
 
-def extras(prompt: list[int], c: Completion, version: int | None) -> dict[str, Any]:
-    return {"token_ids": list(c.token_ids), "prompt_token_ids": list(prompt), "policy_version": int(version or 0)}
+def extras(prompt: list[int], c: Completion, version: int | None, route_layers: int = 0) -> dict[str, Any]:
+    """The extension fields of a choice; with `route_layers` (a request for `return_routed_experts`) its
+    `routed_experts` too, None where the engine recorded none for it."""
+    out = {"token_ids": list(c.token_ids), "prompt_token_ids": list(prompt), "policy_version": int(version or 0)}
+    if route_layers:
+        out["routed_experts"] = None if c.routes is None else encode_routed_experts(c.routes, route_layers)
+    return out
 
 
 def usage(prompts: list[list[int]], completion_tokens: int) -> dict[str, int]:

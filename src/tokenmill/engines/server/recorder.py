@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.engines.local.routing import extend_routes, fit_routes
 from tokenmill.types import Completion, Sample, StopReason, TokenmillError
 
 
@@ -38,6 +39,7 @@ class _Segment:
     completion: str = ""
     stop_reason: StopReason = StopReason.STOP
     version: int = 0
+    routes: Any = None  # the MoE routing of `tokens` (router replay r3), where the engine records it
 
 
 @dataclass
@@ -58,7 +60,8 @@ class RecordedEpisode:
             Sample(tokens=tuple(s.tokens), loss_mask=tuple(s.loss_mask), logprobs=tuple(s.logprobs),
                    prompt_len=s.prompt_len, prompt=s.prompt, completion=s.completion, stop_reason=s.stop_reason,
                    version=s.version, group_id=group_id, reward=reward, rewards={"agent": self.reward},
-                   row={"episode_id": self.episode_id, "group": self.group, "calls": self.calls}, episode=episode)
+                   row={"episode_id": self.episode_id, "group": self.group, "calls": self.calls}, episode=episode,
+                   routes=None if s.routes is None else fit_routes(s.routes, len(s.tokens)))
             for s in self.segments
         ]
 
@@ -100,11 +103,14 @@ class EpisodeRecorder:
                 last.logprobs += [0.0] * len(new) + list(completion.logprobs)
                 last.completion += completion.text
                 last.stop_reason, last.version = completion.stop_reason, min(last.version, version)
+                if completion.routes is not None:  # each token's routing from the call that read it first
+                    last.routes = extend_routes(last.routes, completion.routes)
             else:
                 ep.segments.append(_Segment(
                     tokens=list(prompt_ids) + reply, loss_mask=[0] * len(prompt_ids) + [1] * len(reply),
                     logprobs=[0.0] * len(prompt_ids) + list(completion.logprobs), prompt_len=len(prompt_ids),
                     prompt=prompt, completion=completion.text, stop_reason=completion.stop_reason, version=version,
+                    routes=completion.routes,
                 ))
 
     def finish(self, episode_id: str, reward: float, group: str | None = None) -> RecordedEpisode:

@@ -82,6 +82,11 @@ READY_METHOD = "tokenmill_receiver_ready"
 JOIN_METHOD = "tokenmill_join_weight_group"
 RECEIVE_METHOD = "tokenmill_receive_weights"
 LEAVE_METHOD = "tokenmill_leave_weight_group"
+# router replay r3: each completions choice carries `routed_experts` (base64 `.npy`, [tokens read, layers, top_k]);
+# vLLM 0.32 returns them only from its V2 model runner, which needs Triton: not on the CPU build (its config
+# check: "Model Runner V2 requires Triton."), so this has run on no CPU server (docs/vllm.md)
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 class VLLMError(TokenmillError, RuntimeError):
@@ -159,7 +164,7 @@ def server_command(python: Path | str, model: str, *, host: str = "127.0.0.1", p
 
 
 def server_env(*, kv_cache_gib: int = 1, weight_routes: bool = True, lora: bool = False,
-               extension_dir: Path | None = None) -> dict[str, str]:
+               extension_dir: Path | None = None, routed_experts: bool = False) -> dict[str, str]:
     """The environment the server needs: offline, no usage reporting, a bounded CPU KV cache and (for weight
     updates) dev mode. Never the trainer's venv on PATH-dependent variables; `extension_dir` (the folder holding
     the worker extension module) is the server's only PYTHONPATH entry."""
@@ -172,6 +177,8 @@ def server_env(*, kv_cache_gib: int = 1, weight_routes: bool = True, lora: bool 
         env[DEV_MODE_ENV] = "1"
     if lora:
         env[LORA_RUNTIME_ENV] = "1"
+    if routed_experts:  # the only model runner that captures them
+        env[V2_RUNNER_ENV] = "1"
     return env
 
 
@@ -289,21 +296,25 @@ def remove_orphaned(segments: set[Path]) -> None:
 
 def start_server(python: Path | str, model: str, *, port: int, host: str = "127.0.0.1", log: Path | None = None,
                  timeout_s: float = 240.0, kv_cache_gib: int = 1, weight_routes: bool = True,
-                 max_model_len: int | None = 512, lora_rank: int = 0, extra: list[str] | None = None) -> VLLMServer:
+                 max_model_len: int | None = 512, lora_rank: int = 0, extra: list[str] | None = None,
+                 routed_experts: bool = False) -> VLLMServer:
     """Start a vLLM server in its own process group and wait (at most `timeout_s`) until `/health` answers
     200; on timeout or an early exit the group is killed and `VLLMError` quotes the log's end. `lora_rank` > 0:
     LoRA adapters up to that rank can be loaded at run time. With `weight_routes` the server also loads
-    tokenmill's worker extension (weights by gloo broadcast, `VLLMBroadcastSync`)."""
+    tokenmill's worker extension (weights by gloo broadcast, `VLLMBroadcastSync`). `routed_experts`: answer each
+    choice's mixture-of-experts routing (router replay r3; `ROUTED_EXPERTS_FLAG`)."""
     extension = write_worker_extension(Path(tempfile.mkdtemp(prefix="tokenmill-vllm-ext-"))) if weight_routes else None
     extra = [*(lora_flags(lora_rank) if lora_rank else []),
-             *([WORKER_EXTENSION_FLAG, WORKER_EXTENSION] if extension else []), *(extra or [])]
+             *([WORKER_EXTENSION_FLAG, WORKER_EXTENSION] if extension else []),
+             *([ROUTED_EXPERTS_FLAG] if routed_experts else []), *(extra or [])]
     log = Path(log) if log is not None else Path(tempfile.gettempdir()) / f"tokenmill-vllm-{port}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(server_command(python, model, host=host, port=port, max_model_len=max_model_len,
                                                extra=extra),
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=server_env(kv_cache_gib=kv_cache_gib, weight_routes=weight_routes,
-                                               lora=lora_rank > 0, extension_dir=extension),
+                                               lora=lora_rank > 0, extension_dir=extension,
+                                               routed_experts=routed_experts),
                                 # its own group (stop() ends all of vLLM's processes); a caller killed with
                                 # -9 sends the API server SIGTERM, which shuts its engine processes down
                                 start_new_session=True, preexec_fn=_terminate_with_parent())  # noqa: PLW1509
@@ -377,7 +388,8 @@ def serve_command(args: Any) -> int:
     extra = ["--no-enable-prefix-caching"] if args.no_prefix_cache else []
     server = start_server(python, str(Path(args.model_dir).resolve()), port=args.port, host=args.host,
                           timeout_s=args.timeout_s, kv_cache_gib=args.kv_cache_gib,
-                          max_model_len=args.max_model_len, lora_rank=args.lora_rank, extra=extra)
+                          max_model_len=args.max_model_len, lora_rank=args.lora_rank, extra=extra,
+                          routed_experts=getattr(args, "enable_return_routed_experts", False))
     print(f"vLLM ready at {server.url} (log: {server.log})\n"
           f"config: engine: {{placement: remote, urls: [{server.url}], sync: vllm}}", flush=True)
     previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the server as Ctrl-C does

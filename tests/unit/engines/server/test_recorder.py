@@ -100,3 +100,22 @@ def test_stepwise_recording_keeps_every_call_and_one_advantage_per_episode():
     # without step-wise marks, a's two samples would count twice in the group's statistics
     [plain] = assign_advantages(episodes_to_groups(episodes), "grpo")
     assert [s.episode for s in plain.samples] == [-1] * 4 and plain.samples[0].advantage != pytest.approx(1.0, abs=1e-3)
+
+
+def test_recorded_routing_comes_from_the_call_that_read_each_token_first():
+    """Router replay r3 in proxy mode: [tokens, layers x top_k] per call, -1 for the never-read last token."""
+    import torch
+
+    def routes(rows):
+        return torch.tensor(rows, dtype=torch.int16)
+
+    rec = EpisodeRecorder()
+    rec.record("e", [1, 2], Completion((7, 8), (-0.5, -0.25), StopReason.STOP, "ab",
+                                       routes=routes([[0, 1], [2, 3], [4, 5], [-1, -1]])), version=0)
+    # the second call read the history again (its own routing of it differs) and the observation [20]
+    second = routes([[3, 3], [3, 3], [3, 3], [6, 7], [0, 2], [-1, -1]])
+    rec.record("e", [1, 2, 7, 8, 20], Completion((9,), (-1.0,), StopReason.STOP, "c", routes=second), version=0)
+    rec.record("e", [40], Completion((41,), (-1.0,), StopReason.STOP, "d"), version=0)  # recorded without routing
+    first, other = rec.finish("e", 1.0).samples(0)
+    assert first.routes.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7], [0, 2], [-1, -1]]
+    assert other.routes is None

@@ -16,10 +16,12 @@ from tokenmill.engines.vllm.launch import LORA_RANKS, READY_MARKER, VLLMError, l
 
 # `python -m vllm.entrypoints.openai.api_server ... --port P`: answers /health for LIFETIME seconds, then exits 3
 FAKE_SERVER = """#!{python}
-import http.server, json, sys, threading, time
+import http.server, json, os, sys, threading, time
 argv = sys.argv[1:]
 with open({argv_file!r}, "w") as f:
     json.dump(argv, f)
+with open({argv_file!r} + ".env", "w") as f:
+    json.dump({{k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}, f)
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200 if self.path == "/health" else 404)
@@ -85,3 +87,13 @@ def test_a_rank_beyond_vllms_is_refused_before_anything_starts(tmp_path, fake_ve
     assert main(_serve(tmp_path, fake_venv, "--lora-rank", "600")) == 1
     assert capsys.readouterr().err.strip() == "tokenmill: --lora-rank 600: vLLM serves LoRA adapters up to rank 512"
     assert not (tmp_path / "argv.json").exists()
+
+
+def test_routed_experts_start_vllms_v2_runner_with_its_flag(tmp_path, fake_venv, capsys):
+    assert main(_serve(tmp_path, fake_venv, "--enable-return-routed-experts")) == 1  # the stand-in exits after 3 s
+    argv = json.loads((tmp_path / "argv.json").read_text())
+    env = json.loads((tmp_path / "argv.json.env").read_text())
+    assert "--enable-return-routed-experts" in argv and env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert main(_serve(tmp_path, fake_venv)) == 1
+    assert "--enable-return-routed-experts" not in json.loads((tmp_path / "argv.json").read_text())
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in json.loads((tmp_path / "argv.json.env").read_text())
