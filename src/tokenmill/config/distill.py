@@ -130,7 +130,7 @@ def check_distill(cfg: Any) -> None:
     if dist.loss == "full" and cfg.training.backend != "local":
         raise ValueError("distillation.loss: 'full' computes the teacher's distribution inside the local "
                          "trainer; with training.backend 'fsdp2' set loss 'sampled'")
-    if dist.teacher_tokenizer != "same" and cfg.env is not None:
+    if dist.teacher_tokenizer != "same" and (cfg.env is not None or cfg.proxy is not None):
         raise ValueError("distillation.teacher_tokenizer: a teacher with another tokenizer re-renders single-turn "
                          "prompts; multi-turn environments keep the same tokenizer ('same')")
     if dist.task_weight > 0 and cfg.generation.group_size < 2:

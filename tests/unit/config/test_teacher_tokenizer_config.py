@@ -38,6 +38,8 @@ def test_same_is_the_default_and_auto_picks_the_sampled_estimate():
     ({"teacher": {"path": "t"}, "teacher_tokenizer": ""}, {}, "distillation.teacher_tokenizer"),
     ({"teacher": {"path": "t"}, "teacher_tokenizer": "auto"}, {"env": {"name": "guess_number"}},
      "distillation.teacher_tokenizer: a teacher with another tokenizer re-renders single-turn"),
+    ({"teacher": {"path": "t"}, "teacher_tokenizer": "auto"}, {"proxy": {}},
+     "distillation.teacher_tokenizer: a teacher with another tokenizer re-renders single-turn"),
 ])
 def test_refusals_name_the_field(distillation, sections, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
