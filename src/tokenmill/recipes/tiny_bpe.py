@@ -27,15 +27,27 @@ def addition_corpus(n: int = 4000, seed: int = 0) -> list[str]:
     return lines
 
 
-def build_bpe_tokenizer(vocab_size: int = 400, corpus: list[str] | None = None):
-    """A fast byte-level BPE tokenizer (GPT-2 style pre-tokenisation: digit runs stay together, so merges form
-    multi-digit tokens) trained on `corpus` (default: `addition_corpus()`), with the chat special tokens first
+# Pre-tokenisation that keeps digits single except the leading `1` of a three-digit number, joined with the next
+# digit (`135` -> `13`, `5`): a tokenizer that differs from the character one where sums pass 100 and that a tiny
+# model still learns to add with (free merges of digit runs, `98`, `37`, make addition a table to memorise).
+LEADING_ONE = r"1\d(?=\d)|\d|\D"
+
+
+def build_bpe_tokenizer(vocab_size: int = 400, corpus: list[str] | None = None, split: str | None = None):
+    """A fast byte-level BPE tokenizer trained on `corpus` (default: `addition_corpus()`). Pre-tokenisation is
+    GPT-2's (digit runs stay together, so merges form multi-digit tokens: `98`, `13`), or with `split` (a
+    regex, e.g. `LEADING_ONE`) the text is first cut into its matches, merges staying inside them. The chat
+    special tokens come first
     (at the same ids as the character tokenizer's, `<|end|>` eos; every other token has another id) and the same chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split is not None:
+        core.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
@@ -54,12 +66,13 @@ def build_bpe_tokenizer(vocab_size: int = 400, corpus: list[str] | None = None):
 
 
 def build_tiny_bpe_model(path: str | Path, hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
-                         num_kv_heads: int = 2, vocab_size: int = 400, seed: int = 0) -> str:
-    """Write a random-init Llama causal LM over `build_bpe_tokenizer(vocab_size)` to `path`; return the path."""
+                         num_kv_heads: int = 2, vocab_size: int = 400, split: str | None = None, seed: int = 0) -> str:
+    """Write a random-init Llama causal LM over `build_bpe_tokenizer(vocab_size, split=split)` to `path`; return
+    the path."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    tok = build_bpe_tokenizer(vocab_size)
+    tok = build_bpe_tokenizer(vocab_size, split=split)
     config = LlamaConfig(
         vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
