@@ -126,7 +126,8 @@ def plan_sample(sample: Sample, student_tok: Any, teacher_tok: Any) -> SpanPlan:
     body = completion[:-1] if ends_with_eos else completion
     text, student_spans = token_spans(student_tok, body)
     prompt = encode_prompt(teacher_tok, sample.prompt)
-    reply = list(teacher_tok(text, add_special_tokens=False)["input_ids"])
+    # text that spells a special token (`<|end|>` written character by character) stays text for the teacher
+    reply = list(teacher_tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
     teacher_text, teacher_spans = token_spans(teacher_tok, reply)
     spans = align_spans(student_spans, teacher_spans) if teacher_text == text else []
     p, n = sample.prompt_len, len(prompt)

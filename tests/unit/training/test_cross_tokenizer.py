@@ -98,6 +98,18 @@ def test_teacher_span_logprobs_are_sums_of_a_plain_forward(toks, bpe_teacher):
     assert metrics == {"distill/unaligned_tokens": 0.0, "distill/tokens_per_span": 4 / 3}
 
 
+def test_text_spelling_a_special_token_stays_text(toks):
+    """A student that writes `<|end|>` character by character wrote text: the teacher reads it as text too
+    (its bytes), not as its end-of-turn token, so every character aligns."""
+    char, bpe = toks
+    spelled = [char.convert_tokens_to_ids(c) for c in "1<|end|>"]
+    sample = Sample(tokens=(5, *spelled), loss_mask=(0,) + (1,) * 8, logprobs=(0.0,) * 9, prompt_len=1,
+                    prompt="1+0=", completion="1<|end|>", stop_reason=StopReason.LENGTH)
+    plan = plan_sample(sample, char, bpe)
+    assert sorted(i for s, _ in plan.spans for i in s) == list(range(1, 9))
+    assert bpe.eos_token_id not in plan.teacher_ids[plan.teacher_prompt_len:]
+
+
 class _Fixed:  # a scripted teacher model (the loss by hand needs round numbers)
     """A scorer whose teacher says the same logprob of every token it is asked about (a hand-made teacher)."""
 
