@@ -62,6 +62,10 @@ class DistillConfig(Section):
     top_k: int = Field(
         0, ge=0, le=1024, description="0: the teacher's logprob of each sampled token; k > 0: only its k most "
         "likely tokens per position, the rest bucketed as one 'other' outcome (see docs/distillation.md).")
+    teacher_tokenizer: str = Field(
+        "same", min_length=1, description="same: the teacher has the policy's tokenizer (checked); auto: read "
+        "the teacher folder's tokenizer and, where it differs, align the two tokenizations by text spans; a "
+        "folder: the teacher's tokenizer (e.g. for a `url` teacher), aligned by text spans (loss sampled).")
 
     @model_validator(mode="after")
     def _teachers(self) -> DistillConfig:
@@ -78,10 +82,30 @@ class DistillConfig(Section):
                              "use top_k 0 or route_by")
         return self
 
+    @model_validator(mode="after")
+    def _teacher_tokenizer(self) -> DistillConfig:
+        if self.teacher_tokenizer == "same":
+            return self
+        if self.teacher is None:
+            raise ValueError("teacher_tokenizer: a teacher with another tokenizer is one `teacher`; with several "
+                             "`teachers` leave it 'same'")
+        if self.loss == "full":
+            raise ValueError("loss: 'full' sums over one vocabulary at each position, which two tokenizers do not "
+                             "share; with teacher_tokenizer set use loss 'sampled' (the log ratio of aligned text "
+                             "spans) or 'auto'")
+        if self.top_k:
+            raise ValueError("top_k: a teacher's top-k tokens are in its own vocabulary; with teacher_tokenizer "
+                             "set use top_k 0")
+        if self.teacher_tokenizer == "auto" and self.teacher.path is None:
+            raise ValueError("teacher_tokenizer: 'auto' reads the teacher folder's tokenizer; a `url` teacher "
+                             "needs the folder of its tokenizer here")
+        return self
+
     @property
     def full_possible(self) -> bool:
         """Whether the teacher's whole distribution is at hand: one in-process teacher, top_k 0."""
-        return self.teacher is not None and self.teacher.path is not None and not self.top_k
+        return (self.teacher is not None and self.teacher.path is not None and not self.top_k
+                and self.teacher_tokenizer == "same")
 
     @property
     def named(self) -> dict[str, TeacherConfig]:
@@ -106,6 +130,9 @@ def check_distill(cfg: Any) -> None:
     if dist.loss == "full" and cfg.training.backend != "local":
         raise ValueError("distillation.loss: 'full' computes the teacher's distribution inside the local "
                          "trainer; with training.backend 'fsdp2' set loss 'sampled'")
+    if dist.teacher_tokenizer != "same" and (cfg.env is not None or cfg.proxy is not None):
+        raise ValueError("distillation.teacher_tokenizer: a teacher with another tokenizer re-renders single-turn "
+                         "prompts; multi-turn environments keep the same tokenizer ('same')")
     if dist.task_weight > 0 and cfg.generation.group_size < 2:
         raise ValueError("generation.group_size: distillation.task_weight > 0 mixes in the group advantage of "
                          "the task reward, which needs generation.group_size >= 2")

@@ -141,6 +141,10 @@ def distill_groups(
     width = max(len(s.tokens) for s in samples)
     if full:
         return _task_only(groups, samples, dist, width)
+    if hasattr(teacher, "span_targets"):  # another tokenizer: targets by aligned text spans
+        from tokenmill.training.cross_tokenizer import cross_distill
+
+        return cross_distill(groups, samples, teacher, dist, width)
     scored = teacher.score(samples)
     teacher_B_T = _padded([(0.0, *p.token_logprobs) for p in scored], width)
     student_B_T = _padded([s.logprobs for s in samples], width)
@@ -190,6 +194,12 @@ def build_teacher(dist: DistillConfig | None, student: torch.nn.Module, tokenize
     vocabulary (checked here: ConfigError naming the field)."""
     if dist is None:
         return None
+    if dist.teacher_tokenizer != "same":  # a teacher with another tokenizer, when it has one
+        from tokenmill.training.cross_tokenizer import cross_teacher
+
+        cross = cross_teacher(dist, tokenizer, device, autocast_dtype=autocast_dtype)
+        if cross is not None:
+            return cross
     single = dist.teacher is not None
     scorers = {}
     for name, tc in dist.named.items():
@@ -211,24 +221,34 @@ def _scorer(tc: TeacherConfig, field: str, student, tokenizer, device, amp):
 
         token = tc.token if tc.token is not None else os.environ.get("TOKENMILL_SERVE_TOKEN") or None
         return RemoteEngine([tc.url], pad_id=tokenizer.pad_token_id or 0, token=token, model=tc.model)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(tc.path, dtype=torch.float32)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{field}.path: cannot load {tc.path!r}: {exc}") from None
+    if student is not None:  # None: the teacher has its own tokenizer (`tokenizer`; training.cross_tokenizer)
+        _same_vocab(field, tc, model, student, tokenizer)
+    from tokenmill.engines.local.hf import HFEngine
+
+    target = device if tc.device == "auto" else torch.device(tc.device)
+    return HFEngine(model.to(target).eval().requires_grad_(False), tokenizer, autocast_dtype=amp)
+
+
+def _same_vocab(field: str, tc: TeacherConfig, model, student, tokenizer) -> None:
+    """An in-process teacher without `teacher_tokenizer` must have the policy's vocabulary (ConfigError)."""
+    from transformers import AutoTokenizer
+
     mine, theirs = student.config.vocab_size, model.config.vocab_size
     if mine != theirs:
         raise ConfigError(f"{field}.path: the teacher's vocabulary has {theirs} tokens, the policy's {mine}; "
-                          "distillation compares logprobs token by token and needs the same tokenizer")
+                          "distillation compares logprobs token by token and needs the same tokenizer "
+                          "(or set distillation.teacher_tokenizer: auto to align text spans)")
     try:
         teacher_vocab = AutoTokenizer.from_pretrained(tc.path).get_vocab()
     except (OSError, ValueError):
         teacher_vocab = None  # a folder with weights only: the vocabulary size is all that can be checked
     if teacher_vocab is not None and teacher_vocab != tokenizer.get_vocab():
         raise ConfigError(f"{field}.path: the teacher's tokenizer maps tokens to other ids than the policy's; "
-                          "distillation needs the same tokenizer")
-    from tokenmill.engines.local.hf import HFEngine
-
-    target = device if tc.device == "auto" else torch.device(tc.device)
-    return HFEngine(model.to(target).eval().requires_grad_(False), tokenizer, autocast_dtype=amp)
+                          "distillation needs the same tokenizer (or set distillation.teacher_tokenizer: auto "
+                          "to align text spans)")
