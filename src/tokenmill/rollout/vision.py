@@ -98,4 +98,4 @@ def check_images_fit(cfg: Any, model: Any, rows: Any) -> None:
     if has_images(rows[0], cfg.data.prompt_column, cfg.data.image_column):
         raise ConfigError(f"model.path: the prompts have images (data.image_column {cfg.data.image_column!r} or "
                           f"image parts) but {cfg.model.path!r} is a text model; use a vision-language model "
-                          "(Qwen2.5-VL, Qwen2-VL)")
+                          "(Qwen2.5-VL, Qwen2-VL, Qwen3-VL)")
