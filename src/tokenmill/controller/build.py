@@ -137,10 +137,13 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     if cfg.record.replay is not None:  # trains on recorded rollouts: nothing generates, nothing evaluates
         engine, eval_rows = ReplayEngine(model, tokenizer), None
     elif is_vision_config(model.config):  # a vision-language policy: images encoded once per group
-        if sharded or cfg.engine.placement not in ("colocated", "process"):
+        if sharded or cfg.engine.placement not in ("colocated", "process", "remote"):
             raise ConfigError("engine.placement: a vision-language model trains in one process and generates "
-                              "with its own module (colocated) or spawned `tokenmill serve` processes (process); "
-                              "fsdp2 and other placements do not take images yet")
+                              "with its own module (colocated), spawned `tokenmill serve` processes (process) or "
+                              "servers at engine.urls (remote); fsdp2 and other placements do not take images yet")
+        if cfg.engine.placement == "remote" and cfg.env is not None:
+            raise ConfigError("engine.placement: remote servers take images in chat messages, single-turn prompts "
+                              "only; a multi-turn run with images needs colocated or process")
         engine = VisionEngine(model, tokenizer, seed=cfg.training.seed, autocast_dtype=amp)
     else:
         engine = (dist.RankedEngine if sharded else HFEngine)(

@@ -29,6 +29,7 @@ class ImagePrompt(list):
 
     images: ImageInputs | None = None
     error: str | None = None
+    messages: list[dict[str, Any]] | None = None  # the chat messages, image slots `{"type": "image"}` (a remote engine's)
 
 
 def encode_image_prompt(processor: VisionProcessor, row: dict[str, Any], prompt_column: str, image_column: str,
@@ -44,7 +45,7 @@ def encode_image_prompt(processor: VisionProcessor, row: dict[str, Any], prompt_
         log.warning("%s (the row's samples fail; the batch goes on)", prompt.error)
         return prompt
     prompt = ImagePrompt(ids)
-    prompt.images = inputs
+    prompt.images, prompt.messages = inputs, messages
     return prompt
 
 
