@@ -255,3 +255,29 @@ def test_a_remote_engine_in_chat_sends_image_url_parts_and_gets_the_in_process_s
             assert g.token_ids == w.token_ids and g.text == w.text
             assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
     assert want[0][0].token_ids != want[1][0].token_ids or want[0][0].logprobs != want[1][0].logprobs
+
+
+def test_waiting_requests_are_decoded_together_with_their_own_seeds(served, in_process):
+    """Requests that wait while the worker is busy go out as one batch; each (seeded, sampled) equals what
+    the in-process engine draws for it alone."""
+    _, served_engine = served
+    engine, processor = in_process
+    encoded = [processor.encode(_prompt_slots(text), [_picture(colour, size)])
+               for text, colour, size in (("count", (255, 0, 0), 32), ("how many shapes now?", (0, 9, 200), 48),
+                                          ("x", (0, 200, 0), 32))]
+    params = SamplingParams(max_tokens=5, n=2, temperature=1.0)
+    with served_engine._lock:  # the worker is busy: all three wait for it
+        futures = [served_engine.submit(ids, params, seed=7 + i, images=x) for i, (ids, x) in enumerate(encoded)]
+        assert served_engine.stats()["waiting_requests"] == 3
+    groups = [f.result(timeout=120) for f in futures]
+    assert served_engine.largest_batch >= 3
+    for i, ((ids, x), got) in enumerate(zip(encoded, groups, strict=True)):
+        engine.generator = torch.Generator().manual_seed(7 + i)
+        [want] = engine.generate([ids], params, images=[x])
+        for g, w in zip(got, want, strict=True):
+            assert g.token_ids == w.token_ids
+            assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+
+
+def _prompt_slots(text):
+    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
