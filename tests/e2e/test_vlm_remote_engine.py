@@ -5,9 +5,11 @@ trainer's."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import tokenmill
 
@@ -17,6 +19,13 @@ pytest.importorskip("PIL")
 def digit_share(prompts, completions, **_):
     texts = [c[0]["content"] for c in completions]
     return [sum(ch.isdigit() for ch in t) / max(1, len(t)) for t in texts]
+
+
+def _page_config() -> dict:
+    """docs/vision.md's remote-servers block."""
+    page = (Path(__file__).parents[2] / "docs" / "vision.md").read_text()
+    block = page.split("<!-- tested: tests/e2e/test_vlm_remote_engine.py -->\n```yaml\n", 1)[1].split("```", 1)[0]
+    return yaml.safe_load(block)
 
 
 def test_a_vlm_run_samples_from_a_remote_server_in_chat(tmp_path, tiny_vlm_path):
@@ -29,13 +38,15 @@ def test_a_vlm_run_samples_from_a_remote_server_in_chat(tmp_path, tiny_vlm_path)
     served = VisionServingEngine.from_pretrained(tiny_vlm_path, seed=0, policy=ImagePolicy(max_pixels=64 * 64))
     server, _ = start_in_thread(create_app(served, model_name="tiny-vlm"))
     out = tmp_path / "run"
+    page = _page_config()
+    assert page["engine"]["placement"] == "remote"
     try:
         tokenmill.train({
             "model": {"path": tiny_vlm_path},
-            "data": {"task": "shapes", "num_train": 32, "num_eval": 0},
+            "data": {**page["data"], "num_train": 32, "num_eval": 0},
             "generation": {"group_size": 4, "max_tokens": 3},
             "training": {"learning_rate": 1e-2, "seed": 3},
-            "engine": {"placement": "remote", "urls": [server.url], "timeout_s": 120},
+            "engine": {**page["engine"], "urls": [server.url], "timeout_s": 120},
             "controller": {"steps": 2, "prompts_per_step": 2},
             "tracking": {"output_dir": str(out), "console": "none"},
             "checkpoint": {"every": 0, "save_final": False},
