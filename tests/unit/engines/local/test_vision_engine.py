@@ -133,7 +133,7 @@ def test_only_the_processors_image_tokens_are_image_slots(vlm):
     assert torch.isfinite(lp).all() and (lp[0, -3:] < 0).all()
 
 
-def test_qwen3_vl_logprobs_equal_the_models_own_forward(qwen3_vl_path):
+def test_qwen3_vl_logprobs_equal_the_models_own_forward(qwen3_vl_path, monkeypatch):
     """The trainer's Qwen3-VL forward (image features and deepstack features at the image slots, the model's
     interleaved multimodal positions) gives the logprobs of transformers' own forward with the processor's
     `mm_token_type_ids`, and the deepstack features take part (dropping them changes the numbers)."""
@@ -155,10 +155,6 @@ def test_qwen3_vl_logprobs_equal_the_models_own_forward(qwen3_vl_path):
     theirs = logits[0, -5:-1].log_softmax(-1).gather(-1, ids_1_T[0, -4:, None])[:, 0]
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
     assert vision.deepstack_inputs(type("Out", (), {"deepstack_features": []})(), ids_1_T) == {}
-    original = vision.deepstack_inputs
-    try:
-        vision.deepstack_inputs = lambda encoded, slots: {}
-        without = batch_logprobs(model, collate([sample], [1.0], 0), temperature=1.0, token_budget=10_000)[0, -4:]
-    finally:
-        vision.deepstack_inputs = original
+    monkeypatch.setattr(vision, "deepstack_inputs", lambda encoded, slots: {})
+    without = batch_logprobs(model, collate([sample], [1.0], 0), temperature=1.0, token_budget=10_000)[0, -4:]
     assert (without - ours).abs().max() > 1e-4
