@@ -3,6 +3,7 @@ in a generated picture), with the blanked-image control.
 
     python benchmarks/vlm_learning.py               # ~2 min on 2 cores
     python benchmarks/vlm_learning.py --steps 40 --out benchmarks/results/vlm_learning.json
+    python benchmarks/vlm_learning.py --family qwen3_vl   # the same on a tiny Qwen3-VL (deepstack features)
 
 A random-init Qwen2.5-VL (the real architecture: vision tower, merger, multimodal rotary positions; 2 x 64
 language layers) is built locally, warm-started with supervised steps on a sloppy teacher that overlooks one
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 
 
-def warm_start(work: Path, *, sft_steps: int, slip: float, seed: int, say=print) -> Path:
+def warm_start(work: Path, *, sft_steps: int, slip: float, seed: int, say=print, family: str = "qwen2_5_vl") -> Path:
     """Build the tiny VLM and train it on the sloppy teacher's counts; return the warm folder."""
     from tokenmill.config.schema import ModelConfig
     from tokenmill.data.registry import task_splits
@@ -32,7 +33,7 @@ def warm_start(work: Path, *, sft_steps: int, slip: float, seed: int, say=print)
     from tokenmill.training.vision import image_sft_samples
 
     t0 = time.time()
-    base = build_tiny_vlm(work / "base", hidden_size=64, seed=seed)
+    base = build_tiny_vlm(work / "base", hidden_size=64, seed=seed, family=family)
     rows, _, _ = task_splits("shapes", 2000, 0, seed=seed, slip=slip)
     model, tok = load_policy(ModelConfig(path=base), resolve_device("cpu"))
     samples = image_sft_samples(VisionProcessor.from_pretrained(base, tokenizer=tok), rows)
@@ -86,6 +87,7 @@ def main() -> None:
     parser.add_argument("--slip", type=float, default=0.6)
     parser.add_argument("--num-eval", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--family", default="qwen2_5_vl", choices=("qwen2_5_vl", "qwen2_vl", "qwen3_vl"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     import torch
@@ -93,9 +95,9 @@ def main() -> None:
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        warm = warm_start(work, sft_steps=args.sft_steps, slip=args.slip, seed=args.seed)
+        warm = warm_start(work, sft_steps=args.sft_steps, slip=args.slip, seed=args.seed, family=args.family)
         result = grpo(warm, work, steps=args.steps, num_eval=args.num_eval, seed=args.seed)
-    result |= {"sft_steps": args.sft_steps, "slip": args.slip, "chance": 0.25}
+    result |= {"sft_steps": args.sft_steps, "slip": args.slip, "chance": 0.25, "family": args.family}
     print(f"held-out greedy accuracy: {result['before']:.3f} -> {result['after']:.3f} "
           f"({100 * (result['after'] - result['before']):+.1f} points, {args.num_eval} pictures)")
     print(f"blanked pictures (control): {result['blank_before']:.3f} -> {result['blank_after']:.3f} (chance 0.25)")

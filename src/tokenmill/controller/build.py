@@ -104,7 +104,7 @@ class Run:
 
 # where a vision-language policy's rollouts may run: beside the trainer's module, on a copy of it in a producer
 # thread or a worker process, or in spawned `tokenmill serve` processes (which take pictures as `image_url` parts)
-VISION_PLACEMENTS = ("colocated", "thread", "worker", "process")
+VISION_PLACEMENTS = ("colocated", "thread", "worker", "process", "remote")
 
 
 def vision_engine(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any, amp: torch.dtype | None,
@@ -114,7 +114,11 @@ def vision_engine(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any, amp: to
     if cfg.engine.placement not in VISION_PLACEMENTS:
         raise ConfigError(f"engine.placement: a vision-language model generates with its own module (colocated), "
                           f"a copy in a rollout thread (thread) or a worker process (worker), or spawned "
-                          f"`tokenmill serve` processes (process); {cfg.engine.placement} does not take images yet")
+                          f"`tokenmill serve` processes (process) or servers at engine.urls (remote); "
+                          f"{cfg.engine.placement} does not take images yet")
+    if cfg.engine.placement == "remote" and cfg.env is not None:
+        raise ConfigError("engine.placement: remote servers take images in chat messages, single-turn prompts "
+                          "only; a multi-turn run with images needs colocated, thread, worker or process")
     if cfg.controller.partial_rollouts:
         raise ConfigError("controller.partial_rollouts: interrupting generations is done for text models only; "
                           "a vision-language run finishes each rollout on the weights it started with")

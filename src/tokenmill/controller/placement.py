@@ -316,7 +316,8 @@ def _server_placement(run) -> ServerPlacement:
         engine = RemoteEngine(urls, **kwargs, prompts_per_request=0 if ours else 1,
                               seed=cfg.training.seed if cfg.engine.placement == "process" else None,
                               images=getattr(run.rollout.engine, "takes_images", False),
-                              routed_experts="off" if not r3 else "server" if vllm else "ask")
+                              routed_experts="off" if not r3 else "server" if vllm else "ask",
+                              image_route="completions" if ours else "chat")  # others take images in chat only
         if fleet is not None:
             fleet.attach(engine)  # a replaced replica joins its pool and sync, with the current weights
     except BaseException:

@@ -29,6 +29,7 @@ class ImagePrompt(list):
 
     images: ImageInputs | None = None
     error: str | None = None
+    messages: list[dict[str, Any]] | None = None  # the chat messages, image slots `{"type": "image"}` (a remote engine's)
 
 
 def encode_image_prompt(processor: VisionProcessor, row: dict[str, Any], prompt_column: str, image_column: str,
@@ -44,7 +45,7 @@ def encode_image_prompt(processor: VisionProcessor, row: dict[str, Any], prompt_
         log.warning("%s (the row's samples fail; the batch goes on)", prompt.error)
         return prompt
     prompt = ImagePrompt(ids)
-    prompt.images = inputs
+    prompt.images, prompt.messages = inputs, messages
     return prompt
 
 
@@ -98,4 +99,4 @@ def check_images_fit(cfg: Any, model: Any, rows: Any) -> None:
     if has_images(rows[0], cfg.data.prompt_column, cfg.data.image_column):
         raise ConfigError(f"model.path: the prompts have images (data.image_column {cfg.data.image_column!r} or "
                           f"image parts) but {cfg.model.path!r} is a text model; use a vision-language model "
-                          "(Qwen2.5-VL, Qwen2-VL)")
+                          "(Qwen2.5-VL, Qwen2-VL, Qwen3-VL)")

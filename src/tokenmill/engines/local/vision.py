@@ -1,5 +1,5 @@
 """Vision-language models in process: the processor that turns messages and images into token ids and pixel
-values, and an engine that samples from a Qwen2-VL-family model.
+values, and an engine that samples from a Qwen2-VL-family model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
 
 `VisionProcessor` is the model's own tokenizer (its chat template renders an image part as the model's image
 markers) plus its image processor (`preprocessor_config.json`, read with `AutoImageProcessor`): each image
@@ -9,8 +9,11 @@ model's `Processor` class does. It needs neither torchvision nor the video proce
 `VisionEngine` decodes group by group: a prompt's images go through the vision encoder once, in the prompt's
 prefill, and the group's `n` samples continue from copies of that one key/value cache. Positions are the
 model's multimodal rotary positions (`get_rope_index`): 3 per token, the image tokens laid out on their grid,
-the text after them continuing from the largest; the trainer computes the same ones
-(`training.vision`), so the sampler's logprobs equal the trainer's.
+the text after them continuing from the largest (Qwen3-VL interleaves the three axes in the rotary frequencies
+and its own `get_rope_index` lays them out); the trainer computes the same ones (`training.vision`), so the
+sampler's logprobs equal the trainer's. Qwen3-VL's deepstack features (intermediate vision-tower layers added
+to the image slots' hidden states in the first language layers) are computed with the prompt's image features
+and fed in the same prefill (`deepstack_inputs`); decoded tokens are text and take none.
 """
 
 from __future__ import annotations
@@ -83,13 +86,24 @@ def backbone(model: torch.nn.Module, ids_B_T: torch.Tensor, pixel_values: torch.
     embeds_B_T_H = inner.get_input_embeddings()(ids_B_T)
     if pixel_values is not None:
         grid = image_grid_thw.to(ids_B_T.device)
-        features = inner.get_image_features(pixel_values.to(ids_B_T.device), grid, return_dict=True).pooler_output
-        features_N_H = torch.cat(list(features)).to(embeds_B_T_H.dtype)
+        encoded = inner.get_image_features(pixel_values.to(ids_B_T.device), grid, return_dict=True)
+        features_N_H = torch.cat(list(encoded.pooler_output)).to(embeds_B_T_H.dtype)
         slots_B_T = image_slots(model, ids_B_T)
         if int(slots_B_T.sum()) != features_N_H.shape[0]:
             raise ValueError(f"{int(slots_B_T.sum())} image tokens for {features_N_H.shape[0]} image features")
         embeds_B_T_H = embeds_B_T_H.masked_scatter(slots_B_T[..., None], features_N_H)
+        kwargs.update(deepstack_inputs(encoded, slots_B_T))
     return inner.language_model(inputs_embeds=embeds_B_T_H, position_ids=position_ids, **kwargs)
+
+
+def deepstack_inputs(encoded: Any, slots_B_T: torch.Tensor) -> dict[str, Any]:
+    """Qwen3-VL's deepstack keywords for its language model: the vision tower's intermediate features (one
+    tensor `[N, H]` per fed layer, images in order) added to the image slots' hidden states after the first
+    layers. Empty for a family without them (Qwen2-VL, Qwen2.5-VL)."""
+    levels = getattr(encoded, "deepstack_features", None)
+    if not levels:
+        return {}
+    return {"visual_pos_masks": slots_B_T, "deepstack_visual_embeds": [torch.cat(list(level)) for level in levels]}
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:

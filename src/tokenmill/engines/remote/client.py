@@ -16,7 +16,13 @@ machine, 16 prompts x 8 samples x 8 tokens to one `tokenmill serve`: 36 ms again
 
 A vision-language prompt (`images=True`) goes out as its token ids (its image tokens laid out by the trainer's
 processor) plus `images`: its pictures as `image_url` parts with PNG data URLs, tokenmill serve's extension of
-the completions body; the server's image processor turns them into the pixels the trainer reads.
+the completions body; the server's image processor turns them into the pixels the trainer reads. Servers
+that take images only in chat (vLLM, SGLang, any OpenAI-compatible one: `image_route="chat"`, what
+`engine.placement: remote` uses) get the prompt's chat messages on `/v1/chat/completions`, each image slot an
+OpenAI `image_url` part whose data URL holds the very pixels the trainer's processor read (a file is read here,
+a remote URL was fetched here only because `data.allow_remote_images` allowed it; the server never fetches);
+the server renders the messages itself, so its `prompt_token_ids` must equal the run's ids or the request fails
+(the samples would be trained on tokens the server did not condition on).
 
 What must match on the server side for the logprobs to be the trainer's quantity (the tempered
 distribution's logprob of each sampled token): tokenmill's server does this by default; vLLM needs
@@ -58,6 +64,9 @@ class RemoteEngine:
                    call's prompts split evenly, one request per live server)
     images:        a vision-language policy (`takes_images`): `generate(..., images=)` takes each prompt's
                    `ImageInputs`, sent as data-URL `image_url` parts beside its token ids (one request per prompt)
+    image_route:   where a prompt with images goes: "completions" (its token ids plus tokenmill serve's `images`
+                   field) or "chat" (its chat messages with `image_url` parts on /v1/chat/completions, what
+                   vLLM and other OpenAI-compatible servers take; the prompt must carry `messages`)
     seed:          None: the servers sample with their own RNGs. An int: each request carries the seed
                    `call_seed(seed, version, index of its first prompt since the last weight push)`, and the
                    server gives prompt i of a request seed + i (tokenmill serve does), so what the servers draw
@@ -73,7 +82,11 @@ class RemoteEngine:
     def __init__(self, urls: list[str], *, pad_id: int, token: str | None = None, model: str = "tokenmill",
                  timeout_s: float = 300.0, retries: int = 3, backoff_s: float = 0.5, cooldown_s: float = 5.0,
                  sync: WeightSync | None = None, max_parallel: int = 256, prompts_per_request: int = 1,
-                 seed: int | None = None, images: bool = False, routed_experts: str = "off") -> None:
+                 seed: int | None = None, images: bool = False, routed_experts: str = "off",
+                 image_route: str = "completions") -> None:
+        if image_route not in ("completions", "chat"):
+            raise ValueError(f"image_route: 'completions' or 'chat', got {image_route!r}")
+        self.image_route = image_route
         self.pool = EndpointPool(urls, token=token, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
                                  cooldown_s=cooldown_s)
         self.pad_id = pad_id
@@ -104,7 +117,12 @@ class RemoteEngine:
         else:
             spans = self._spans(len(prompts))
 
+        chat = {i for i in range(len(prompts)) if pictures and pictures[i] and self.image_route == "chat"}
+
         def post(span: tuple[int, int]) -> dict[str, Any]:
+            if span[0] in chat:
+                body = self._chat_body(prompts[span[0]], images[span[0]], params, span[0])
+                return self.pool.post("/v1/chat/completions", body)
             body = self._body(prompts[span[0]:span[1]], params, span[0])
             if pictures is not None and pictures[span[0]]:
                 body["images"] = pictures[span[0]]
@@ -119,6 +137,10 @@ class RemoteEngine:
             if len(choices) != (end - start) * params.n:
                 raise ValueError(f"the engine server answered {len(choices)} choices for {end - start} prompt(s) "
                                  f"x n={params.n}")
+            if start in chat:
+                out.append([_chat_completion(c, answer, prompts[start], self.routed_experts != "off")
+                            for c in choices])
+                continue
             out += [[_completion(c, len(prompts[start + i]), self.routed_experts != "off")
                      for c in choices[i * params.n:(i + 1) * params.n]] for i in range(end - start)]
         return out
@@ -145,6 +167,19 @@ class RemoteEngine:
             body["return_routed_experts"] = True
         if self.seed is not None:
             body["seed"] = call_seed(self.seed, self.version, self._start + first)
+        return body
+
+    def _chat_body(self, prompt: list[int], inputs: ImageInputs, params: SamplingParams,
+                   first: int) -> dict[str, Any]:
+        """The chat completions body of a prompt with images: its messages, image slots as `image_url` parts."""
+        messages = getattr(prompt, "messages", None)
+        if messages is None:
+            raise ValueError("a prompt with images has no chat messages to send (image_route 'chat' takes "
+                             "single-turn prompts; multi-turn episodes with images need engine.placement "
+                             "colocated or process)")
+        body = self._body([prompt], params, first)
+        del body["prompt"]
+        body |= {"messages": chat_messages(messages, inputs), "logprobs": True}
         return body
 
     # ------------------------------------------------------------------------------------------- scoring
@@ -216,6 +251,38 @@ def image_parts(inputs: ImageInputs | None) -> list[dict[str, Any]]:
         url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
         parts.append({"type": "image_url", "image_url": {"url": url}})
     return parts
+
+
+def chat_messages(messages: list[dict[str, Any]], inputs: ImageInputs) -> list[dict[str, Any]]:
+    """Chat messages whose image slots (`{"type": "image"}` parts, in order) are `inputs`' pictures as OpenAI
+    `image_url` parts with PNG data URLs."""
+    parts = iter(image_parts(inputs))
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [next(parts) if isinstance(p, dict) and p.get("type") == "image" else p for p in content]
+        out.append({**message, "content": content})
+    if next(parts, None) is not None:
+        raise ValueError(f"the prompt's messages have fewer image slots than its {inputs.num_images} images")
+    return out
+
+
+def _chat_completion(choice: dict[str, Any], answer: dict[str, Any], prompt: list[int],
+                     routed: bool = False) -> Completion:
+    """A chat answer's choice as a `Completion` (its `token_ids` and `logprobs.content`); the server's prompt ids
+    (vLLM's top-level `prompt_token_ids`, tokenmill serve's per choice) must be the run's."""
+    served = choice.get("prompt_token_ids", answer.get("prompt_token_ids"))
+    if served is not None and [int(t) for t in served] != list(prompt):
+        raise ValueError(f"the engine server rendered the chat prompt as {len(served)} tokens that differ from the "
+                         f"run's {len(prompt)} (its chat template or image processor is not the run's model's)")
+    content = (choice.get("logprobs") or {}).get("content")
+    if content is None or choice.get("token_ids") is None:
+        raise ValueError("the engine server's chat answer has no token_ids/logprobs: tokenmill needs the exact "
+                         "sampled tokens (vLLM: return_token_ids; tokenmill serve does by default)")
+    text = (choice.get("message") or {}).get("content") or ""
+    return _completion({**choice, "text": text, "logprobs": {"token_logprobs": [e["logprob"] for e in content]}},
+                       len(prompt), routed)
 
 
 def _completion(choice: dict[str, Any], prompt_len: int, routed: bool = False) -> Completion:

@@ -1,8 +1,10 @@
 """`tokenmill serve` over a vision-language model folder: chat messages with `image_url` parts.
 
 `VisionServingEngine` puts the in-process `VisionEngine` behind the interface the server's routes use
-(`submit` / `cancel` / `tokenizer` / `version`): requests run one at a time on one worker thread, each prompt's
-images through the vision encoder once for its `n` samples. `encode_chat` turns OpenAI chat messages into the
+(`submit` / `cancel` / `tokenizer` / `version`): one worker thread takes every request waiting when it is free
+(at most `max_batch_requests`) and decodes them together (`engines.local.vision_batch.decode_together`), each
+prompt's images through the vision encoder once for its `n` samples; a seeded request draws what it draws
+alone. `encode_chat` turns OpenAI chat messages into the
 prompt's token ids and pixels; an image that cannot be used (corrupt, missing, larger than the server's
 `max_image_pixels`, remote without `--allow-remote-images`) is a 400 naming its part
 (`messages.0.content.1`), never a 500.
@@ -14,6 +16,7 @@ a local file path or a `file://` URL (an `http(s)://` URL only when the server a
 from __future__ import annotations
 
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -120,16 +123,19 @@ class VisionServingEngine:
 
     takes_images = True
 
-    def __init__(self, engine, processor, *, policy: ImagePolicy | None = None) -> None:
+    def __init__(self, engine, processor, *, policy: ImagePolicy | None = None, max_batch_requests: int = 16) -> None:
         self.engine, self.processor, self.tokenizer = engine, processor, processor.tokenizer
         self.model = engine.model  # the weight routes load into it
         self.policy = policy or ImagePolicy(max_pixels=DEFAULT_MAX_PIXELS)
         self.max_positions = engine.max_positions
+        self.max_batch_requests = max_batch_requests
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vision-engine")
         self._lock = threading.Lock()
         self._closed = False
         self._error: BaseException | None = None
-        self._waiting = 0
+        self._pending: deque = deque()  # (future, request, on_token) waiting for the worker
+        self._running = 0
+        self.largest_batch = 0  # the most requests decoded together so far
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
@@ -158,41 +164,59 @@ class VisionServingEngine:
             return HFEngine.score_ranked(self.engine, sequences, top_k)
 
     def stats(self) -> dict[str, int]:
-        return {"running_rows": 0, "waiting_requests": self._waiting}
+        return {"running_rows": self._running, "waiting_requests": len(self._pending)}
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, seed: int | None = None, on_token=None,
                images: ImageInputs | None = None) -> RequestFuture:
+        from tokenmill.engines.local.vision_batch import VisionRequest
+
         if self._closed:
             raise EngineUnavailable("the engine is closed")
         if not prompt_ids:
             raise ValueError("prompt: must not be empty")
         future = RequestFuture()
-        self._waiting += 1
-        self._pool.submit(self._run, future, [int(t) for t in prompt_ids], params, seed, on_token, images)
+        generator = None if seed is None else torch.Generator(device=self.engine.device).manual_seed(int(seed))
+        self._pending.append((future, VisionRequest([int(t) for t in prompt_ids], params, images, generator),
+                              on_token))
+        self._pool.submit(self._run)
         return future
 
-    def _run(self, future: RequestFuture, prompt: list[int], params: SamplingParams, seed: int | None, on_token,
-             images: ImageInputs | None) -> None:
-        self._waiting -= 1
-        if future.abort_requested or not future.set_running_or_notify_cancel():
-            return
-        try:
-            with self._lock:
-                saved = self.engine.generator
-                if seed is not None:  # its own generator: the same seed gives the same tokens
-                    self.engine.generator = torch.Generator(device=self.engine.device).manual_seed(int(seed))
+    def _take(self) -> list[tuple[RequestFuture, Any, Any]]:
+        """The waiting requests still wanted (at most `max_batch_requests`), now running."""
+        taken = []
+        while self._pending and len(taken) < self.max_batch_requests:
+            future, request, on_token = self._pending.popleft()
+            if not future.abort_requested and future.set_running_or_notify_cancel():
+                taken.append((future, request, on_token))
+        return taken
+
+    def _run(self) -> None:
+        """Decode every request waiting now as one batch (a later `_run` finds none left and returns)."""
+        from tokenmill.engines.local.vision_batch import decode_together
+
+        with self._lock:  # weights are never swapped between two decoding steps
+            taken = self._take()
+            if not taken:
+                return
+            self.largest_batch = max(self.largest_batch, len(taken))
+            self._running = sum(request.params.n for _, request, _ in taken)
+            try:
+                groups = decode_together(self.engine, [request for _, request, _ in taken])
+            except BaseException as exc:  # noqa: BLE001 - each request's caller gets it
+                for future, _, _ in taken:
+                    future.set_exception(exc)
+                return
+            finally:
+                self._running = 0
+            for (future, _, on_token), group in zip(taken, groups, strict=True):
+                future.policy_version = self.engine.version
                 try:
-                    future.policy_version = self.engine.version
-                    [group] = self.engine.generate([prompt], params, images=[images])
-                finally:
-                    self.engine.generator = saved
-            if on_token is not None:
-                for row, c in enumerate(group):
-                    for t, lp in zip(c.token_ids, c.logprobs, strict=True):
-                        on_token(row, t, lp)
-            future.set_result(group)
-        except BaseException as exc:  # noqa: BLE001 - the request's caller gets it
-            future.set_exception(exc)
+                    for row, c in enumerate(group if on_token is not None else ()):
+                        for t, lp in zip(c.token_ids, c.logprobs, strict=True):
+                            on_token(row, t, lp)
+                    future.set_result(group)
+                except BaseException as exc:  # noqa: BLE001 - a streaming callback's failure is its request's
+                    future.set_exception(exc)
 
     def cancel(self, future: RequestFuture) -> None:
         future.abort_requested = True

@@ -23,6 +23,13 @@ def qwen2_vl_path(tmp_path_factory) -> str:
     return build_tiny_vlm(tmp_path_factory.mktemp("qwen2-vl") / "model", hidden_size=32, family="qwen2_vl")
 
 
+@pytest.fixture(scope="module")
+def qwen3_vl_path(tmp_path_factory) -> str:
+    from tokenmill.recipes.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("qwen3-vl") / "model", hidden_size=32, family="qwen3_vl")
+
+
 def _load(path):
     from transformers import AutoModelForImageTextToText
 
@@ -37,10 +44,10 @@ def vlm(tiny_vlm_path):
     return _load(tiny_vlm_path)
 
 
-@pytest.fixture(params=["qwen2_5_vl", "qwen2_vl"])
-def each_vlm(request, tiny_vlm_path, qwen2_vl_path):
-    """Qwen2.5-VL and Qwen2-VL."""
-    return _load(tiny_vlm_path if request.param == "qwen2_5_vl" else qwen2_vl_path)
+@pytest.fixture(params=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+def each_vlm(request, tiny_vlm_path, qwen2_vl_path, qwen3_vl_path):
+    """Qwen2.5-VL, Qwen2-VL and Qwen3-VL."""
+    return _load({"qwen2_5_vl": tiny_vlm_path, "qwen2_vl": qwen2_vl_path, "qwen3_vl": qwen3_vl_path}[request.param])
 
 
 def _prompt(text):
@@ -124,3 +131,30 @@ def test_only_the_processors_image_tokens_are_image_slots(vlm):
                     prompt_len=len(prompt), prompt=None, completion="", stop_reason=StopReason.STOP, images=inputs)
     lp = batch_logprobs(model, collate([sample], [1.0], 0), temperature=1.0, token_budget=10_000)
     assert torch.isfinite(lp).all() and (lp[0, -3:] < 0).all()
+
+
+def test_qwen3_vl_logprobs_equal_the_models_own_forward(qwen3_vl_path, monkeypatch):
+    """The trainer's Qwen3-VL forward (image features and deepstack features at the image slots, the model's
+    interleaved multimodal positions) gives the logprobs of transformers' own forward with the processor's
+    `mm_token_type_ids`, and the deepstack features take part (dropping them changes the numbers)."""
+    from tokenmill.engines.local import vision
+    from tokenmill.training.batch import collate
+    from tokenmill.training.local import batch_logprobs
+    from tokenmill.types import Sample, StopReason
+
+    model, processor = _load(qwen3_vl_path)
+    ids, inputs = processor.encode(_prompt("how many?"), [_picture((255, 0, 0), 48)])
+    tokens = (*ids, 20, 21, 22, 23)
+    sample = Sample(tokens=tokens, loss_mask=(0,) * len(ids) + (1,) * 4, logprobs=(0.0,) * len(tokens),
+                    prompt_len=len(ids), prompt=None, completion="", stop_reason=StopReason.STOP, images=inputs)
+    ours = batch_logprobs(model, collate([sample], [1.0], 0), temperature=1.0, token_budget=10_000)[0, -4:]
+    ids_1_T = torch.tensor([tokens])
+    with torch.no_grad():
+        logits = model(input_ids=ids_1_T, pixel_values=inputs.pixel_values, image_grid_thw=inputs.image_grid_thw,
+                       mm_token_type_ids=vision.image_slots(model, ids_1_T).int()).logits
+    theirs = logits[0, -5:-1].log_softmax(-1).gather(-1, ids_1_T[0, -4:, None])[:, 0]
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    assert vision.deepstack_inputs(type("Out", (), {"deepstack_features": []})(), ids_1_T) == {}
+    monkeypatch.setattr(vision, "deepstack_inputs", lambda encoded, slots: {})
+    without = batch_logprobs(model, collate([sample], [1.0], 0), temperature=1.0, token_budget=10_000)[0, -4:]
+    assert (without - ours).abs().max() > 1e-4

@@ -215,3 +215,69 @@ def test_completions_with_images_check_the_image_tokens(served, in_process):
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "images.0"
     answer = client.post("/v1/completions", json={"prompt": [ids, ids], "images": parts, "max_tokens": 2})
     assert answer.status_code == 400 and "one prompt per request" in answer.json()["error"]["message"]
+
+
+def test_a_remote_engine_in_chat_sends_image_url_parts_and_gets_the_in_process_samples(served, in_process, tmp_path):
+    """`RemoteEngine(image_route="chat")` (engine.placement: remote): each prompt with images goes to
+    /v1/chat/completions as its messages, the image slots OpenAI `image_url` parts with data URLs of the pixels
+    read here (a file path, a PIL image); the greedy completions and logprobs equal the in-process engine's."""
+    from tokenmill.data.images import DEFAULT_POLICY
+    from tokenmill.engines.remote.client import RemoteEngine, chat_messages
+    from tokenmill.rollout.vision import encode_image_prompt
+
+    client, _ = served
+    engine, processor = in_process
+    _picture((0, 0, 255), 48).save(tmp_path / "blue.png")
+    rows = [{"prompt": [{"role": "user", "content": "count"}], "images": [str(tmp_path / "blue.png")]},
+            {"prompt": [{"role": "user", "content": [{"type": "image", "image": _picture((255, 0, 0))},
+                                                     {"type": "text", "text": "which?"}]}], "images": None},
+            {"prompt": [{"role": "user", "content": "no picture"}], "images": None}]
+    prompts = [encode_image_prompt(processor, row, "prompt", "images", DEFAULT_POLICY, f"row {i}")
+               for i, row in enumerate(rows)]
+    sent = chat_messages(prompts[0].messages, prompts[0].images)
+    assert sent[0]["content"][0]["image_url"]["url"].startswith("data:image/png;base64,")  # read here, not a path
+    remote = RemoteEngine([str(client.base_url).rstrip("/")], pad_id=0, images=True, image_route="chat")
+    params = SamplingParams(max_tokens=5, n=2, greedy=True)
+    try:
+        got = remote.generate(prompts, params, images=[p.images for p in prompts])
+        tampered = encode_image_prompt(processor, rows[1], "prompt", "images", DEFAULT_POLICY, "row 1")
+        tampered.messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "other"}]}]
+        with pytest.raises(ValueError, match="rendered the chat prompt as .* tokens that differ from the run's"):
+            remote.generate([tampered], params, images=[tampered.images])
+        tampered.messages = None
+        with pytest.raises(ValueError, match="no chat messages to send"):
+            remote.generate([tampered], params, images=[tampered.images])
+    finally:
+        remote.close()
+    want = engine.generate([list(p) for p in prompts], params, images=[p.images for p in prompts])
+    for got_group, want_group in zip(got, want, strict=True):
+        for g, w in zip(got_group, want_group, strict=True):
+            assert g.token_ids == w.token_ids and g.text == w.text
+            assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+    assert want[0][0].token_ids != want[1][0].token_ids or want[0][0].logprobs != want[1][0].logprobs
+
+
+def test_waiting_requests_are_decoded_together_with_their_own_seeds(served, in_process):
+    """Requests that wait while the worker is busy go out as one batch; each (seeded, sampled) equals what
+    the in-process engine draws for it alone."""
+    _, served_engine = served
+    engine, processor = in_process
+    encoded = [processor.encode(_prompt_slots(text), [_picture(colour, size)])
+               for text, colour, size in (("count", (255, 0, 0), 32), ("how many shapes now?", (0, 9, 200), 48),
+                                          ("x", (0, 200, 0), 32))]
+    params = SamplingParams(max_tokens=5, n=2, temperature=1.0)
+    with served_engine._lock:  # the worker is busy: all three wait for it
+        futures = [served_engine.submit(ids, params, seed=7 + i, images=x) for i, (ids, x) in enumerate(encoded)]
+        assert served_engine.stats()["waiting_requests"] == 3
+    groups = [f.result(timeout=120) for f in futures]
+    assert served_engine.largest_batch >= 3
+    for i, ((ids, x), got) in enumerate(zip(encoded, groups, strict=True)):
+        engine.generator = torch.Generator().manual_seed(7 + i)
+        [want] = engine.generate([ids], params, images=[x])
+        for g, w in zip(got, want, strict=True):
+            assert g.token_ids == w.token_ids
+            assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+
+
+def _prompt_slots(text):
+    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
