@@ -145,6 +145,10 @@ def check_distill(cfg: Any) -> None:
     if dist.loss == "full" and cfg.training.backend != "local":
         raise ValueError("distillation.loss: 'full' computes the teacher's distribution inside the local "
                          "trainer; with training.backend 'fsdp2' set loss 'sampled'")
+    if dist.self_teacher is not None and (cfg.training.backend != "local" or cfg.cluster.backend == "ray"):
+        raise ValueError("distillation.self_teacher: the policy scores as its own teacher with the trainer's module "
+                         "in this process; with training.backend 'fsdp2' or cluster.backend 'ray' it is not "
+                         "available yet (use the local trainer)")
     if dist.task_weight > 0 and cfg.generation.group_size < 2:
         raise ValueError("generation.group_size: distillation.task_weight > 0 mixes in the group advantage of "
                          "the task reward, which needs generation.group_size >= 2")

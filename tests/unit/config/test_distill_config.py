@@ -34,6 +34,8 @@ def test_a_distillation_run_validates_with_its_defaults():
     ({**DISTILL, "distillation": {"self_teacher": {"template": "{answer} {prompt}"}, "loss": "full"}},
      "distillation: self_teacher: scored on its own privileged prompt"),
     ({**DISTILL, "distillation": {"self_teacher": {"template": ""}}}, "distillation.self_teacher.template"),
+    ({**DISTILL, "distillation": {"self_teacher": {"template": "{prompt}"}}, "training": {"backend": "fsdp2"}},
+     "distillation.self_teacher: the policy scores as its own teacher"),
     ({**DISTILL, "distillation": {"teacher": {"path": "t", "url": "http://127.0.0.1:1"}}},
      "distillation.teacher: set exactly one of path"),
     ({**DISTILL, "distillation": {"teacher": {"path": "t"}, "route_by": "task"}}, "distillation: route_by: routes"),
