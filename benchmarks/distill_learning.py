@@ -2,19 +2,21 @@
 
     python benchmarks/distill_learning.py --only multi,self,bound --out benchmarks/results/distill_learning.json
 
+Every row starts from one warm student (`setup`): a tiny Llama (the quickstart's size) supervised on sloppy
+answers of two tasks in one dataset, addition `a+b=` and subtraction `a-b=` (a `task` column; the carry or the
+borrow forgotten in 60% of the problems that have one), and for half of the problems on the hinted prompt
+`{answer}|{prompt}` answered right (the skill a pretrained model brings to reading a hint in its context).
+Each task's teacher is that student supervised further on the task's correct answers only.
+
 Rows:
-- `multi`: two tasks in one dataset (addition `a+b=` and subtraction `a-b=`, a `task` column), a student
-  warm-started on sloppy answers of both (the carry or the borrow forgotten), and two teachers, each supervised
-  on one task's correct answers only (neither has seen the other's prompts). On-policy distillation with
-  `teachers` routed by `route_by: task`; held-out greedy accuracy of the student on each task before and after.
-- `self`: self-distillation (`self_teacher`) on addition. The warm start also shows the model the answer in
-  front of some prompts (`47|12+35=` -> `47`), the skill a pretrained model brings to reading a hint in its
-  context; the plain prompt's answers stay sloppy. The teacher is the policy itself on `{answer}|{prompt}`;
-  held-out greedy accuracy on plain prompts before and after.
-- `bound`: the single-teacher bar restated. The same warm student, trained for the same steps and samples a
-  step, by full on-policy distillation from the addition teacher and by supervised training on that teacher's
-  own greedy answers to the same number of prompts (the supervised upper bound: the densest signal the
-  student can get); held-out accuracy of both at the same steps.
+- `multi`: on-policy distillation with both `teachers`, routed per row by `route_by: task`; held-out greedy
+  accuracy of the student on each task before and after.
+- `self`: self-distillation (`self_teacher`): the policy itself on `{answer}|{prompt}` is the teacher of its
+  own samples from the plain prompt; held-out greedy accuracy on plain prompts before and after.
+- `bound`: the single-teacher bar restated, on addition: the same warm student trained for the same steps
+  and samples a step by full on-policy distillation from the addition teacher, and by supervised training on
+  that teacher's own greedy answers (the supervised upper bound: the densest signal the student can get);
+  held-out accuracy of both at the same steps.
 """
 
 from __future__ import annotations
@@ -128,20 +130,39 @@ def final(out: Path) -> Path:
     return out / "final"
 
 
-def multi_teacher(work: Path, *, steps: int = 60, teacher_steps: int = 600, warm_steps: int = 150,
-                  lr: float = 1e-4, seed: int = 0) -> dict:
+def setup(work: Path, *, warm_steps: int = 700, teacher_steps: int = 300, seed: int = 0) -> dict:
+    """The shared pieces, built once in `work`: held-out and training rows of both tasks; the warm student,
+    supervised `warm_steps` on sloppy answers of both tasks (the carry or borrow forgotten in 60% of the
+    problems that have one) and, for half the problems, on the hinted prompt `{answer}|{prompt}` answered
+    right (the skill of reading a hint in its context); and one teacher per task: the warm student supervised
+    `teacher_steps` more on that task's correct answers only."""
+    from datasets import concatenate_datasets
+
     held = two_task_rows(400, seed + 10_000)
     train = two_task_rows(6_000, seed, slip=0.6, exclude=set(held["prompt"]))
-    clean = two_task_rows(6_000, seed, slip=0.0, exclude=set(held["prompt"]))
+    clean = two_task_rows(6_000, seed + 1, exclude=set(held["prompt"]))
+    warm = work / "student_warm"
+    if not warm.exists():
+        hinted = train.select(range(0, len(train), 2)).map(
+            lambda r: {"prompt": HINT.format(**r), "completion": r["answer"]})
+        supervised(fresh(work, "student_base", seed), concatenate_datasets([train, hinted]).shuffle(seed=seed),
+                   warm_steps, warm, seed=seed)
     teachers = {}
-    for i, task in enumerate(("add", "sub")):
-        rows = clean.filter(lambda r, t=task: r["task"] == t)
-        teachers[task] = supervised(fresh(work, f"{task}_base", seed + 1 + i), rows, teacher_steps,
-                                    work / f"teacher_{task}")
-    warm = supervised(fresh(work, "student_base", seed), train, warm_steps, work / "student_warm")
+    for task in ("add", "sub"):
+        teachers[task] = work / f"teacher_{task}"
+        if not teachers[task].exists():
+            supervised(warm, clean.filter(lambda r, t=task: r["task"] == t), teacher_steps, teachers[task],
+                       seed=seed)
+    return {"held": held, "train": train, "warm": warm, "teachers": teachers}
+
+
+def multi_teacher(work: Path, *, steps: int = 40, lr: float = 1e-4, **kw) -> dict:
+    """Two tasks, each routed to its own teacher (`route_by: task`); accuracy per task before and after."""
+    s = setup(work, **kw)
+    held, teachers = s["held"], s["teachers"]
     cross = {task: accuracy(path, held) for task, path in teachers.items()}
-    before = accuracy(warm, held)
-    metrics = distill_run(warm, train, work / "multi", {
+    before = accuracy(s["warm"], held)
+    metrics = distill_run(s["warm"], s["train"], work / "multi", {
         "teachers": {t: {"path": str(p)} for t, p in teachers.items()}, "route_by": "task"}, steps=steps, lr=lr)
     after = accuracy(final(work / "multi"), held)
     kl = {t: [r[f"distill/reverse_kl/{t}"] for r in metrics if f"distill/reverse_kl/{t}" in r] for t in teachers}
@@ -155,47 +176,36 @@ def ends(values: list[float], n: int = 10) -> list[float]:
     return [round(sum(values[:k]) / k, 3), round(sum(values[-k:]) / k, 3)]
 
 
-def self_distill(work: Path, *, steps: int = 60, warm_steps: int = 300, lr: float = 1e-4, seed: int = 0,
-                 snapshot: str = "policy") -> dict:
-    from datasets import concatenate_datasets
-
-    held = two_task_rows(400, seed + 10_000).filter(lambda r: r["task"] == "add")
-    train = two_task_rows(6_000, seed, slip=0.6, exclude=set(held["prompt"])).filter(lambda r: r["task"] == "add")
-    hinted = train.select(range(len(train) // 2)).map(lambda r: {"prompt": HINT.format(**r), "completion": r["answer"]})
-    warm = supervised(fresh(work, "self_base", seed), concatenate_datasets([train, hinted]).shuffle(seed=seed),
-                      warm_steps, work / "self_warm")
-    before, with_hint = accuracy(warm, held), accuracy(warm, held, template=HINT)
-    metrics = distill_run(warm, train, work / "self", {"self_teacher": {"template": HINT, "snapshot": snapshot}},
-                          steps=steps, lr=lr)
+def self_distill(work: Path, *, steps: int = 40, lr: float = 1e-4, snapshot: str = "policy", **kw) -> dict:
+    """The policy on `{answer}|{prompt}` as its own teacher, both tasks; accuracy on plain prompts."""
+    s = setup(work, **kw)
+    held = s["held"]
+    before, with_hint = accuracy(s["warm"], held), accuracy(s["warm"], held, template=HINT)
+    metrics = distill_run(s["warm"], s["train"], work / "self",
+                          {"self_teacher": {"template": HINT, "snapshot": snapshot}}, steps=steps, lr=lr)
     kl = [r["distill/reverse_kl"] for r in metrics if "distill/reverse_kl" in r]
     return {"row": "self", "before": before, "after": accuracy(final(work / "self"), held),
             "teacher_side_before": with_hint, "steps": steps, "lr": lr, "snapshot": snapshot,
             "reverse_kl_first_last_10": ends(kl)}
 
 
-def bound(work: Path, *, steps: tuple[int, ...] = (20, 40, 80), prompts: int = 64, teacher_steps: int = 600,
-          warm_steps: int = 150, lr: float = 1e-4, sft_lr: float = 1e-3, seed: int = 0) -> dict:
-    """Full on-policy distillation against supervised training on the teacher's own greedy answers, both
-    `prompts` samples a step, from the same warm student, compared at each of `steps`."""
-    held = two_task_rows(400, seed + 10_000).filter(lambda r: r["task"] == "add")
-    train = two_task_rows(6_000, seed, slip=0.6, exclude=set(held["prompt"])).filter(lambda r: r["task"] == "add")
-    teacher = work / "teacher_add"
-    if not teacher.exists():
-        clean = two_task_rows(6_000, seed, exclude=set(held["prompt"])).filter(lambda r: r["task"] == "add")
-        supervised(fresh(work, "add_base", seed + 1), clean, teacher_steps, teacher)
-    warm = work / "student_warm"
-    if not warm.exists():
-        warm = supervised(fresh(work, "student_base", seed),
-                          two_task_rows(6_000, seed, slip=0.6, exclude=set(held["prompt"])), warm_steps, warm)
-    answers = teacher_answers(teacher, train.select(range(prompts * max(steps))))
+def bound(work: Path, *, steps: tuple[int, ...] = (20, 40), prompts: int = 64, lr: float = 1e-4,
+          sft_lr: float = 1e-3, **kw) -> dict:
+    """Full on-policy distillation from the addition teacher against supervised training on that teacher's
+    own greedy answers, both `prompts` samples a step for as many steps, from the same warm student, on
+    addition, compared at each of `steps`."""
+    s = setup(work, **kw)
+    held = s["held"].filter(lambda r: r["task"] == "add")
+    train = s["train"].filter(lambda r: r["task"] == "add")
+    teacher, warm = s["teachers"]["add"], s["warm"]
+    answers = teacher_answers(teacher, train)  # what the teacher says to every training prompt
     out = {"row": "bound", "teacher": accuracy(teacher, held)["all"], "before": accuracy(warm, held)["all"],
            "prompts_per_step": prompts, "distill_lr": lr, "sft_lr": sft_lr, "full": {}, "supervised": {}}
     for n in steps:
         distill_run(warm, train, work / f"full_{n}", {"teacher": {"path": str(teacher)}, "loss": "full"},
                     steps=n, lr=lr, prompts=prompts)
         out["full"][n] = accuracy(final(work / f"full_{n}"), held)["all"]
-        sft = supervised(warm, answers.select(range(prompts * n)), n, work / f"sft_{n}", lr=sft_lr,
-                         batch_size=prompts)
+        sft = supervised(warm, answers, n, work / f"sft_{n}", lr=sft_lr, batch_size=prompts)
         out["supervised"][n] = accuracy(sft, held)["all"]
     return out
 
@@ -219,8 +229,8 @@ def teacher_answers(teacher: Path, rows):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default="multi,self,bound", help="comma-separated rows")
-    p.add_argument("--steps", type=int, default=60, help="distillation steps of the multi and self rows")
-    p.add_argument("--bound-steps", default="20,40,80", help="steps at which the bound row compares")
+    p.add_argument("--steps", type=int, default=40, help="distillation steps of the multi and self rows")
+    p.add_argument("--bound-steps", default="20,40", help="steps at which the bound row compares")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--work", default="", help="folder for the models (default: a new temporary one)")
     p.add_argument("--out", default="")
