@@ -10,7 +10,8 @@ Each task's teacher is that student supervised further on the task's correct ans
 
 Rows:
 - `multi`: on-policy distillation with both `teachers`, routed per row by `route_by: task`; held-out greedy
-  accuracy of the student on each task before and after.
+  accuracy of the student on each task before and after, and after the same run with the teachers swapped
+  (every row sent to the other task's teacher: the control).
 - `self`: self-distillation (`self_teacher`): the policy itself on `{answer}|{prompt}` is the teacher of its
   own samples from the plain prompt; held-out greedy accuracy on plain prompts before and after.
 - `bound`: the single-teacher bar restated, on addition: the same warm student trained for the same steps
@@ -130,7 +131,7 @@ def final(out: Path) -> Path:
     return out / "final"
 
 
-def setup(work: Path, *, warm_steps: int = 700, teacher_steps: int = 300, seed: int = 0) -> dict:
+def setup(work: Path, *, warm_steps: int = 1500, teacher_steps: int = 300, seed: int = 0) -> dict:
     """The shared pieces, built once in `work`: held-out and training rows of both tasks; the warm student,
     supervised `warm_steps` on sloppy answers of both tasks (the carry or borrow forgotten in 60% of the
     problems that have one) and, for half the problems, on the hinted prompt `{answer}|{prompt}` answered
@@ -143,7 +144,7 @@ def setup(work: Path, *, warm_steps: int = 700, teacher_steps: int = 300, seed: 
     clean = two_task_rows(6_000, seed + 1, exclude=set(held["prompt"]))
     warm = work / "student_warm"
     if not warm.exists():
-        hinted = train.select(range(0, len(train), 2)).map(
+        hinted = train.shuffle(seed=seed + 2).select(range(len(train) // 2)).map(
             lambda r: {"prompt": HINT.format(**r), "completion": r["answer"]})
         supervised(fresh(work, "student_base", seed), concatenate_datasets([train, hinted]).shuffle(seed=seed),
                    warm_steps, warm, seed=seed)
@@ -156,17 +157,22 @@ def setup(work: Path, *, warm_steps: int = 700, teacher_steps: int = 300, seed: 
     return {"held": held, "train": train, "warm": warm, "teachers": teachers}
 
 
-def multi_teacher(work: Path, *, steps: int = 40, lr: float = 1e-4, **kw) -> dict:
+def multi_teacher(work: Path, *, steps: int = 60, lr: float = 1e-4, **kw) -> dict:
     """Two tasks, each routed to its own teacher (`route_by: task`); accuracy per task before and after."""
     s = setup(work, **kw)
     held, teachers = s["held"], s["teachers"]
     cross = {task: accuracy(path, held) for task, path in teachers.items()}
     before = accuracy(s["warm"], held)
-    metrics = distill_run(s["warm"], s["train"], work / "multi", {
+    metrics = distill_run(s["warm"], s["train"], work / f"multi_{lr:g}", {
         "teachers": {t: {"path": str(p)} for t, p in teachers.items()}, "route_by": "task"}, steps=steps, lr=lr)
-    after = accuracy(final(work / "multi"), held)
+    after = accuracy(final(work / f"multi_{lr:g}"), held)
     kl = {t: [r[f"distill/reverse_kl/{t}"] for r in metrics if f"distill/reverse_kl/{t}" in r] for t in teachers}
+    # the control: every row sent to the other task's teacher (`routes` swapped)
+    distill_run(s["warm"], s["train"], work / f"swapped_{lr:g}", {
+        "teachers": {t: {"path": str(p)} for t, p in teachers.items()}, "route_by": "task",
+        "routes": {"add": "sub", "sub": "add"}}, steps=steps, lr=lr)
     return {"row": "multi", "teachers": cross, "before": before, "after": after, "steps": steps, "lr": lr,
+            "after_with_teachers_swapped": accuracy(final(work / f"swapped_{lr:g}"), held),
             "reverse_kl_first_last_10": {t: ends(v) for t, v in kl.items()}}
 
 
@@ -176,20 +182,20 @@ def ends(values: list[float], n: int = 10) -> list[float]:
     return [round(sum(values[:k]) / k, 3), round(sum(values[-k:]) / k, 3)]
 
 
-def self_distill(work: Path, *, steps: int = 40, lr: float = 1e-4, snapshot: str = "policy", **kw) -> dict:
+def self_distill(work: Path, *, steps: int = 60, lr: float = 1e-4, snapshot: str = "policy", **kw) -> dict:
     """The policy on `{answer}|{prompt}` as its own teacher, both tasks; accuracy on plain prompts."""
     s = setup(work, **kw)
     held = s["held"]
     before, with_hint = accuracy(s["warm"], held), accuracy(s["warm"], held, template=HINT)
-    metrics = distill_run(s["warm"], s["train"], work / "self",
+    metrics = distill_run(s["warm"], s["train"], work / f"self_{lr:g}",
                           {"self_teacher": {"template": HINT, "snapshot": snapshot}}, steps=steps, lr=lr)
     kl = [r["distill/reverse_kl"] for r in metrics if "distill/reverse_kl" in r]
-    return {"row": "self", "before": before, "after": accuracy(final(work / "self"), held),
+    return {"row": "self", "before": before, "after": accuracy(final(work / f"self_{lr:g}"), held),
             "teacher_side_before": with_hint, "steps": steps, "lr": lr, "snapshot": snapshot,
             "reverse_kl_first_last_10": ends(kl)}
 
 
-def bound(work: Path, *, steps: tuple[int, ...] = (20, 40), prompts: int = 64, lr: float = 1e-4,
+def bound(work: Path, *, steps: tuple[int, ...] = (20, 60), prompts: int = 64, lr: float = 1e-4,
           sft_lr: float = 1e-3, **kw) -> dict:
     """Full on-policy distillation from the addition teacher against supervised training on that teacher's
     own greedy answers, both `prompts` samples a step for as many steps, from the same warm student, on
@@ -202,10 +208,11 @@ def bound(work: Path, *, steps: tuple[int, ...] = (20, 40), prompts: int = 64, l
     out = {"row": "bound", "teacher": accuracy(teacher, held)["all"], "before": accuracy(warm, held)["all"],
            "prompts_per_step": prompts, "distill_lr": lr, "sft_lr": sft_lr, "full": {}, "supervised": {}}
     for n in steps:
-        distill_run(warm, train, work / f"full_{n}", {"teacher": {"path": str(teacher)}, "loss": "full"},
-                    steps=n, lr=lr, prompts=prompts)
-        out["full"][n] = accuracy(final(work / f"full_{n}"), held)["all"]
-        sft = supervised(warm, answers, n, work / f"sft_{n}", lr=sft_lr, batch_size=prompts)
+        run = work / f"full_{n}_{lr:g}"
+        distill_run(warm, train, run, {"teacher": {"path": str(teacher)}, "loss": "full"}, steps=n, lr=lr,
+                    prompts=prompts)
+        out["full"][n] = accuracy(final(run), held)["all"]
+        sft = supervised(warm, answers, n, work / f"sft_{n}_{sft_lr:g}", lr=sft_lr, batch_size=prompts)
         out["supervised"][n] = accuracy(sft, held)["all"]
     return out
 
@@ -229,8 +236,9 @@ def teacher_answers(teacher: Path, rows):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default="multi,self,bound", help="comma-separated rows")
-    p.add_argument("--steps", type=int, default=40, help="distillation steps of the multi and self rows")
-    p.add_argument("--bound-steps", default="20,40", help="steps at which the bound row compares")
+    p.add_argument("--steps", type=int, default=60, help="distillation steps of the multi and self rows")
+    p.add_argument("--bound-steps", default="20,60", help="steps at which the bound row compares")
+    p.add_argument("--lr", type=float, default=1e-4, help="the distillation runs' learning rate")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--work", default="", help="folder for the models (default: a new temporary one)")
     p.add_argument("--out", default="")
@@ -241,11 +249,11 @@ def main() -> None:
     for name in filter(None, args.only.split(",")):
         start = time.time()
         if name == "multi":
-            row = multi_teacher(work, steps=args.steps)
+            row = multi_teacher(work, steps=args.steps, lr=args.lr)
         elif name == "self":
-            row = self_distill(work, steps=args.steps)
+            row = self_distill(work, steps=args.steps, lr=args.lr)
         else:
-            row = bound(work, steps=tuple(int(s) for s in args.bound_steps.split(",")))
+            row = bound(work, steps=tuple(int(s) for s in args.bound_steps.split(",")), lr=args.lr)
         row["seconds"] = round(time.time() - start, 1)
         print(json.dumps(row), flush=True)
         rows.append(row)

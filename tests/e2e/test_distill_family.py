@@ -52,18 +52,40 @@ def test_routed_teachers_and_self_distillation_train_and_bad_data_is_refused(tmp
         _train(tmp_path / "bad2", student, {"self_teacher": {"template": "{hint}{prompt}"}}, rows)
 
 
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """One folder for the slow rows: the warm student and the teachers are built once (`setup`)."""
+    return tmp_path_factory.mktemp("distill_family")
+
+
 @pytest.mark.slow
-def test_each_task_learns_from_its_own_teacher(tmp_path):
-    """Measured (`benchmarks/distill_learning.py --only multi`): see docs/distillation.md."""
-    row = _bench().multi_teacher(tmp_path)
+def test_each_task_learns_from_its_own_teacher(work):
+    """`benchmarks/distill_learning.py --only multi`. Measured: the teachers score 0.995 and 0.985 on their own
+    task (0.025 and 0.02 on the other's); the student goes 0.610 -> 0.775 on addition and 0.535 -> 0.765 on
+    subtraction in 60 steps, and the same run with the teachers swapped does not improve it."""
+    row = _bench().multi_teacher(work)
     for task in ("add", "sub"):
         assert row["teachers"][task][task] > row["before"][task] + 0.2, row  # each teacher knows its task
-        assert row["after"][task] > row["before"][task] + 0.05, row
+        assert row["after"][task] > row["before"][task] + 0.1, row
+        assert row["after"][task] > row["after_with_teachers_swapped"][task] + 0.1, row
 
 
 @pytest.mark.slow
-def test_self_distillation_improves_held_out_accuracy(tmp_path):
-    """Measured (`benchmarks/distill_learning.py --only self`): see docs/distillation.md."""
-    row = _bench().self_distill(tmp_path)
+def test_self_distillation_improves_held_out_accuracy(work):
+    """`benchmarks/distill_learning.py --only self`. Measured: the policy given the answer in its prompt scores
+    1.000; on plain prompts it goes 0.573 -> 0.745 in 60 steps of self-distillation."""
+    row = _bench().self_distill(work)
     assert row["teacher_side_before"]["all"] > row["before"]["all"] + 0.2, row  # the hint helps the teacher
-    assert row["after"]["all"] > row["before"]["all"] + 0.05, row
+    assert row["after"]["all"] > row["before"]["all"] + 0.1, row
+
+
+@pytest.mark.slow
+def test_full_distillation_keeps_pace_with_supervised_training_on_the_teachers_answers(work):
+    """`benchmarks/distill_learning.py --only bound`: at each compared step, full on-policy distillation is
+    within 0.05 of supervised training on the teacher's answers (same student, steps and samples a step).
+    Measured: 0.785 against 0.665 at step 20, 0.845 against 0.835 at step 60 (from 0.610; the teacher 0.995)."""
+    row = _bench().bound(work)
+    assert row["teacher"] > row["before"] + 0.2, row
+    for step, supervised in row["supervised"].items():
+        assert row["full"][step] >= supervised - 0.05, row
+        assert row["full"][step] > row["before"] + 0.1, row
