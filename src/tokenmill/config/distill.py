@@ -11,7 +11,12 @@
 
 Several teachers: `teachers: {math: {url: http://127.0.0.1:8000}, code: {path: ...}}` with `route_by: task`
 (each row goes to the teacher its `task` column names) or without it (every token scored by the mixture of
-all of them).
+all of them). `routes` maps column values to teacher names (several tasks may share a teacher) and
+`route_default` names the teacher of any other row.
+
+Self-distillation (no second model): `self_teacher: {template: "The answer is {answer}. {prompt}"}`: the
+policy itself, shown the row's privileged columns through the template, scores the completion it sampled
+from the plain prompt.
 """
 
 from __future__ import annotations
@@ -40,6 +45,18 @@ class TeacherConfig(Section):
         return self
 
 
+class SelfTeacherConfig(Section):
+    """Self-distillation (OPSD / SDFT-style): the teacher is the policy itself, prompted with privileged
+    context (a reference answer, a hint) that the student's prompt does not show."""
+
+    template: str = Field(
+        ..., min_length=1, description="The teacher's prompt, a format string over the row's columns, e.g. "
+        "'The answer is {answer}. {prompt}' (chat prompts: applied to the last user message, as {prompt}).")
+    snapshot: Literal["policy", "initial"] = Field(
+        "policy", description="policy: the current policy, scored before the step's update (a frozen snapshot "
+        "of this step); initial: a frozen copy of the starting weights.")
+
+
 class DistillConfig(Section):
     """On-policy distillation: the student's own samples are pushed toward the teacher by the reverse KL,
     exactly over the vocabulary at each position (`loss: full`) or by its sampled-token estimate (`sampled`)."""
@@ -66,11 +83,27 @@ class DistillConfig(Section):
         "same", min_length=1, description="same: the teacher has the policy's tokenizer (checked); auto: read "
         "the teacher folder's tokenizer and, where it differs, align the two tokenizations by text spans; a "
         "folder: the teacher's tokenizer (e.g. for a `url` teacher), aligned by text spans (loss sampled).")
+    routes: dict[str, str] = Field(
+        default_factory=dict, description="With route_by: a rule mapping the column's values to teacher names "
+        "(several values may share a teacher); a value not listed names its teacher itself.")
+    route_default: str | None = Field(
+        None, description="With route_by: the teacher of rows whose column names no teacher (unset: an error).")
+    self_teacher: SelfTeacherConfig | None = Field(
+        None, description="Self-distillation: the policy, prompted with privileged columns, is its own teacher "
+        "(instead of teacher / teachers).")
 
     @model_validator(mode="after")
     def _teachers(self) -> DistillConfig:
-        if (self.teacher is None) == (not self.teachers):
-            raise ValueError("set exactly one of teacher or teachers")
+        if sum((self.teacher is not None, bool(self.teachers), self.self_teacher is not None)) != 1:
+            raise ValueError("set exactly one of teacher, teachers or self_teacher")
+        if self.self_teacher is not None and (self.loss == "full" or self.top_k):
+            raise ValueError("self_teacher: scored on its own privileged prompt, the policy's teacher side is "
+                             "not at the student's positions; use loss 'sampled' (or auto) and top_k 0")
+        if (self.routes or self.route_default is not None) and self.route_by is None:
+            raise ValueError("routes / route_default: rules for route_by; set route_by to the routing column")
+        for key, name in [*((f"routes.{k}", v) for k, v in self.routes.items()), ("route_default", self.route_default)]:
+            if name is not None and name not in self.teachers:
+                raise ValueError(f"{key}: {name!r} names no teacher (teachers: {', '.join(self.teachers)})")
         if self.route_by is not None and not self.teachers:
             raise ValueError("route_by: routes rows between several `teachers`; with one `teacher` leave it unset")
         if self.loss == "full" and (self.teacher is None or (self.teacher.path is None and not self.top_k)):
@@ -88,7 +121,7 @@ class DistillConfig(Section):
             return self
         if self.teacher is None:
             raise ValueError("teacher_tokenizer: a teacher with another tokenizer is one `teacher`; with several "
-                             "`teachers` leave it 'same'")
+                             "`teachers` or a `self_teacher` leave it 'same'")
         if self.loss == "full":
             raise ValueError("loss: 'full' sums over one vocabulary at each position, which two tokenizers do not "
                              "share; with teacher_tokenizer set use loss 'sampled' (the log ratio of aligned text "
@@ -109,8 +142,14 @@ class DistillConfig(Section):
 
     @property
     def named(self) -> dict[str, TeacherConfig]:
-        """Every teacher by name (a single `teacher` is named 'teacher')."""
+        """Every teacher by name (a single `teacher` is named 'teacher'; none for a self_teacher)."""
         return {"teacher": self.teacher} if self.teacher is not None else dict(self.teachers)
+
+    def teacher_for(self, value: Any) -> str | None:
+        """The teacher of a row whose `route_by` column holds `value` (`routes`, the value itself, then
+        `route_default`); None when none is named."""
+        name = self.routes.get(value, value) if isinstance(value, str) else None
+        return name if name in self.teachers else self.route_default
 
 
 def check_distill(cfg: Any) -> None:
@@ -133,6 +172,10 @@ def check_distill(cfg: Any) -> None:
     if dist.teacher_tokenizer != "same" and (cfg.env is not None or cfg.proxy is not None):
         raise ValueError("distillation.teacher_tokenizer: a teacher with another tokenizer re-renders single-turn "
                          "prompts; multi-turn environments keep the same tokenizer ('same')")
+    if dist.self_teacher is not None and (cfg.training.backend != "local" or cfg.cluster.backend == "ray"):
+        raise ValueError("distillation.self_teacher: the policy scores as its own teacher with the trainer's module "
+                         "in this process; with training.backend 'fsdp2' or cluster.backend 'ray' it is not "
+                         "available yet (use the local trainer)")
     if dist.task_weight > 0 and cfg.generation.group_size < 2:
         raise ValueError("generation.group_size: distillation.task_weight > 0 mixes in the group advantage of "
                          "the task reward, which needs generation.group_size >= 2")

@@ -36,7 +36,7 @@ from tokenmill.rollout.record import ReplayEngine
 from tokenmill.rollout.vision import check_images_fit
 from tokenmill.tracking.logger import MetricsLogger
 from tokenmill.training.model import autocast_dtype, check_memory, load_policy, resolve_device
-from tokenmill.training.teacher import build_teacher
+from tokenmill.training.teacher import build_teacher, check_teacher_data
 from tokenmill.types import ConfigError
 
 
@@ -141,6 +141,7 @@ def build_run(cfg: RLConfig, rewards: list[Callable[..., Any]] | None = None, da
     torch.manual_seed(cfg.training.seed)
     random.seed(cfg.training.seed)
     train_rows, eval_rows, task_reward = build_datasets(cfg, dataset)
+    check_teacher_data(cfg.distillation, train_rows)  # routing column and self-teacher template, before loading
     reward_set = build_rewards(cfg, rewards, task_reward, model_reward=(role_groups or {}).get("reward_model"))
     sharded = trainer_kind(cfg) == "fsdp2"  # this process is one torchrun rank
     if sharded:  # join the torchrun group first: with CUDA that picks this rank's GPU

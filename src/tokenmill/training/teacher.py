@@ -22,6 +22,7 @@ import torch
 from tokenmill.algorithms.advantages import assign_advantages
 from tokenmill.algorithms.distill import bucketed_logprobs, distill_advantages, mixture_logprobs
 from tokenmill.config.distill import DistillConfig, TeacherConfig
+from tokenmill.training.self_teacher import SelfTeacher, check_template
 from tokenmill.types import ConfigError, Group, PromptLogprobs, Sample
 
 
@@ -29,10 +30,13 @@ class Teacher:
     """One or several scorers behind one call. `route_by`: each sample goes to the scorer its row's column
     names; else, with several scorers, every token gets the mixture's logprob (log of the mean probability)."""
 
-    def __init__(self, scorers: dict[str, Any], *, route_by: str | None = None, top_k: int = 0) -> None:
+    def __init__(self, scorers: dict[str, Any], *, route_by: str | None = None, top_k: int = 0,
+                 route: Any = None) -> None:
         self.scorers = scorers
         self.route_by = route_by
         self.top_k = top_k
+        # the rule from a row's column value to a teacher name (`DistillConfig.teacher_for`); default: the value
+        self.route = route if route is not None else (lambda value: value if value in scorers else None)
 
     def score(self, samples: Sequence[Sample]) -> list[PromptLogprobs]:
         """Each sample's tokens scored (`PromptLogprobs`: len(tokens) - 1 values, from the second token)."""
@@ -55,12 +59,28 @@ class Teacher:
     def _routes(self, samples: Sequence[Sample]) -> dict[str, list[int]]:
         routes: dict[str, list[int]] = {}
         for i, s in enumerate(samples):
-            name = s.row.get(self.route_by)
+            row = s.row or {}
+            if self.route_by not in row:
+                raise ConfigError(f"distillation.route_by: the row has no column {self.route_by!r} "
+                                  f"(its columns: {', '.join(row) or 'none'})")
+            value = row[self.route_by]
+            name = self.route(value)
             if name not in self.scorers:
-                raise ConfigError(f"distillation.route_by: row column {self.route_by!r} is {name!r}, which names no "
-                                  f"teacher (teachers: {', '.join(self.scorers)})")
+                raise ConfigError(f"distillation.route_by: row column {self.route_by!r} is {value!r}, which names no "
+                                  f"teacher (teachers: {', '.join(self.scorers)}); map it in distillation.routes "
+                                  "or set distillation.route_default")
             routes.setdefault(name, []).append(i)
         return routes
+
+    def routed(self, samples: Sequence[Sample]) -> list[str]:
+        """The name of the teacher that scores each sample (every one's with a single teacher or a mixture)."""
+        if self.route_by is None:
+            return ["+".join(self.scorers)] * len(samples)
+        names = [""] * len(samples)
+        for name, idx in self._routes(samples).items():
+            for i in idx:
+                names[i] = name
+        return names
 
     @property
     def module(self) -> torch.nn.Module:
@@ -160,11 +180,18 @@ def distill_groups(
     adv_B_T = distill_advantages(student_B_T, teacher_B_T, mask_B_T, kl_coef=dist.kl_coef,
                                  task_advantages_B=task_B, task_weight=dist.task_weight)
     tokens = float(mask_B_T.sum()) or 1.0
-    return _with_token_advantages(groups, samples, adv_B_T, {
-        "distill/reverse_kl": float(((student_B_T - teacher_B_T) * mask_B_T).sum()) / tokens,
+    ratio_B_T = (student_B_T - teacher_B_T) * mask_B_T
+    metrics = {
+        "distill/reverse_kl": float(ratio_B_T.sum()) / tokens,
         "distill/teacher_logprob": float((teacher_B_T * mask_B_T).sum()) / tokens,
         "distill/student_logprob": float((student_B_T * mask_B_T).sum()) / tokens,
-    })
+    }
+    if teacher.route_by is not None:  # each teacher's own share: distill/reverse_kl/<name>
+        names = teacher.routed(samples)
+        for name in dict.fromkeys(names):
+            rows = torch.tensor([n == name for n in names])
+            metrics[f"distill/reverse_kl/{name}"] = float(ratio_B_T[rows].sum()) / (float(mask_B_T[rows].sum()) or 1.0)
+    return _with_token_advantages(groups, samples, adv_B_T, metrics)
 
 
 def _task_only(groups: list[Group], samples: list[Sample], dist: DistillConfig, width: int):
@@ -188,12 +215,39 @@ def _with_token_advantages(groups: list[Group], samples: list[Sample], adv_B_T: 
     return groups, out, metrics
 
 
+def check_teacher_data(dist: DistillConfig | None, rows: Any) -> None:
+    """The data checks of a distillation section (`check_routes`, the self-teacher's template columns)."""
+    if dist is not None and dist.self_teacher is not None:
+        check_template(dist.self_teacher, rows)
+    check_routes(dist, rows)
+
+
+def check_routes(dist: DistillConfig | None, rows: Any) -> None:
+    """Before anything loads: every training row must reach a teacher through `route_by` (its column present,
+    its value naming a teacher through `routes`, itself or `route_default`); ConfigError naming the field."""
+    if dist is None or dist.route_by is None or rows is None or not hasattr(rows, "column_names"):
+        return
+    if dist.route_by not in rows.column_names:
+        if dist.route_default is not None:
+            return
+        raise ConfigError(f"distillation.route_by: the data has no column {dist.route_by!r} (its columns: "
+                          f"{', '.join(rows.column_names)})")
+    lost = sorted({repr(v) for v in rows[dist.route_by] if dist.teacher_for(v) is None})
+    if lost:
+        raise ConfigError(f"distillation.route_by: rows whose {dist.route_by!r} is {', '.join(lost[:5])} name no "
+                          f"teacher (teachers: {', '.join(dist.teachers)}); map them in distillation.routes or "
+                          "set distillation.route_default")
+
+
 def build_teacher(dist: DistillConfig | None, student: torch.nn.Module, tokenizer: Any, device: torch.device,
-                  *, autocast_dtype: torch.dtype | None = None) -> Teacher | None:
+                  *, autocast_dtype: torch.dtype | None = None) -> Any:
     """The run's teacher (None without a distillation section); an in-process teacher must share the policy's
-    vocabulary (checked here: ConfigError naming the field)."""
+    vocabulary (checked here: ConfigError naming the field). A `self_teacher` is the policy itself
+    (`training.self_teacher.SelfTeacher`)."""
     if dist is None:
         return None
+    if dist.self_teacher is not None:
+        return SelfTeacher.build(dist.self_teacher, student, tokenizer, autocast_dtype=autocast_dtype)
     if dist.teacher_tokenizer != "same":  # a teacher with another tokenizer, when it has one
         from tokenmill.training.cross_tokenizer import cross_teacher
 
@@ -205,7 +259,7 @@ def build_teacher(dist: DistillConfig | None, student: torch.nn.Module, tokenize
     for name, tc in dist.named.items():
         field = "distillation.teacher" if single else f"distillation.teachers.{name}"
         scorers[name] = _scorer(tc, field, student, tokenizer, device, autocast_dtype)
-    return Teacher(scorers, route_by=dist.route_by, top_k=dist.top_k)
+    return Teacher(scorers, route_by=dist.route_by, top_k=dist.top_k, route=dist.teacher_for)
 
 
 def loss_teacher(teacher: Teacher, dist: DistillConfig) -> Any:

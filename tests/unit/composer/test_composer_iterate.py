@@ -79,7 +79,7 @@ def test_json_answers_travel_gzipped_and_the_event_stream_does_not(client):
     assert raw.headers["content-encoding"] == "gzip"
     with client.stream("GET", "/api/schema", headers={"Accept-Encoding": "gzip"}) as answer:
         wire = b"".join(answer.iter_raw())
-    assert len(wire) < 15_000 < len(gzip.decompress(wire)), len(wire)
+    assert len(wire) * 4 < len(gzip.decompress(wire)), len(wire)  # the schema shrinks 4x or more on the wire
     events = client.get("/api/runs/a/events", params={"follow": 0}, headers={"Accept-Encoding": "gzip"})
     assert "content-encoding" not in events.headers and "event: metrics" in events.text
 
