@@ -57,11 +57,12 @@ def micro_token_stats(
     With `replay` and recorded routes (`batch.routes_B_T_R`), a mixture-of-experts model routes each token as
     recorded (`training.router_replay`; padded rows, never packed), until the caller asks for the next tuple
     (so a backward through a recomputed forward routes the same)."""
-    if batch.images_B is not None:  # a vision-language policy's batch: padded rows (`training.vision`)
+    if batch.images_B is not None:  # a vision-language policy's batch: packed with its pictures (`training.vision`)
         from tokenmill.training.vision import vision_micro_stats
 
         yield from vision_micro_stats(model, batch, temperature=temperature, token_budget=token_budget,
-                                      chunk_bytes=chunk_bytes, entropy=entropy, entropy_grad=entropy_grad,
+                                      chunk_bytes=chunk_bytes, share_prompts=share_prompts,
+                                      pack_sequences=pack_sequences, entropy=entropy, entropy_grad=entropy_grad,
                                       autocast_dtype=autocast_dtype)
         return
     device = next(model.parameters()).device
