@@ -146,8 +146,8 @@ def vision_micro_stats(
     """`training.local.micro_token_stats` for a batch with images: (rows, micro-batch, logprobs, entropies).
     Packed as a text batch would be (`training.local.packing_segments`), else length-bucketed padded rows."""
     device = next(model.parameters()).device
-    kwargs = dict(temperature=temperature, chunk_bytes=chunk_bytes, entropy=entropy, entropy_grad=entropy_grad,
-                  autocast_dtype=autocast_dtype)
+    kwargs = {"temperature": temperature, "chunk_bytes": chunk_bytes, "entropy": entropy,
+              "entropy_grad": entropy_grad, "autocast_dtype": autocast_dtype}
     segments = packing_segments(batch, share_prompts=share_prompts, pack_sequences=pack_sequences)
     if segments is not None:
         for micro, packed in micro_packs(batch, token_budget, segments):
