@@ -246,3 +246,33 @@ def test_a_grpo_step_on_shapes_packed_equals_padded(tiny_vlm_path, tmp_path):
     for key in ("loss", "grad_norm", "entropy"):
         assert packed[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-6), key
     assert len(rows[True]) == len(rows[False]) == 2
+
+
+def test_a_micro_batch_whose_rows_would_join_image_tokens_runs_padded(tiny_vlm_path):
+    """A completion ending in a vision-start token packed before one starting with image tokens would make those
+    sampled tokens a picture slot; that micro-batch runs as padded rows, with the padded rows' numbers."""
+    from transformers import AutoModelForImageTextToText
+
+    from tokenmill.engines.local.vision import VisionProcessor
+    from tokenmill.training.batch import collate
+    from tokenmill.training.local import batch_logprobs
+    from tokenmill.training.packing import micro_packs, prompt_segments
+    from tokenmill.training.vision import packed_pictures
+    from tokenmill.types import Sample, StopReason
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_path, dtype=torch.float32).eval()
+    processor = VisionProcessor.from_pretrained(tiny_vlm_path)
+    c = model.config
+    samples = _samples(processor)[:3]
+    ids, _ = processor.encode([{"role": "user", "content": "draw"}], [])
+    for completion in ([30, 31, 32, c.vision_start_token_id], [c.image_token_id, c.image_token_id, 33]):
+        samples.append(Sample(tokens=tuple(ids + completion), loss_mask=(0,) * len(ids) + (1,) * len(completion),
+                              logprobs=(0.0,) * (len(ids) + len(completion)), prompt_len=len(ids), prompt=None,
+                              completion="", stop_reason=StopReason.STOP))
+    batch = collate(samples, [1.0] * len(samples), processor.tokenizer.pad_token_id)
+    ((micro, packed),) = micro_packs(batch, 4096, prompt_segments(batch))
+    assert packed_pictures(model, micro, packed) is None
+    trained = batch.weights_B_T > 0
+    packed_lp = batch_logprobs(model, batch, temperature=1.0, token_budget=4096)
+    padded_lp = batch_logprobs(model, batch, temperature=1.0, token_budget=4096, share_prompts=False)
+    torch.testing.assert_close(packed_lp[trained], padded_lp[trained], atol=1e-6, rtol=0)
