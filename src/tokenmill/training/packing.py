@@ -10,6 +10,10 @@ work; for the quickstart's 6-token prompts and ~4-token answers it removes ~half
 
 Only the positions that predict a completion token are sent through the log-softmax, so the output tensors
 never hold logits for prompt tokens.
+
+A batch with images packs the same way (`training.vision`): its groups are told apart by their pictures as
+well as their tokens, and `PackedRows.source_b_R_L` / `source_t_R_L` say which sample token each column holds,
+for its multimodal positions and its pictures.
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ def image_keys(images_B: tuple) -> list:
         if id(inputs) not in seen:
             digest = hashlib.blake2b(digest_size=16)
             for t in (inputs.image_grid_thw, inputs.pixel_values):
-                digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+                digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
             seen[id(inputs)] = digest.digest()
         keys.append(seen[id(inputs)])
     return keys
