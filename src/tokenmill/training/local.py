@@ -60,11 +60,12 @@ def micro_token_stats(
     (so a backward through a recomputed forward routes the same). `batch_invariant` (`training.deterministic`):
     every sample is a micro-batch of its own, a row of exactly its tokens, so its numbers never depend on the
     batch it came in, the token budget or the packing (`logprobs.row_logprobs` computes the same)."""
-    if batch.images_B is not None:  # a vision-language policy's batch: padded rows (`training.vision`)
+    if batch.images_B is not None:  # a vision-language policy's batch: packed with its pictures (`training.vision`)
         from tokenmill.training.vision import vision_micro_stats
 
         yield from vision_micro_stats(model, batch, temperature=temperature, token_budget=token_budget,
-                                      chunk_bytes=chunk_bytes, entropy=entropy, entropy_grad=entropy_grad,
+                                      chunk_bytes=chunk_bytes, share_prompts=share_prompts,
+                                      pack_sequences=pack_sequences, entropy=entropy, entropy_grad=entropy_grad,
                                       autocast_dtype=autocast_dtype)
         return
     device = next(model.parameters()).device

@@ -10,6 +10,10 @@ work; for the quickstart's 6-token prompts and ~4-token answers it removes ~half
 
 Only the positions that predict a completion token are sent through the log-softmax, so the output tensors
 never hold logits for prompt tokens.
+
+A batch with images packs the same way (`training.vision`): its groups are told apart by their pictures as
+well as their tokens, and `PackedRows.source_b_R_L` / `source_t_R_L` say which sample token each column holds,
+for its multimodal positions and its pictures.
 """
 
 from __future__ import annotations
@@ -47,6 +51,10 @@ class PackedRows:
     layout: tuple = ()  # per row: (prompt length, ((start column, length) of each completion, ...)); () when
     # some row holds more than one group (`plan_lines`), which only narrow rows do: they take the dense mask
     group_R_L: torch.Tensor | None = None  # long: which group of its row a token belongs to (None: one each)
+    # long: the `Batch` row and token each packed column holds (-1 for padding; a shared prompt's columns name
+    # its group's first row): what a vision-language batch gathers its multimodal positions and images by
+    source_b_R_L: torch.Tensor | None = None
+    source_t_R_L: torch.Tensor | None = None
 
     @cached_property
     def allowed_R_L_L(self) -> torch.Tensor:
@@ -68,13 +76,36 @@ class PackedRows:
 
 
 def prompt_segments(batch: Batch) -> list[tuple[tuple[int, ...], list[int]]]:
-    """Batch rows grouped by identical prompt tokens, in first-seen order."""
+    """Batch rows grouped by identical prompt tokens (and, in a batch with images, identical pictures: two
+    prompts of the same words over other pictures are two groups), in first-seen order."""
     ids = batch.input_ids_B_T.tolist()
-    groups: dict[tuple[int, ...], list[int]] = {}
+    pictures = image_keys(batch.images_B) if batch.images_B is not None else [None] * batch.size
+    groups: dict[tuple, list[int]] = {}
     for b, (n, p) in enumerate(zip(batch.lengths_B.tolist(), batch.prompt_lens_B.tolist(), strict=True)):
         p = max(1, min(p, n - 1))  # at least one context token and one predicted token
-        groups.setdefault(tuple(ids[b][:p]), []).append(b)
-    return list(groups.items())
+        groups.setdefault((tuple(ids[b][:p]), pictures[b]), []).append(b)
+    return [(prompt, members) for (prompt, _), members in groups.items()]
+
+
+def image_keys(images_B: tuple) -> list:
+    """Per row, a key equal for rows with the same pictures (`types.ImageInputs`: pixels and grids; None for a
+    text-only row). A group's samples share one object, hashed once. A multi-turn episode's samples carry
+    their observations' pictures too, so only episodes with the same pictures share their prompt."""
+    import hashlib
+
+    seen: dict[int, bytes] = {}
+    keys = []
+    for inputs in images_B:
+        if inputs is None:
+            keys.append(None)
+            continue
+        if id(inputs) not in seen:
+            digest = hashlib.blake2b(digest_size=16)
+            for t in (inputs.image_grid_thw, inputs.pixel_values):
+                digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            seen[id(inputs)] = digest.digest()
+        keys.append(seen[id(inputs)])
+    return keys
 
 
 def shares_prompts(batch: Batch) -> bool:
@@ -146,17 +177,19 @@ def pack(batch: Batch, lines: list[Line]) -> PackedRows:
     lengths = batch.lengths_B.tolist()
     width = max(sum(row_width(lengths, row) for row in line) for line in lines)
     # per packed row: ids, positions, segment (0 = prompt, k = its group's k-th completion, -1 = pad), group
-    input_ids, positions, segments, groups = [], [], [], []
+    input_ids, positions, segments, groups, source_b, source_t = [], [], [], [], [], []
     src_row, src_pos, target, dst_b, dst_t = [], [], [], [], []
     layout = []
     for r, line in enumerate(lines):
-        row_ids, row_pos, row_seg, row_grp = [], [], [], []
+        row_ids, row_pos, row_seg, row_grp, row_b, row_t = [], [], [], [], [], []
         for g, (prompt, members) in enumerate(line):
             p, base = len(prompt), len(row_ids)
             row_ids += prompt
             row_pos += range(p)
             row_seg += [0] * p
             row_grp += [g] * p
+            row_b += [members[0]] * p
+            row_t += range(p)
             layout.append((p, []))
             for k, b in enumerate(members, start=1):
                 q, n = len(row_ids), lengths[b] - p
@@ -165,6 +198,8 @@ def pack(batch: Batch, lines: list[Line]) -> PackedRows:
                 row_pos += range(p, p + n)
                 row_seg += [k] * n
                 row_grp += [g] * n
+                row_b += [b] * n
+                row_t += range(p, p + n)
                 # token t of sequence b (t >= p) is predicted from token t-1: the prompt's last position for
                 # the first completion token, the completion's own previous position after that. With no shared
                 # prompt (sequence packing) the sequence's first token has nothing to be predicted from.
@@ -179,6 +214,8 @@ def pack(batch: Batch, lines: list[Line]) -> PackedRows:
         positions.append(row_pos + [0] * pad)
         segments.append(row_seg + [-1] * pad)
         groups.append(row_grp + [-1] * pad)
+        source_b.append(row_b + [-1] * pad)
+        source_t.append(row_t + [-1] * pad)
 
     def as_long(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long)
@@ -188,7 +225,8 @@ def pack(batch: Batch, lines: list[Line]) -> PackedRows:
         as_long(input_ids), as_long(positions), as_long(segments), as_long(src_row), as_long(src_pos),
         as_long(target), as_long(dst_b), as_long(dst_t),
         layout=tuple((p, tuple(segs)) for p, segs in layout) if one_each else (),
-        group_R_L=None if one_each else as_long(groups),
+        group_R_L=None if one_each else as_long(groups), source_b_R_L=as_long(source_b),
+        source_t_R_L=as_long(source_t),
     )
 
 

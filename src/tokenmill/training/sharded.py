@@ -155,9 +155,7 @@ def micro_batch_count(batch: Batch | None, token_budget: int, *, share_prompts: 
     choice of packing and the same `greedy_spans` as `micro_packs` / `Batch.micro_batches`)."""
     if batch is None:
         return 0
-    segments = None  # a batch with images: padded rows (`training.vision`)
-    if batch.images_B is None:
-        segments = packing_segments(batch, share_prompts=share_prompts, pack_sequences=pack_sequences)
+    segments = packing_segments(batch, share_prompts=share_prompts, pack_sequences=pack_sequences)
     if segments is None:
         widths = batch.lengths_B.tolist()  # sorted longest first, like the rows
     else:
