@@ -111,7 +111,7 @@ def _critic(cfg, spec: TrainerSpec, device, *, sharded: bool, shards: Path, keep
     if cfg.algorithm.advantage != "gae":
         return None
     kwargs = critic_kwargs(cfg, spec)
-    model = load_critic(cfg.critic, cfg.model.path, device)
+    model = load_critic(cfg.critic, cfg.model.path, device, freeze_vision=cfg.model.freeze_vision)
     if sharded:
         from tokenmill.training.sharded import ShardedCritic
 

@@ -1,0 +1,170 @@
+"""The other models of a run over a vision-language policy, seeing the pictures the policy sees: PPO's critic,
+a distillation teacher, and the pairs of preference training.
+
+All of them read a row's images the way the policy's trainer does (`training.vision.image_hidden_states`: the
+same pixel values, image slots and multimodal rotary positions), so a critic's value, a teacher's logprob and a
+DPO sequence logprob are of the prompt with its pictures, not of its text alone.
+
+- `VisionValueModel`: the critic of a Qwen2-VL-family policy, its backbone (vision tower, merger, language
+  model) with a scalar head `score` where the policy has its LM head (`training.critic.load_critic` builds it
+  for a vision-language `model.path`).
+- `VisionScorer`: the engines' `Scorer` over a vision-language teacher in this process; a sequence carries its
+  prompt's images beside its ids (`scored_tokens`), so routing and mixing teachers work unchanged.
+- `image_pair_samples`: TRL's vision preference rows (an `images` column beside prompt / chosen / rejected) as
+  the chosen and rejected samples, each with its prompt's `ImageInputs`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tokenmill.engines.local.scoring import check_score_request
+from tokenmill.engines.local.vision import text_config
+from tokenmill.rollout.vision import ImagePrompt
+from tokenmill.training.vision import LANGUAGE_LORA_TARGETS, freeze_vision_tower, image_hidden_states
+from tokenmill.types import ConfigError, ImageInputs, PromptLogprobs, Sample
+
+
+class VisionValueModel(torch.nn.Module):
+    """A vision-language model's backbone with a one-output linear head: `forward(...).logits` is `[B, T, 1]`,
+    as `AutoModelForTokenClassification`'s. `model` is the policy's inner `Qwen2_5_VLModel` (or Qwen2-VL's),
+    so `training.vision` reads it as it reads the policy."""
+
+    def __init__(self, vlm: torch.nn.Module) -> None:
+        super().__init__()
+        self.config = vlm.config
+        self.model = vlm.model
+        self.score = torch.nn.Linear(text_config(vlm.config).hidden_size, 1)
+
+    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+                image_grid_thw: torch.Tensor | None = None, **kwargs: Any):
+        from transformers.modeling_outputs import TokenClassifierOutput
+
+        kwargs.pop("use_cache", None)
+        out = self.model(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                         use_cache=False, **kwargs)
+        return TokenClassifierOutput(logits=self.score(out.last_hidden_state))
+
+
+def load_vision_critic(path: str, cfg: Any, freeze_vision: bool = True) -> torch.nn.Module:
+    """The critic of a vision-language policy: the model at `path` with a zeroed value head, its vision tower
+    frozen unless `freeze_vision` is false; with `cfg.lora.rank > 0` adapters on the language model and the
+    head train ('all-linear' means the language model's projections, as for the policy)."""
+    from transformers import AutoModelForImageTextToText
+
+    from tokenmill.training.lora import add_lora
+
+    try:
+        vlm = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        field = "critic.path" if cfg.path else "model.path"
+        raise ConfigError(f"{field}: cannot load a value model from {path!r}: {exc}") from None
+    model = VisionValueModel(vlm)
+    with torch.no_grad():
+        for p in model.score.parameters():
+            p.zero_()
+    freeze_vision_tower(model, freeze_vision)
+    if cfg.lora.rank > 0:
+        lora = cfg.lora
+        if lora.target_modules == "all-linear":
+            lora = lora.model_copy(update={"target_modules": LANGUAGE_LORA_TARGETS})
+        model = add_lora(model, lora, task_type="TOKEN_CLS", field="critic.lora")
+        if not freeze_vision:
+            freeze_vision_tower(model, False)
+    return model
+
+
+def image_values(critic: torch.nn.Module, micro: Any, autocast_dtype: torch.dtype | None) -> torch.Tensor:
+    """The critic's `V_t` `[B, T]` of a micro-batch with images (read before token t; 0 at t = 0)."""
+    hidden_B_T_H = image_hidden_states(critic, micro.input_ids_B_T, micro.lengths_B, micro.images_B,
+                                       autocast_dtype)
+    device = hidden_B_T_H.device
+    with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        out_B_T = critic.score(hidden_B_T_H)[..., 0].float()
+    return torch.nn.functional.pad(out_B_T[:, :-1], (1, 0))
+
+
+def scored_tokens(sample: Sample) -> list[int]:
+    """A sample's tokens as a teacher scores them: with its prompt's images beside them where it has any."""
+    if sample.images is None:
+        return list(sample.tokens)
+    seq = ImagePrompt(sample.tokens)
+    seq.images = sample.images
+    return seq
+
+
+class VisionScorer:
+    """`Scorer` over a vision-language model in this process: each sequence's teacher-forced logprobs at
+    temperature 1 with its images (`ImagePrompt.images`, None for text only), in right-padded batches of at
+    most `token_budget` tokens; with `top_k`, the k most likely tokens at each position."""
+
+    takes_images = True
+
+    def __init__(self, model: torch.nn.Module, *, autocast_dtype: torch.dtype | None = None, pad_id: int = 0,
+                 token_budget: int = 8192) -> None:
+        self.model, self.autocast_dtype, self.pad_id, self.token_budget = model, autocast_dtype, pad_id, token_budget
+        self.vocab = model.get_input_embeddings().weight.shape[0]
+        self.max_positions = getattr(text_config(model.config), "max_position_embeddings", None)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    @torch.no_grad()
+    def score(self, sequences: Sequence[Sequence[int]], top_k: int = 0) -> list[PromptLogprobs]:
+        images = [getattr(s, "images", None) for s in sequences]
+        seqs = check_score_request(list(sequences), top_k, self.vocab, self.max_positions)
+        order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+        out: list[PromptLogprobs | None] = [None] * len(seqs)
+        start = 0
+        while start < len(order):  # the longest first: a batch is its first row's length times its rows
+            end = start + 1
+            while end < len(order) and len(seqs[order[start]]) * (end + 1 - start) <= self.token_budget:
+                end += 1
+            part = order[start:end]
+            for i, scored in zip(part, self._batch([seqs[i] for i in part], [images[i] for i in part], top_k),
+                                 strict=True):
+                out[i] = scored
+            start = end
+        return out  # type: ignore[return-value]
+
+    def _batch(self, seqs: list[list[int]], images: list[ImageInputs | None], top_k: int) -> list[PromptLogprobs]:
+        device = next(self.model.parameters()).device
+        lengths_B = torch.tensor([len(s) for s in seqs])
+        ids_B_T = torch.full((len(seqs), int(lengths_B.max())), self.pad_id, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            ids_B_T[b, : len(s)] = torch.tensor(s)
+        self.model.eval()
+        hidden_B_T_H = image_hidden_states(self.model, ids_B_T.to(device), lengths_B, images, self.autocast_dtype)
+        head = (self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model).lm_head
+        out = []
+        for b, s in enumerate(seqs):
+            logp_N_V = torch.log_softmax(head(hidden_B_T_H[b, : len(s) - 1]).float(), dim=-1)
+            picked = logp_N_V.gather(-1, ids_B_T[b, 1 : len(s), None].to(device))[:, 0].tolist()
+            tops = None
+            if top_k:
+                values, indices = torch.topk(logp_N_V, min(top_k, logp_N_V.shape[-1]), dim=-1)
+                tops = tuple(dict(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(),
+                                                                         strict=True))
+            out.append(PromptLogprobs(tuple(picked), tops))
+        return out
+
+
+def image_pair_samples(processor: Any, rows: Sequence[dict[str, Any]], image_column: str = "images",
+                       policy: Any = None) -> list[Sample]:
+    """Preference rows with images as samples: the chosen completions (in row order), then the rejected ones,
+    each with its prompt's `ImageInputs`; the loss mask covers the completion and its end-of-sequence token."""
+    from tokenmill.training.vision import image_sft_samples
+
+    return [s for key in ("chosen", "rejected")
+            for s in image_sft_samples(processor, rows, completion_column=key, image_column=image_column,
+                                       policy=policy)]
+
+
+def rows_have_images(rows: Sequence[dict[str, Any]], image_column: str = "images") -> bool:
+    """Whether any of the (prompt / chosen / rejected) rows carries images."""
+    from tokenmill.data.images import has_images
+
+    return any(has_images(r, "prompt", image_column) for r in rows)
