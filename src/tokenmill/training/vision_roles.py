@@ -10,13 +10,14 @@ DPO sequence logprob are of the prompt with its pictures, not of its text alone.
   for a vision-language `model.path`).
 - `VisionScorer`: the engines' `Scorer` over a vision-language teacher in this process; a sequence carries its
   prompt's images beside its ids (`scored_tokens`), so routing and mixing teachers work unchanged.
-- `image_pair_samples`: TRL's vision preference rows (an `images` column beside prompt / chosen / rejected) as
-  the chosen and rejected samples, each with its prompt's `ImageInputs`.
+- `PairImages`: TRL's vision preference rows (an `images` column beside prompt / chosen / rejected) as the
+  chosen and rejected samples, each with its prompt's `ImageInputs` (`training.preference`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -152,19 +153,27 @@ class VisionScorer:
         return out
 
 
-def image_pair_samples(processor: Any, rows: Sequence[dict[str, Any]], image_column: str = "images",
-                       policy: Any = None) -> list[Sample]:
-    """Preference rows with images as samples: the chosen completions (in row order), then the rejected ones,
-    each with its prompt's `ImageInputs`; the loss mask covers the completion and its end-of-sequence token."""
-    from tokenmill.training.vision import image_sft_samples
+@dataclass(frozen=True)
+class PairImages:
+    """How preference rows' images are read (TRL's vision preference format: an `images` column beside prompt /
+    chosen / rejected, or image parts in the prompt's messages): the vision-language model's processor
+    (`engines.local.vision.VisionProcessor`), the rows' image column and the image policy (`data.images`)."""
 
-    return [s for key in ("chosen", "rejected")
-            for s in image_sft_samples(processor, rows, completion_column=key, image_column=image_column,
-                                       policy=policy)]
+    processor: Any
+    image_column: str = "images"
+    policy: Any = None
 
+    def in_rows(self, rows: Sequence[dict[str, Any]]) -> bool:
+        """Whether any row carries images."""
+        from tokenmill.data.images import has_images
 
-def rows_have_images(rows: Sequence[dict[str, Any]], image_column: str = "images") -> bool:
-    """Whether any of the (prompt / chosen / rejected) rows carries images."""
-    from tokenmill.data.images import has_images
+        return any(has_images(r, "prompt", self.image_column) for r in rows)
 
-    return any(has_images(r, "prompt", image_column) for r in rows)
+    def samples(self, rows: Sequence[dict[str, Any]]) -> list[Sample]:
+        """The chosen completions as samples (in row order), then the rejected ones, each with its prompt's
+        `ImageInputs`; the loss mask covers the completion and its end-of-sequence token."""
+        from tokenmill.training.vision import image_sft_samples
+
+        return [s for key in ("chosen", "rejected")
+                for s in image_sft_samples(self.processor, rows, completion_column=key,
+                                           image_column=self.image_column, policy=self.policy)]
