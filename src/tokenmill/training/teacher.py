@@ -22,6 +22,8 @@ import torch
 from tokenmill.algorithms.advantages import assign_advantages
 from tokenmill.algorithms.distill import bucketed_logprobs, distill_advantages, mixture_logprobs
 from tokenmill.config.distill import DistillConfig, TeacherConfig
+from tokenmill.engines.local.vision import is_vision_config, text_config
+from tokenmill.training.vision_roles import check_image_distillation, load_teacher_model, scored_tokens
 from tokenmill.types import ConfigError, Group, PromptLogprobs, Sample
 
 
@@ -36,7 +38,7 @@ class Teacher:
 
     def score(self, samples: Sequence[Sample]) -> list[PromptLogprobs]:
         """Each sample's tokens scored (`PromptLogprobs`: len(tokens) - 1 values, from the second token)."""
-        seqs = [list(s.tokens) for s in samples]
+        seqs = [scored_tokens(s) for s in samples]  # with their images where the prompt has any
         if self.route_by is not None:
             out: list[PromptLogprobs | None] = [None] * len(samples)
             for name, idx in self._routes(samples).items():
@@ -190,6 +192,7 @@ def build_teacher(dist: DistillConfig | None, student: torch.nn.Module, tokenize
     vocabulary (checked here: ConfigError naming the field)."""
     if dist is None:
         return None
+    check_image_distillation(dist, student)
     single = dist.teacher is not None
     scorers = {}
     for name, tc in dist.named.items():
@@ -209,15 +212,16 @@ def _scorer(tc: TeacherConfig, field: str, student, tokenizer, device, amp):
     if tc.url is not None:
         from tokenmill.engines.remote.client import RemoteEngine
 
+        if is_vision_config(student.config):
+            raise ConfigError(f"{field}.url: a teacher server is not sent the prompts' images; a vision-language "
+                              f"policy's teacher is a vision-language model in this process ({field}.path)")
+
         token = tc.token if tc.token is not None else os.environ.get("TOKENMILL_SERVE_TOKEN") or None
         return RemoteEngine([tc.url], pad_id=tokenizer.pad_token_id or 0, token=token, model=tc.model)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(tc.path, dtype=torch.float32)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{field}.path: cannot load {tc.path!r}: {exc}") from None
-    mine, theirs = student.config.vocab_size, model.config.vocab_size
+    model = load_teacher_model(tc.path, f"{field}.path", student)  # a vision-language one for a VLM policy
+    mine, theirs = text_config(student.config).vocab_size, text_config(model.config).vocab_size
     if mine != theirs:
         raise ConfigError(f"{field}.path: the teacher's vocabulary has {theirs} tokens, the policy's {mine}; "
                           "distillation compares logprobs token by token and needs the same tokenizer")
@@ -231,4 +235,9 @@ def _scorer(tc: TeacherConfig, field: str, student, tokenizer, device, amp):
     from tokenmill.engines.local.hf import HFEngine
 
     target = device if tc.device == "auto" else torch.device(tc.device)
-    return HFEngine(model.to(target).eval().requires_grad_(False), tokenizer, autocast_dtype=amp)
+    model = model.to(target).eval().requires_grad_(False)
+    if is_vision_config(model.config):  # scores each sequence with its prompt's images
+        from tokenmill.training.vision_roles import VisionScorer
+
+        return VisionScorer(model, autocast_dtype=amp, pad_id=tokenizer.pad_token_id or 0)
+    return HFEngine(model, tokenizer, autocast_dtype=amp)

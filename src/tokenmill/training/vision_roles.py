@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from tokenmill.engines.local.scoring import check_score_request
-from tokenmill.engines.local.vision import text_config
+from tokenmill.engines.local.vision import is_vision_config, text_config
 from tokenmill.rollout.vision import ImagePrompt
 from tokenmill.training.vision import LANGUAGE_LORA_TARGETS, freeze_vision_tower, image_hidden_states
 from tokenmill.types import ConfigError, ImageInputs, PromptLogprobs, Sample
@@ -95,6 +95,37 @@ def scored_tokens(sample: Sample) -> list[int]:
     seq = ImagePrompt(sample.tokens)
     seq.images = sample.images
     return seq
+
+
+def load_teacher_model(path: str, field: str, student: torch.nn.Module) -> torch.nn.Module:
+    """A distillation teacher's model at `path` (fp32): a causal LM, or a vision-language model (its own
+    class); a vision-language policy needs a vision-language teacher (it reads the same pictures)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    try:
+        vision = is_vision_config(AutoConfig.from_pretrained(path))
+        model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(
+            path, dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{field}: cannot load {path!r}: {exc}") from None
+    if is_vision_config(student.config) and not vision:
+        raise ConfigError(f"{field}: {path!r} is a text model; a vision-language policy's teacher must read the "
+                          "prompts' images too (a Qwen2-VL-family model with the policy's tokenizer)")
+    return model
+
+
+def check_image_distillation(dist: Any, student: torch.nn.Module) -> None:
+    """A vision-language policy distils from the teacher's logprob of each sampled token (`loss: sampled`,
+    `top_k: 0`): the full reverse KL and the top-k buckets read the student without its images, not done yet."""
+    if not is_vision_config(student.config):
+        return
+    if dist.top_k:
+        raise ConfigError("distillation.top_k: a vision-language policy is distilled on the sampled tokens' "
+                          "logprobs (top_k 0); the top-k buckets with images are not done yet")
+    if dist.loss == "full" or (dist.loss == "auto" and dist.full_possible):
+        raise ConfigError("distillation.loss: a vision-language policy is distilled with loss 'sampled' (the "
+                          "teacher scores each sampled token with the images); the full reverse KL with images "
+                          "is not done yet, so set distillation.loss: sampled")
 
 
 class VisionScorer:
