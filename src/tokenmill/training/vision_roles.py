@@ -34,6 +34,8 @@ class VisionValueModel(torch.nn.Module):
     as `AutoModelForTokenClassification`'s. `model` is the policy's inner `Qwen2_5_VLModel` (or Qwen2-VL's),
     so `training.vision` reads it as it reads the policy."""
 
+    base_model_prefix = "model"  # what peft reads of a transformers model
+
     def __init__(self, vlm: torch.nn.Module) -> None:
         super().__init__()
         self.config = vlm.config

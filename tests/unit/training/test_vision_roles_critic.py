@@ -89,3 +89,26 @@ def test_ppo_with_a_critic_runs_on_the_shapes_task(tmp_path, tiny_vlm_path):
     assert sum(losses[-2:]) < sum(losses[:2]), losses
     print("value losses", [round(x, 4) for x in losses])
     assert all(r["loss"] == r["loss"] and r["critic/grad_norm"] > 0 for r in rows)  # finite, the critic trains
+
+
+def test_a_lora_critic_adapts_the_language_model_and_trains_its_head(tiny_vlm_path):
+    from tokenmill.config.schema import CriticConfig
+    from tokenmill.data.shapes import shapes_dataset
+    from tokenmill.training.batch import collate
+    from tokenmill.training.critic import Critic, load_critic
+
+    model = load_critic(CriticConfig(lora={"rank": 4}), tiny_vlm_path, torch.device("cpu"))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("score" in n for n in trainable)
+    adapters = [n for n in trainable if "lora_" in n]
+    assert adapters and all("language_model" in n for n in adapters)
+    critic = Critic(model, learning_rate=1e-2, total_steps=4)
+    samples = _image_samples(tiny_vlm_path, shapes_dataset(4, seed=0))
+    batch = collate(samples, [1.0] * len(samples), 0)
+    batch = batch.__class__(**{**batch.__dict__, "returns_B_T": torch.ones_like(batch.weights_B_T),
+                               "old_values_B_T": torch.zeros_like(batch.weights_B_T)})
+    losses = []
+    for _ in range(4):
+        losses.append(critic.forward_backward(batch)["value_loss"])
+        critic.optim_step()
+    assert losses[-1] < losses[0]
