@@ -10,10 +10,10 @@ pytest.importorskip("PIL")
 
 
 def _image_samples(path, rows):
+    from transformers import AutoTokenizer
+
     from tokenmill.engines.local.vision import VisionProcessor
     from tokenmill.training.vision import image_sft_samples
-
-    from transformers import AutoTokenizer
 
     processor = VisionProcessor.from_pretrained(path, tokenizer=AutoTokenizer.from_pretrained(path))
     return image_sft_samples(processor, rows)
@@ -54,17 +54,17 @@ def test_a_vision_critic_values_the_images_like_a_plain_forward(tiny_vlm_path):
         assert torch.allclose(values_B_T[b, 1:n], want, atol=1e-5), (values_B_T[b, 1:n] - want).abs().max()
     # another picture behind the same tokens: other values
     other = _image_samples(tiny_vlm_path, shapes_dataset(3, seed=7))
-    swapped = [s.with_(images=o.images) for s, o in zip(samples, other, strict=True)
-               if s.images.image_grid_thw.tolist() == o.images.image_grid_thw.tolist()]
-    assert swapped
-    moved = critic.values(collate(swapped, [1.0] * len(swapped), 0))
-    same = critic.values(collate([samples[samples.index(next(x for x in samples if x.tokens == s.tokens))]
-                                  for s in swapped], [1.0] * len(swapped), 0))
+    pairs = [(s, o) for s, o in zip(samples, other, strict=True)
+             if s.images.image_grid_thw.tolist() == o.images.image_grid_thw.tolist()]
+    assert pairs
+    moved = critic.values(collate([s.with_(images=o.images) for s, o in pairs], [1.0] * len(pairs), 0))
+    same = critic.values(collate([s for s, _ in pairs], [1.0] * len(pairs), 0))
     assert (moved - same).abs().max() > 1e-4
 
 
 def test_ppo_with_a_critic_runs_on_the_shapes_task(tmp_path, tiny_vlm_path):
     import json
+    import math
 
     import tokenmill
 
@@ -72,7 +72,7 @@ def test_ppo_with_a_critic_runs_on_the_shapes_task(tmp_path, tiny_vlm_path):
         return [int(a) / 4 for a in answer]
 
     out = tmp_path / "run"
-    result = tokenmill.train({
+    tokenmill.train({
         "model": {"path": tiny_vlm_path},
         "algorithm": {"advantage": "gae"},
         "critic": {"learning_rate": 3e-3},
@@ -85,10 +85,10 @@ def test_ppo_with_a_critic_runs_on_the_shapes_task(tmp_path, tiny_vlm_path):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "critic/value_loss" in r or "value_loss" in r]
     losses = [r["critic/value_loss"] for r in rows]
-    assert len(losses) == 6 and all(map(lambda x: x == x and abs(x) < 1e6, losses))
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
     assert sum(losses[-2:]) < sum(losses[:2]), losses
     print("value losses", [round(x, 4) for x in losses])
-    assert all(r["loss"] == r["loss"] and r["critic/grad_norm"] > 0 for r in rows)  # finite, the critic trains
+    assert all(math.isfinite(r["loss"]) and r["critic/grad_norm"] > 0 for r in rows)  # finite, the critic trains
 
 
 def test_a_lora_critic_adapts_the_language_model_and_trains_its_head(tiny_vlm_path):

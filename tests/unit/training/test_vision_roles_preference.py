@@ -50,7 +50,7 @@ def test_dpo_with_images_is_the_loss_of_a_plain_forward_with_the_pictures(tiny_v
     assert all(s.images is not None for s in images.samples(rows))
     policy_lp = pair_logprobs(model, tok, rows, images=images)
     ref_lp = reference_pair_logprobs(model, reference, tok, rows, images)
-    loss, metrics = preference_loss("dpo", policy_lp, ref_lp, beta=0.5)
+    loss, _ = preference_loss("dpo", policy_lp, ref_lp, beta=0.5)
 
     chosen, rejected = _hand_sums(model.eval(), images, rows)
     ref_chosen, ref_rejected = _hand_sums(reference, images, rows)
