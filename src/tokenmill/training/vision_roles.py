@@ -117,17 +117,18 @@ def load_teacher_model(path: str, field: str, student: torch.nn.Module) -> torch
 
 
 def check_image_distillation(dist: Any, student: torch.nn.Module) -> None:
-    """A vision-language policy distils from the teacher's logprob of each sampled token (`loss: sampled`,
-    `top_k: 0`): the full reverse KL and the top-k buckets read the student without its images, not done yet."""
+    """A vision-language policy distils from the teacher's logprob of each sampled token (`loss: sampled`, which
+    `auto` means for it; `top_k: 0`): the full reverse KL and the top-k buckets read the student without its
+    images, not done yet."""
     if not is_vision_config(student.config):
         return
     if dist.top_k:
         raise ConfigError("distillation.top_k: a vision-language policy is distilled on the sampled tokens' "
                           "logprobs (top_k 0); the top-k buckets with images are not done yet")
-    if dist.loss == "full" or (dist.loss == "auto" and dist.full_possible):
+    if dist.loss == "full":
         raise ConfigError("distillation.loss: a vision-language policy is distilled with loss 'sampled' (the "
                           "teacher scores each sampled token with the images); the full reverse KL with images "
-                          "is not done yet, so set distillation.loss: sampled")
+                          "is not done yet: set sampled or auto")
 
 
 class VisionScorer:

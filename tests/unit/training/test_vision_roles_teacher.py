@@ -70,7 +70,7 @@ def test_distillation_on_the_shapes_task_with_a_vision_teacher(tmp_path, tiny_vl
         "data": {"task": "shapes", "num_train": 16, "num_eval": 0},
         "generation": {"group_size": 2, "max_tokens": 3},
         "algorithm": {"advantage": "distill"},
-        "distillation": {"teacher": {"path": vlm_teacher}, "loss": "sampled"},
+        "distillation": {"teacher": {"path": vlm_teacher}},  # auto: sampled, for a vision-language policy
         "training": {"learning_rate": 1e-2},
         "controller": {"steps": 3, "prompts_per_step": 4},
         "tracking": {"output_dir": str(out), "console": "none"},
@@ -82,7 +82,7 @@ def test_distillation_on_the_shapes_task_with_a_vision_teacher(tmp_path, tiny_vl
 
 
 @pytest.mark.parametrize(("cfg", "field"), [
-    ({"loss": "auto"}, "distillation.loss"), ({"loss": "sampled", "top_k": 4}, "distillation.top_k"),
+    ({"loss": "full"}, "distillation.loss"), ({"loss": "sampled", "top_k": 4}, "distillation.top_k"),
     ({"loss": "sampled", "url": "http://127.0.0.1:1"}, "distillation.teacher.url"),
     ({"loss": "sampled", "text": True}, "distillation.teacher.path"),
 ])
