@@ -36,12 +36,7 @@ def unpacked_notice() -> None:
 
 def batch_images(batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(pixel values of every row's images, their grids), concatenated in row order; (None, None) without any."""
-    return stacked_images(batch.images_B)
-
-
-def stacked_images(images_B) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """`batch_images` of per-row `ImageInputs` (None for a text-only row)."""
-    present = [x for x in images_B or () if x is not None]
+    present = [x for x in batch.images_B or () if x is not None]
     if not present:
         return None, None
     return torch.cat([x.pixel_values for x in present]), torch.cat([x.image_grid_thw for x in present])
@@ -120,16 +115,3 @@ def image_sft_samples(processor, rows, prompt_column: str = "prompt", completion
                           logprobs=(0.0,) * (len(ids) + len(target)), prompt_len=len(ids), prompt=row[prompt_column],
                           completion=row[completion_column], stop_reason=StopReason.STOP, images=inputs))
     return out
-
-
-def image_hidden_states(model: torch.nn.Module, ids_B_T: torch.Tensor, lengths_B: torch.Tensor, images_B,
-                        autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The backbone's last hidden states `[B, T, H]` of right-padded rows with images (`images_B`: each row's
-    `ImageInputs` or None), with the image features, slots and multimodal positions `vision_token_stats` uses:
-    what the critic's value head and a vision-language teacher's LM head read (`training.vision_roles`)."""
-    device = ids_B_T.device
-    real_B_T = torch.arange(ids_B_T.shape[1], device=device)[None, :] < lengths_B.to(device)[:, None]
-    pixels, grid = stacked_images(images_B)
-    pos_3_B_T, _ = rope_positions(model, ids_B_T, grid, real_B_T.long())
-    with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        return backbone(model, ids_B_T, pixels, grid, pos_3_B_T, use_cache=False).last_hidden_state

@@ -1,9 +1,10 @@
 """The other models of a run over a vision-language policy, seeing the pictures the policy sees: PPO's critic,
 a distillation teacher, and the pairs of preference training.
 
-All of them read a row's images the way the policy's trainer does (`training.vision.image_hidden_states`: the
-same pixel values, image slots and multimodal rotary positions), so a critic's value, a teacher's logprob and a
-DPO sequence logprob are of the prompt with its pictures, not of its text alone.
+All of them read a row's images the way the policy's trainer does (`image_hidden_states`: the same pixel
+values, image slots and multimodal rotary positions as `training.vision`, from the pieces the engine shares,
+`engines.local.vision.rope_positions` and `backbone`), so a critic's value, a teacher's logprob and a DPO
+sequence logprob are of the prompt with its pictures, not of its text alone.
 
 - `VisionValueModel`: the critic of a Qwen2-VL-family policy, its backbone (vision tower, merger, language
   model) with a scalar head `score` where the policy has its LM head (`training.critic.load_critic` builds it
@@ -18,21 +19,43 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from tokenmill.engines.local.scoring import check_score_request
-from tokenmill.engines.local.vision import is_vision_config, text_config
+from tokenmill.engines.local.vision import backbone, is_vision_config, rope_positions, text_config
 from tokenmill.rollout.vision import ImagePrompt
-from tokenmill.training.vision import LANGUAGE_LORA_TARGETS, freeze_vision_tower, image_hidden_states
+from tokenmill.training.vision import LANGUAGE_LORA_TARGETS, batch_images, freeze_vision_tower
 from tokenmill.types import ConfigError, ImageInputs, PromptLogprobs, Sample
+
+
+class ImageRows(NamedTuple):
+    """Right-padded rows with their images, as a `training.batch.Batch` holds them."""
+
+    input_ids_B_T: torch.Tensor
+    lengths_B: torch.Tensor
+    images_B: tuple  # each row's `ImageInputs`, or None for a text-only row
+
+
+def image_hidden_states(model: torch.nn.Module, rows: Any,
+                        autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The backbone's last hidden states `[B, T, H]` of right-padded `rows` with images (a `Batch` or
+    `ImageRows`): every row's pictures in row order at its image slots, the multimodal positions of its real
+    tokens, as the policy's trainer reads them."""
+    ids_B_T = rows.input_ids_B_T
+    T, device = ids_B_T.shape[1], ids_B_T.device
+    real_B_T = torch.arange(T, device=device)[None, :] < rows.lengths_B.to(device)[:, None]
+    pixels, grid = batch_images(rows)
+    pos_3_B_T, _ = rope_positions(model, ids_B_T, grid, real_B_T.long())
+    with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        return backbone(model, ids_B_T, pixels, grid, pos_3_B_T, use_cache=False).last_hidden_state
 
 
 class VisionValueModel(torch.nn.Module):
     """A vision-language model's backbone with a one-output linear head: `forward(...).logits` is `[B, T, 1]`,
     as `AutoModelForTokenClassification`'s. `model` is the policy's inner `Qwen2_5_VLModel` (or Qwen2-VL's),
-    so `training.vision` reads it as it reads the policy."""
+    so `image_hidden_states` reads it as it reads the policy."""
 
     base_model_prefix = "model"  # what peft reads of a transformers model
 
@@ -82,8 +105,7 @@ def load_vision_critic(path: str, cfg: Any, freeze_vision: bool = True) -> torch
 
 def image_values(critic: torch.nn.Module, micro: Any, autocast_dtype: torch.dtype | None) -> torch.Tensor:
     """The critic's `V_t` `[B, T]` of a micro-batch with images (read before token t; 0 at t = 0)."""
-    hidden_B_T_H = image_hidden_states(critic, micro.input_ids_B_T, micro.lengths_B, micro.images_B,
-                                       autocast_dtype)
+    hidden_B_T_H = image_hidden_states(critic, micro, autocast_dtype)
     device = hidden_B_T_H.device
     with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         out_B_T = critic.score(hidden_B_T_H)[..., 0].float()
@@ -172,7 +194,8 @@ class VisionScorer:
         for b, s in enumerate(seqs):
             ids_B_T[b, : len(s)] = torch.tensor(s)
         self.model.eval()
-        hidden_B_T_H = image_hidden_states(self.model, ids_B_T.to(device), lengths_B, images, self.autocast_dtype)
+        rows = ImageRows(ids_B_T.to(device), lengths_B, tuple(images))
+        hidden_B_T_H = image_hidden_states(self.model, rows, self.autocast_dtype)
         head = (self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model).lm_head
         out = []
         for b, s in enumerate(seqs):
