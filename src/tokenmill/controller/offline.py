@@ -71,26 +71,30 @@ def run_sft_config(cfg: SFTConfig) -> dict[str, Any]:
 
 
 def image_sft_rows(cfg: SFTConfig, model, tok, rows, columns: dict[str, str]):
-    """A vision-language policy's SFT samples with their prompts' images (`training.vision.image_sft_samples`)
-    when the rows have images (the first row tells), else None (the rows are read as text)."""
+    """A vision-language policy's SFT samples with their images when the rows have some (the first row tells),
+    else None (the rows are read as text): prompt / completion rows (`training.vision.image_sft_samples`),
+    conversations or conversational completions (`training.vision_roles.image_chat_samples`)."""
     from tokenmill.data.images import ImagePolicy, has_images
     from tokenmill.engines.local.vision import VisionProcessor, is_vision_config
 
-    prompt_column = columns.get("prompt", "prompt")
-    if not len(rows) or not has_images(rows[0], prompt_column, cfg.data.image_column):
+    column = columns.get("messages") or columns.get("prompt") or columns.get("text", "text")
+    if not len(rows) or not has_images(rows[0], column, cfg.data.image_column):
         return None
     if not is_vision_config(model.config):
         raise ConfigError(f"model.path: the rows have images (data.image_column {cfg.data.image_column!r} or "
                           f"image parts) but {cfg.model.path!r} is a text model; use a vision-language model")
-    if "completion" not in columns or not isinstance(rows[0][columns["completion"]], str):
-        raise ConfigError("data: SFT with images takes prompt / completion rows with string completions (TRL's "
-                          "prompt-completion format with an images column); conversational completions, "
-                          "conversations or plain text with images are not read yet")
+    if "text" in columns:
+        raise ConfigError("data: SFT with images takes prompt / completion rows or conversations (TRL's formats "
+                          "with an images column); plain text with images is not read")
     from tokenmill.training.vision import image_sft_samples
+    from tokenmill.training.vision_roles import image_chat_samples
 
     processor = VisionProcessor.from_pretrained(cfg.model.path, tokenizer=tok)
-    return image_sft_samples(processor, rows, prompt_column, columns["completion"], cfg.data.image_column,
-                             ImagePolicy.from_config(cfg.data))
+    policy = ImagePolicy.from_config(cfg.data)
+    completion = columns.get("completion")
+    if completion is not None and isinstance(rows[0][completion], str):
+        return image_sft_samples(processor, rows, column, completion, cfg.data.image_column, policy)
+    return image_chat_samples(processor, rows, column, cfg.data.image_column, policy, completion_column=completion)
 
 
 def pair_images(cfg: PreferenceConfig, model, tok):

@@ -234,3 +234,56 @@ class PairImages:
         return [s for key in ("chosen", "rejected")
                 for s in image_sft_samples(self.processor, rows, completion_column=key,
                                            image_column=self.image_column, policy=self.policy)]
+
+
+def image_chat_samples(processor: Any, rows: Sequence[dict[str, Any]], messages_column: str = "messages",
+                       image_column: str = "images", policy: Any = None,
+                       completion_column: str | None = None) -> list[Sample]:
+    """TRL's vision conversations (a `messages` column with `{"type": "image"}` parts, an `images` column beside
+    it) as SFT samples trained on the assistant messages only, each with its `ImageInputs`. With
+    `completion_column`, conversational prompt-completion rows: `messages_column` holds the prompt and only the
+    completion's messages train. Each image placeholder is repeated once per image token, as the processor lays
+    it out (`engines.local.vision.VisionProcessor.render`), and never trained."""
+    from tokenmill.data.chat import chat_tokens
+    from tokenmill.data.images import DEFAULT_POLICY, row_images
+    from tokenmill.types import StopReason
+
+    out = []
+    for i in range(len(rows)):
+        row = rows[i]
+        prompt = list(row[messages_column])
+        said = list(row[completion_column]) if completion_column else []
+        conversation = {"messages": prompt + said, "images": row.get(image_column)}
+        messages, images, sources = row_images(conversation, "messages", "images", policy or DEFAULT_POLICY,
+                                               f"row {i}")
+        inputs = processor.pixels(images, sources) if images else None
+        ids, mask = chat_tokens(processor.tokenizer, messages, first=len(prompt) if completion_column else 0)
+        ids, mask = _expanded_image_slots(processor, ids, mask, inputs)
+        start = mask.index(1) if 1 in mask else len(ids)
+        out.append(Sample(tokens=tuple(ids), loss_mask=tuple(mask), logprobs=(0.0,) * len(ids), prompt_len=start,
+                          prompt=prompt, completion=processor.tokenizer.decode(ids[start:]),
+                          stop_reason=StopReason.STOP, images=inputs))
+    return out
+
+
+def _expanded_image_slots(processor: Any, ids: list[int], mask: list[int],
+                          inputs: ImageInputs | None) -> tuple[list[int], list[int]]:
+    """Each image placeholder (an image token right after a vision-start token) repeated once per image token
+    of its image, untrained; ValueError when the placeholders and the images do not pair up."""
+    counts = [] if inputs is None else (inputs.image_grid_thw.prod(-1) // processor.merge**2).tolist()
+    out_ids: list[int] = []
+    out_mask: list[int] = []
+    used = 0
+    for k, (tok, m) in enumerate(zip(ids, mask, strict=True)):
+        if tok == processor.image_token_id and k and ids[k - 1] == processor.vision_start_id:
+            if used == len(counts):
+                raise ValueError(f"the conversation has more image slots than its {len(counts)} images")
+            out_ids += [tok] * counts[used]
+            out_mask += [0] * counts[used]
+            used += 1
+        else:
+            out_ids.append(tok)
+            out_mask.append(m)
+    if used != len(counts):
+        raise ValueError(f"the conversation has {used} image slots for {len(counts)} images")
+    return out_ids, out_mask

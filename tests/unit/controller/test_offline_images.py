@@ -1,6 +1,6 @@
-"""Offline runs of a vision-language model from TRL's formats with an `images` column: SFT's loss is the
-mean NLL of a plain forward with the pictures; DPO reads the pictures of each pair; images for a text model
-and image rows in formats not read yet are refused naming the field."""
+"""Offline runs of a vision-language model from TRL's formats with an `images` column: SFT's loss (prompt /
+completion rows or conversations) is the mean NLL of a plain forward with the pictures; DPO trains on pairs
+with pictures; images for a text model and beside plain text are refused naming the field."""
 
 from __future__ import annotations
 
@@ -64,7 +64,34 @@ def test_dpo_from_a_vision_preference_dataset_trains(tmp_path, tiny_vlm_path):
     assert result["losses"][0] == pytest.approx(0.6931, abs=1e-4) and result["losses"][-1] < result["losses"][0]
 
 
-def test_images_for_a_text_model_or_with_conversations_are_refused(tmp_path, tiny_model_path, tiny_vlm_path):
+def test_sft_on_vision_conversations_trains_the_assistant_tokens_with_the_pictures(tmp_path, tiny_vlm_path):
+    """TRL's vision conversation format (`messages` with an image part, `images` beside it): the loss is the mean
+    NLL of the assistant's tokens under a forward with the pictures, the image tokens laid out as the
+    processor does and never trained."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    import tokenmill
+    from tokenmill.engines.local.vision import VisionProcessor
+    from tokenmill.testing.reference import image_token_logprobs
+
+    rows = [json.loads(x) for x in _sft_file(tmp_path, 3).read_text().splitlines()]
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": r["prompt"] + [{"role": "assistant", "content": r["completion"]}],
+                                        "images": r["images"]}) + "\n" for r in rows))
+    result = tokenmill.sft({"model": {"path": tiny_vlm_path}, "data": {"path": str(chat)}, "steps": 1,
+                            "batch_size": 8, "output_dir": str(tmp_path / "sft")})
+    tok = AutoTokenizer.from_pretrained(tiny_vlm_path)
+    processor = VisionProcessor.from_pretrained(tiny_vlm_path, tokenizer=tok)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_path).eval()
+    nll = []
+    for r in rows:  # the prompt as the processor lays it out, then the assistant's answer and end of turn
+        ids, images = processor.encode(r["prompt"], [Image.open(p) for p in r["images"]])
+        answer = tok(r["completion"] + "<|end|>", add_special_tokens=False)["input_ids"]
+        nll.append(-image_token_logprobs(model, ids + answer, images)[len(ids) - 1 :])
+    assert abs(result["losses"][0] - float(torch.cat(nll).mean())) < 1e-5
+
+
+def test_images_for_a_text_model_or_with_plain_text_are_refused(tmp_path, tiny_model_path, tiny_vlm_path):
     import tokenmill
     from tokenmill.types import ConfigError
 
@@ -73,9 +100,8 @@ def test_images_for_a_text_model_or_with_conversations_are_refused(tmp_path, tin
         tokenmill.sft({"model": {"path": tiny_model_path}, "data": {"path": str(path)}, "steps": 1,
                        "output_dir": str(tmp_path / "a")})
     row = json.loads(path.read_text())
-    chat = tmp_path / "chat.jsonl"
-    chat.write_text(json.dumps({"messages": row["prompt"] + [{"role": "assistant", "content": "2"}],
-                                "images": row["images"]}) + "\n")
-    with pytest.raises(ConfigError, match=r"data: SFT with images takes prompt / completion rows"):
-        tokenmill.sft({"model": {"path": tiny_vlm_path}, "data": {"path": str(chat)}, "steps": 1,
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "two shapes", "images": row["images"]}) + "\n")
+    with pytest.raises(ConfigError, match=r"data: SFT with images takes prompt / completion rows or conversations"):
+        tokenmill.sft({"model": {"path": tiny_vlm_path}, "data": {"path": str(text)}, "steps": 1,
                        "output_dir": str(tmp_path / "b")})
