@@ -13,6 +13,7 @@ sequence logprob are of the prompt with its pictures, not of its text alone.
   prompt's images beside its ids (`scored_tokens`), so routing and mixing teachers work unchanged.
 - `PairImages`: TRL's vision preference rows (an `images` column beside prompt / chosen / rejected) as the
   chosen and rejected samples, each with its prompt's `ImageInputs` (`training.preference`).
+- `image_chat_samples`: TRL's vision conversations (`messages` with image parts) as SFT samples.
 """
 
 from __future__ import annotations
