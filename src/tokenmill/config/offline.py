@@ -61,6 +61,10 @@ class PreferenceDataConfig(Section):
     split: str = Field("train", description="Split to read when `path` is a dataset name or folder.")
     num_train: int = Field(5000, ge=1, description="Pairs generated for the built-in task.")
     num_eval: int = Field(400, ge=0, description="Held-out pairs (built-in task) for the final report.")
+    image_column: str = Field(
+        "images", description="Column of each pair's prompt images for a vision-language policy (TRL's vision "
+        "preference format: `images` beside prompt / chosen / rejected); image parts in the prompt work too."
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> PreferenceDataConfig:

@@ -59,14 +59,53 @@ def run_sft_config(cfg: SFTConfig) -> dict[str, Any]:
 
     rows, columns = sft_rows(cfg)
     model, tok = load_policy(cfg.model, resolve_device(cfg.model.device))
+    samples = image_sft_rows(cfg, model, tok, rows, columns)
     with offline_logger(cfg, "SFT") as logger:
-        losses = run_sft(model, tok, rows, steps=cfg.steps, batch_size=cfg.batch_size,
+        losses = run_sft(model, tok, rows, samples=samples, steps=cfg.steps, batch_size=cfg.batch_size,
                          prompt_column=columns.get("prompt", "prompt"),
                          completion_column=columns.get("completion", "completion"),
                          messages_column=columns.get("messages"), text_column=columns.get("text"), packing=cfg.packing,
                          micro_batch_tokens=cfg.micro_batch_tokens, output_dir=cfg.output_dir,
                          log_every=max(1, cfg.steps // 10), logger=logger, **cfg.optimiser())
     return {"losses": losses, "output_dir": cfg.output_dir}
+
+
+def image_sft_rows(cfg: SFTConfig, model, tok, rows, columns: dict[str, str]):
+    """A vision-language policy's SFT samples with their images when the rows have some (the first row tells),
+    else None (the rows are read as text): prompt / completion rows (`training.vision.image_sft_samples`),
+    conversations or conversational completions (`training.vision_roles.image_chat_samples`)."""
+    from tokenmill.data.images import ImagePolicy, has_images
+    from tokenmill.engines.local.vision import VisionProcessor, is_vision_config
+
+    column = columns.get("messages") or columns.get("prompt") or columns.get("text", "text")
+    if not len(rows) or not has_images(rows[0], column, cfg.data.image_column):
+        return None
+    if not is_vision_config(model.config):
+        raise ConfigError(f"model.path: the rows have images (data.image_column {cfg.data.image_column!r} or "
+                          f"image parts) but {cfg.model.path!r} is a text model; use a vision-language model")
+    if "text" in columns:
+        raise ConfigError("data: SFT with images takes prompt / completion rows or conversations (TRL's formats "
+                          "with an images column); plain text with images is not read")
+    from tokenmill.training.vision import image_sft_samples
+    from tokenmill.training.vision_roles import image_chat_samples
+
+    processor = VisionProcessor.from_pretrained(cfg.model.path, tokenizer=tok)
+    policy = ImagePolicy.from_config(cfg.data)
+    completion = columns.get("completion")
+    if completion is not None and isinstance(rows[0][completion], str):
+        return image_sft_samples(processor, rows, column, completion, cfg.data.image_column, policy)
+    return image_chat_samples(processor, rows, column, cfg.data.image_column, policy, completion_column=completion)
+
+
+def pair_images(cfg: PreferenceConfig, model, tok):
+    """How a vision-language policy reads the pairs' images (`training.vision_roles.PairImages`); None for a
+    text model."""
+    from tokenmill.engines.local.vision import VisionProcessor, is_vision_config
+    from tokenmill.training.vision_roles import PairImages
+
+    if not is_vision_config(model.config):
+        return None
+    return PairImages(VisionProcessor.from_pretrained(cfg.model.path, tokenizer=tok), cfg.data.image_column)
 
 
 def preference_pairs(cfg: PreferenceConfig):
@@ -108,8 +147,10 @@ def run_preference_config(cfg: PreferenceConfig) -> dict[str, Any]:
     else:
         model, tok = load_policy(cfg.model, device)
         reference = pref.frozen_reference(model)  # None with LoRA: the adapters switched off are the reference
+        images = pair_images(cfg, model, tok)
         with offline_logger(cfg, cfg.objective.upper()) as logger:
-            losses = pref.run_dpo(model, tok, rows, loss=cfg.objective, beta=cfg.beta, **common, logger=logger)
-        report = pref.implicit_margin(model, reference, tok, held) if held else {}
+            losses = pref.run_dpo(model, tok, rows, loss=cfg.objective, beta=cfg.beta, **common, logger=logger,
+                                  images=images)
+        report = pref.implicit_margin(model, reference, tok, held, images=images) if held else {}
     return {"objective": cfg.objective, "losses": losses, "output_dir": cfg.output_dir,
             **{f"heldout_{k}": v for k, v in report.items()}}

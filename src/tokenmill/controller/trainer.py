@@ -11,6 +11,7 @@ Every backend takes the same frozen `training.spec.TrainerSpec`, derived from th
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.engines.local.vision import is_vision_config
 from tokenmill.training.base import TrainBackend
 from tokenmill.training.critic import Critic, load_critic
 from tokenmill.training.local import ReferenceModel
@@ -53,6 +55,8 @@ def build_trainer(cfg: Any, model: torch.nn.Module, device: torch.device, amp: t
     `controller.ray.workers.WorkerGroup` of a `ray` trainer; `role_groups`: the group that computes the
     reference or the critic when `cluster.roles` places it outside the driver (`controller.ray.roles`)."""
     spec = TrainerSpec.from_config(cfg, amp)
+    if spec.distill is not None and cfg.distillation.loss == "auto" and is_vision_config(model.config):
+        spec = dataclasses.replace(spec, distill=None)  # images: the sampled-token estimate (training.vision_roles)
     kind = trainer_kind(cfg)
     shards = Path(cfg.tracking.output_dir) / "checkpoints" / "shards"
     keep = cfg.checkpoint.keep_last + 1
@@ -111,7 +115,7 @@ def _critic(cfg, spec: TrainerSpec, device, *, sharded: bool, shards: Path, keep
     if cfg.algorithm.advantage != "gae":
         return None
     kwargs = critic_kwargs(cfg, spec)
-    model = load_critic(cfg.critic, cfg.model.path, device)
+    model = load_critic(cfg.critic, cfg.model.path, device, freeze_vision=cfg.model.freeze_vision)
     if sharded:
         from tokenmill.training.sharded import ShardedCritic
 

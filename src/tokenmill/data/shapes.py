@@ -99,3 +99,17 @@ def blank_images(rows, grid: int = 2):
     """The rows with every picture replaced by an empty board (the control: the answer is then not in the input)."""
     empty = draw_board([], grid)
     return rows.map(lambda row: {"images": [empty for _ in row["images"]]})
+
+
+def shapes_preferences(n: int, seed: int = 0, grid: int = 2, exclude: set[str] | None = None):
+    """`n` preference pairs in TRL's vision format: a board in `images`, the conversational `prompt`, the true
+    count `chosen` over a miscount (one more or one less) `rejected`, both as assistant messages."""
+    rows = shapes_dataset(n, seed=seed, grid=grid, exclude=exclude).remove_columns(["completion"])
+    rng = random.Random(seed + 2)
+    said: dict[str, list[Any]] = {"chosen": [], "rejected": []}
+    for answer in rows["answer"]:
+        count = int(answer)
+        wrong = count - 1 if count == grid * grid or (count > 1 and rng.random() < 0.5) else count + 1
+        for key, k in (("chosen", count), ("rejected", wrong)):
+            said[key].append([{"role": "assistant", "content": [{"type": "text", "text": str(k)}]}])
+    return rows.add_column("chosen", said["chosen"]).add_column("rejected", said["rejected"])

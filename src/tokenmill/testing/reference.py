@@ -28,3 +28,15 @@ def assert_same_completions(a, b, tol: float = 1e-5) -> None:
     assert worst < tol, f"largest logprob difference {worst:.2e}"
     lengths = {len(c.token_ids) for c in flat_a}
     assert len(lengths) > 1 or max(lengths) > 1
+
+
+@torch.no_grad()
+def image_token_logprobs(model, tokens: Sequence[int], images) -> torch.Tensor:
+    """log p(token_t | tokens_<t, images) for t >= 1 of a Qwen2-VL-family model, from its own forward over the
+    whole sequence with the pixel values (`images`: `ImageInputs`; token types 1 at the image tokens, as its
+    processor marks them): the trainer's and the teacher's image paths are checked against it."""
+    ids = torch.tensor([list(tokens)])
+    kinds = (ids == model.config.image_token_id).int()
+    logits = model(input_ids=ids, pixel_values=images.pixel_values, image_grid_thw=images.image_grid_thw,
+                   mm_token_type_ids=kinds).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0]

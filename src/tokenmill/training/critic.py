@@ -23,14 +23,26 @@ from tokenmill.training.packing import PackedRows, micro_packs, packed_inputs
 from tokenmill.types import ConfigError, Sample
 
 
-def load_critic(cfg: CriticConfig, policy_path: str, device: torch.device) -> torch.nn.Module:
+def load_critic(cfg: CriticConfig, policy_path: str, device: torch.device, *,
+                freeze_vision: bool = True) -> torch.nn.Module:
     """The critic's model: `cfg.path`, or the policy's weights with a zeroed value head (every value starts at
     0, so the first advantages are plain returns and the critic learns from there). With `cfg.lora.rank > 0`
-    only LoRA adapters and the head train (peft)."""
-    from transformers import AutoModelForTokenClassification
+    only LoRA adapters and the head train (peft). A vision-language model's critic sees the images
+    (`training.vision_roles.VisionValueModel`, its vision tower frozen unless `freeze_vision` is false)."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
     from transformers.utils import logging as hf_logging
 
+    from tokenmill.engines.local.vision import is_vision_config
+
     path = cfg.path or policy_path
+    try:
+        vision = is_vision_config(AutoConfig.from_pretrained(path))
+    except (OSError, ValueError):
+        vision = False  # the loader below names the field
+    if vision:
+        from tokenmill.training.vision_roles import load_vision_critic
+
+        return load_vision_critic(path, cfg, freeze_vision).to(device)
     quiet = cfg.path is None  # the value head is missing from a policy folder by design: no warning about it
     level = hf_logging.get_verbosity()
     try:
@@ -80,6 +92,10 @@ class Critic:
         )
 
     def _values(self, micro: Batch) -> torch.Tensor:
+        if micro.images_B is not None:  # a vision-language critic reads the rows' images as the policy does
+            from tokenmill.training.vision_roles import image_values
+
+            return image_values(self.model, micro, self.autocast_dtype)
         device = next(self.model.parameters()).device
         with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             out_B_T = self.model(input_ids=micro.input_ids_B_T).logits[..., 0].float()
@@ -99,9 +115,11 @@ class Critic:
 
     def _micro_values(self, batch: Batch) -> Iterator[tuple[torch.Tensor, Batch, torch.Tensor]]:
         """Per micro-batch of at most `micro_batch_tokens`: (its rows in `batch`, the micro-batch on the device,
-        its values). Groups sharing a prompt are packed like the policy's (the prompt runs once)."""
+        its values). Groups sharing a prompt are packed like the policy's (the prompt runs once); rows with
+        images are not (`training.vision`)."""
         device = next(self.model.parameters()).device
-        segments = packing_segments(batch, share_prompts=self.share_prompts, pack_sequences=False)
+        segments = None if batch.images_B is not None else packing_segments(
+            batch, share_prompts=self.share_prompts, pack_sequences=False)
         if segments is not None:
             for micro, packed in micro_packs(batch, self.micro_batch_tokens, segments):
                 micro = micro.to(device)

@@ -30,22 +30,31 @@ from tokenmill.training.lora import add_lora, is_lora
 from tokenmill.training.offline import finish, offline_trainer, optim_settings, run_offline, sampled_batches
 from tokenmill.training.sft import sft_sample
 from tokenmill.training.sharded import my_share, sum_over_ranks
+from tokenmill.training.vision import vision_token_stats
+from tokenmill.training.vision_roles import PairImages
 from tokenmill.types import ConfigError
 
 PreferenceLoss = Literal["dpo", "ipo", "simpo"]
 
 
 def pair_logprobs(
-    model, tokenizer, rows: Sequence[dict[str, Any]], chunk_bytes: int = DEFAULT_CHUNK_MIB << 20
+    model, tokenizer, rows: Sequence[dict[str, Any]], chunk_bytes: int = DEFAULT_CHUNK_MIB << 20,
+    images: PairImages | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """(chosen logprob sums, rejected logprob sums, chosen lengths, rejected lengths), each `[P]`; the LM head
-    runs on chunks of `chunk_bytes` of logits (`training.logprobs`; 0 = the model's full logits)."""
-    samples = [sft_sample(tokenizer, r["prompt"], r[key]) for key in ("chosen", "rejected") for r in rows]
+    runs on chunks of `chunk_bytes` of logits (`training.logprobs`; 0 = the model's full logits). With
+    `images` (a vision-language policy's), rows with images are scored with their pictures (`training.vision`)."""
+    if images is not None and images.in_rows(rows):
+        samples = images.samples(rows)
+    else:
+        samples = [sft_sample(tokenizer, r["prompt"], r[key]) for key in ("chosen", "rejected") for r in rows]
     batch = collate(samples, [1.0] * len(samples), tokenizer.pad_token_id)
     device = next(model.parameters()).device
-    ids = batch.input_ids_B_T.to(device)
-    logprobs_B_T, _ = sequence_token_stats(model, ids, lengths_B=batch.lengths_B, temperature=1.0,
-                                           chunk_bytes=chunk_bytes)
+    if batch.images_B is not None:
+        logprobs_B_T, _ = vision_token_stats(model, batch.to(device), temperature=1.0, chunk_bytes=chunk_bytes)
+    else:
+        logprobs_B_T, _ = sequence_token_stats(model, batch.input_ids_B_T.to(device), lengths_B=batch.lengths_B,
+                                               temperature=1.0, chunk_bytes=chunk_bytes)
     mask_B_T = batch.weights_B_T.to(device)
     in_sample_order = batch.sample_index_B.argsort().to(device)  # collate sorted the rows by length
     sums_B = (logprobs_B_T * mask_B_T).sum(-1)[in_sample_order]
@@ -63,16 +72,17 @@ def frozen_reference(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 @torch.no_grad()
-def reference_pair_logprobs(model, reference, tokenizer, rows: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
+def reference_pair_logprobs(model, reference, tokenizer, rows: Sequence[dict[str, Any]],
+                            images: PairImages | None = None) -> tuple[torch.Tensor, ...]:
     """`pair_logprobs` of the reference: `reference` if there is one, else `model` (a LoRA model) with its
     adapters disabled, in eval mode like a frozen copy."""
     if reference is not None:
-        return pair_logprobs(reference, tokenizer, rows)
+        return pair_logprobs(reference, tokenizer, rows, images=images)
     was_training = model.training
     model.eval()
     try:
         with model.disable_adapter():
-            return pair_logprobs(model, tokenizer, rows)
+            return pair_logprobs(model, tokenizer, rows, images=images)
     finally:
         model.train(was_training)
 
@@ -96,18 +106,20 @@ PAIR_DEFAULTS = {"learning_rate": 1e-4}
 
 def run_dpo(
     model, tokenizer, rows, *, steps: int, loss: PreferenceLoss = "dpo", beta: float = 0.1, batch_size: int = 32,
-    output_dir: str | Path | None = None, logger: MetricsLogger | None = None, **optim: Any,
+    output_dir: str | Path | None = None, logger: MetricsLogger | None = None, images: PairImages | None = None,
+    **optim: Any,
 ) -> list[float]:
     """Train `model` in place on preference pairs; return the loss of each step. A LoRA model is its own
-    reference (adapters disabled); any other is compared with a frozen copy of itself. `optim`: the
-    optimiser's fields (`learning_rate`, `warmup_steps`, `seed`, ... of `OptimConfig`)."""
+    reference (adapters disabled); any other is compared with a frozen copy of itself. `images`: how a
+    vision-language policy reads the rows' images (TRL's `images` column). `optim`: the optimiser's fields
+    (`learning_rate`, `warmup_steps`, `seed`, ... of `OptimConfig`)."""
     reference = frozen_reference(model) if loss != "simpo" else None
 
     def pair_loss(picked: list[dict[str, Any]], module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ref = None
         if loss != "simpo":
-            ref = reference_pair_logprobs(module, reference, tokenizer, picked)
-        return preference_loss(loss, pair_logprobs(module, tokenizer, picked), ref, beta)
+            ref = reference_pair_logprobs(module, reference, tokenizer, picked, images)
+        return preference_loss(loss, pair_logprobs(module, tokenizer, picked, images=images), ref, beta)
 
     return _pairwise_training(model, tokenizer, rows, pair_loss, steps, batch_size, output_dir, logger, optim)
 
@@ -142,7 +154,8 @@ def _pairwise_training(
 
 
 @torch.no_grad()
-def implicit_margin(model, reference, tokenizer, rows, chunk: int = 128) -> dict[str, float]:
+def implicit_margin(model, reference, tokenizer, rows, chunk: int = 128,
+                    images: PairImages | None = None) -> dict[str, float]:
     """Held-out DPO diagnostics: mean implicit reward margin (pi_c - ref_c) - (pi_r - ref_r) and the share of
     pairs where the policy gives the chosen completion the higher log-probability. `reference` None: a LoRA
     `model` with its adapters disabled."""
@@ -151,8 +164,8 @@ def implicit_margin(model, reference, tokenizer, rows, chunk: int = 128) -> dict
     margins, ranked = [], []
     for start in range(0, len(rows), chunk):
         part = rows[start : start + chunk]
-        c, r, _, _ = pair_logprobs(model, tokenizer, part)
-        rc, rr, _, _ = reference_pair_logprobs(model, reference, tokenizer, part)
+        c, r, _, _ = pair_logprobs(model, tokenizer, part, images=images)
+        rc, rr, _, _ = reference_pair_logprobs(model, reference, tokenizer, part, images)
         margins += ((c - rc) - (r - rr)).tolist()
         ranked += (c > r).tolist()
     return {"margin": sum(margins) / len(margins), "chosen_preferred": sum(ranked) / len(ranked)}

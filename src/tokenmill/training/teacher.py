@@ -22,7 +22,9 @@ import torch
 from tokenmill.algorithms.advantages import assign_advantages
 from tokenmill.algorithms.distill import bucketed_logprobs, distill_advantages, mixture_logprobs
 from tokenmill.config.distill import DistillConfig, TeacherConfig
+from tokenmill.engines.local.vision import is_vision_config, text_config
 from tokenmill.training.self_teacher import SelfTeacher, check_template
+from tokenmill.training.vision_roles import check_image_distillation, load_teacher_model, scored_tokens
 from tokenmill.types import ConfigError, Group, PromptLogprobs, Sample
 
 
@@ -40,7 +42,7 @@ class Teacher:
 
     def score(self, samples: Sequence[Sample]) -> list[PromptLogprobs]:
         """Each sample's tokens scored (`PromptLogprobs`: len(tokens) - 1 values, from the second token)."""
-        seqs = [list(s.tokens) for s in samples]
+        seqs = [scored_tokens(s) for s in samples]  # with their images where the prompt has any
         if self.route_by is not None:
             out: list[PromptLogprobs | None] = [None] * len(samples)
             for name, idx in self._routes(samples).items():
@@ -246,6 +248,7 @@ def build_teacher(dist: DistillConfig | None, student: torch.nn.Module, tokenize
     (`training.self_teacher.SelfTeacher`)."""
     if dist is None:
         return None
+    check_image_distillation(dist, student)
     if dist.self_teacher is not None:
         return SelfTeacher.build(dist.self_teacher, student, tokenizer, autocast_dtype=autocast_dtype)
     if dist.teacher_tokenizer != "same":  # a teacher with another tokenizer, when it has one
@@ -273,27 +276,31 @@ def _scorer(tc: TeacherConfig, field: str, student, tokenizer, device, amp):
     if tc.url is not None:
         from tokenmill.engines.remote.client import RemoteEngine
 
+        if is_vision_config(student.config):
+            raise ConfigError(f"{field}.url: a teacher server is not sent the prompts' images; a vision-language "
+                              f"policy's teacher is a vision-language model in this process ({field}.path)")
+
         token = tc.token if tc.token is not None else os.environ.get("TOKENMILL_SERVE_TOKEN") or None
         return RemoteEngine([tc.url], pad_id=tokenizer.pad_token_id or 0, token=token, model=tc.model)
-    from transformers import AutoModelForCausalLM
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(tc.path, dtype=torch.float32)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{field}.path: cannot load {tc.path!r}: {exc}") from None
+    model = load_teacher_model(tc.path, f"{field}.path", student)  # a vision-language one for a VLM policy
     if student is not None:  # None: the teacher has its own tokenizer (`tokenizer`; training.cross_tokenizer)
         _same_vocab(field, tc, model, student, tokenizer)
     from tokenmill.engines.local.hf import HFEngine
 
     target = device if tc.device == "auto" else torch.device(tc.device)
-    return HFEngine(model.to(target).eval().requires_grad_(False), tokenizer, autocast_dtype=amp)
+    model = model.to(target).eval().requires_grad_(False)
+    if is_vision_config(model.config):  # scores each sequence with its prompt's images
+        from tokenmill.training.vision_roles import VisionScorer
+
+        return VisionScorer(model, autocast_dtype=amp, pad_id=tokenizer.pad_token_id or 0)
+    return HFEngine(model, tokenizer, autocast_dtype=amp)
 
 
 def _same_vocab(field: str, tc: TeacherConfig, model, student, tokenizer) -> None:
     """An in-process teacher without `teacher_tokenizer` must have the policy's vocabulary (ConfigError)."""
     from transformers import AutoTokenizer
 
-    mine, theirs = student.config.vocab_size, model.config.vocab_size
+    mine, theirs = text_config(student.config).vocab_size, text_config(model.config).vocab_size
     if mine != theirs:
         raise ConfigError(f"{field}.path: the teacher's vocabulary has {theirs} tokens, the policy's {mine}; "
                           "distillation compares logprobs token by token and needs the same tokenizer "
