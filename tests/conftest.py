@@ -61,3 +61,19 @@ def tiny_vlm_path(tmp_path_factory) -> str:
     from tokenmill.recipes.tiny_vlm import build_tiny_vlm
 
     return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm") / "model", hidden_size=32, seed=0)
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_path(tmp_path_factory) -> str:
+    """`tiny_vlm_path`'s kit as a Qwen2-VL (its own vision tower and rotary positions)."""
+    from tokenmill.recipes.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("qwen2-vl") / "model", hidden_size=32, family="qwen2_vl")
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_path(tmp_path_factory) -> str:
+    """`tiny_vlm_path`'s kit as a Qwen3-VL (deepstack features, interleaved multimodal positions)."""
+    from tokenmill.recipes.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("qwen3-vl") / "model", hidden_size=32, family="qwen3_vl")

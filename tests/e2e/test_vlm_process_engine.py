@@ -4,34 +4,22 @@ pictures travel as data-URL `image_url` parts, and the served logprobs are the t
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 import tokenmill
+from tokenmill.testing.docs import tested_block
+from tokenmill.testing.rewards import chat_digit_share as digit_share
 from tokenmill.types import ConfigError
 
 pytest.importorskip("PIL")
 
 
-def digit_share(prompts, completions, **_):
-    texts = [c[0]["content"] for c in completions]
-    return [sum(ch.isdigit() for ch in t) / max(1, len(t)) for t in texts]
-
-
-def _page_config() -> dict:
-    """docs/vision.md's served-run block."""
-    page = (Path(__file__).parents[2] / "docs" / "vision.md").read_text()
-    block = page.split("<!-- tested: tests/e2e/test_vlm_process_engine.py -->\n```yaml\n", 1)[1].split("```", 1)[0]
-    return yaml.safe_load(block)
-
-
 def test_a_vlm_run_samples_from_a_spawned_server(tmp_path, tiny_vlm_path):
     torch.set_num_threads(1)
     out = tmp_path / "run"
-    page = _page_config()
+    page = tested_block("vision.md", "tests/e2e/test_vlm_process_engine.py")
     result = tokenmill.train({
         "model": {"path": tiny_vlm_path},
         "data": {**page["data"], "num_train": 32, "num_eval": 0},

@@ -5,27 +5,15 @@ trainer's."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 import tokenmill
+from tokenmill.testing.docs import tested_block
+from tokenmill.testing.rewards import chat_digit_share as digit_share
 
 pytest.importorskip("PIL")
-
-
-def digit_share(prompts, completions, **_):
-    texts = [c[0]["content"] for c in completions]
-    return [sum(ch.isdigit() for ch in t) / max(1, len(t)) for t in texts]
-
-
-def _page_config() -> dict:
-    """docs/vision.md's remote-servers block."""
-    page = (Path(__file__).parents[2] / "docs" / "vision.md").read_text()
-    block = page.split("<!-- tested: tests/e2e/test_vlm_remote_engine.py -->\n```yaml\n", 1)[1].split("```", 1)[0]
-    return yaml.safe_load(block)
 
 
 def test_a_vlm_run_samples_from_a_remote_server_in_chat(tmp_path, tiny_vlm_path):
@@ -38,7 +26,7 @@ def test_a_vlm_run_samples_from_a_remote_server_in_chat(tmp_path, tiny_vlm_path)
     served = VisionServingEngine.from_pretrained(tiny_vlm_path, seed=0, policy=ImagePolicy(max_pixels=64 * 64))
     server, _ = start_in_thread(create_app(served, model_name="tiny-vlm"))
     out = tmp_path / "run"
-    page = _page_config()
+    page = tested_block("vision.md", "tests/e2e/test_vlm_remote_engine.py")
     assert page["engine"]["placement"] == "remote"
     try:
         tokenmill.train({

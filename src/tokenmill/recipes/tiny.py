@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import Any
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -26,7 +27,6 @@ def build_tokenizer(extra_special_tokens: tuple[str, ...] = ()):
     """A fast character-level tokenizer with chat special tokens (and `extra_special_tokens` after them, e.g. a
     vision-language model's image markers); eos is `<|end|>`."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     specials = [*SPECIAL_TOKENS, *extra_special_tokens]
     vocab = {tok: i for i, tok in enumerate(specials)}
@@ -35,11 +35,19 @@ def build_tokenizer(extra_special_tokens: tuple[str, ...] = ()):
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
+    return chat_tokenizer(core, specials)
+
+
+def chat_tokenizer(core: Any, specials: list[str]):
+    """A transformers fast tokenizer over the `tokenizers` object `core`: pad/unk/eos are `specials`' first three
+    (`SPECIAL_TOKENS`), the rest additional special tokens; left padding and the chat template."""
+    from transformers import PreTrainedTokenizerFast
+
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
-        pad_token="<pad>",
-        unk_token="<unk>",
-        eos_token="<|end|>",
+        pad_token=specials[0],
+        unk_token=specials[1],
+        eos_token=specials[2],
         additional_special_tokens=specials[3:],
         clean_up_tokenization_spaces=False,
         padding_side="left",  # a constructor argument is saved with the folder; an attribute set later is not

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from tokenmill.recipes.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, save_folder
+from tokenmill.recipes.tiny import SPECIAL_TOKENS, chat_tokenizer, save_folder
 
 
 def addition_corpus(n: int = 4000, seed: int = 0) -> list[str]:
@@ -40,7 +40,6 @@ def build_bpe_tokenizer(vocab_size: int = 400, corpus: list[str] | None = None, 
     special tokens come first
     (at the same ids as the character tokenizer's, `<|end|>` eos; every other token has another id) and the same chat template."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -52,17 +51,7 @@ def build_bpe_tokenizer(vocab_size: int = 400, corpus: list[str] | None = None, 
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     core.train_from_iterator(corpus if corpus is not None else addition_corpus(), trainer=trainer)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token="<pad>",
-        unk_token="<unk>",
-        eos_token="<|end|>",
-        additional_special_tokens=SPECIAL_TOKENS[3:],
-        clean_up_tokenization_spaces=False,
-        padding_side="left",
-    )
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
+    return chat_tokenizer(core, list(SPECIAL_TOKENS))
 
 
 def build_tiny_bpe_model(path: str | Path, hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,

@@ -12,10 +12,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-
-def digit_share(prompts, completions, **_):
-    """A dense reward (share of digits), so a random-init model gets non-zero advantages."""
-    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+from tokenmill.testing.rewards import digit_share
 
 
 def tiny_grpo_tree(model: str, **model_extra: Any) -> dict[str, Any]:

@@ -9,19 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 import tokenmill
+from tokenmill.testing.docs import tested_block
+from tokenmill.testing.rewards import chat_digit_share as digit_share
 from tokenmill.types import ConfigError
 
+PAGE = "tests/unit/controller/test_vision_async.py"  # the docs/vision.md block this test runs
+
 pytest.importorskip("PIL")
-
-
-def digit_share(prompts, completions, **_):
-    """Dense, so a random-init model gets non-zero advantages."""
-    texts = [c[0]["content"] for c in completions]
-    return [sum(ch.isdigit() for ch in t) / max(1, len(t)) for t in texts]
 
 
 def _config(model: str, out, **engine) -> dict:
@@ -38,13 +35,6 @@ def _config(model: str, out, **engine) -> dict:
     }
 
 
-def _page_engine() -> dict:
-    """docs/vision.md's placement block: its engine section."""
-    page = (Path(__file__).parents[3] / "docs" / "vision.md").read_text()
-    block = page.split("<!-- tested: tests/unit/controller/test_vision_async.py -->\n```yaml\n", 1)[1]
-    return yaml.safe_load(block.split("```", 1)[0])["engine"]
-
-
 def _steps(out) -> list[dict]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "reward/mean" in r]
@@ -54,8 +44,8 @@ def test_a_thread_engine_samples_with_the_pictures_and_equals_colocated(tmp_path
     torch.set_num_threads(1)
     colocated, thread = tmp_path / "colocated", tmp_path / "thread"
     tokenmill.train(_config(tiny_vlm_path, colocated), rewards=[digit_share])
-    assert _page_engine() == {"placement": "thread"}
-    tokenmill.train(_config(tiny_vlm_path, thread, **_page_engine()), rewards=[digit_share])
+    assert tested_block("vision.md", PAGE)["engine"] == {"placement": "thread"}
+    tokenmill.train(_config(tiny_vlm_path, thread, **tested_block("vision.md", PAGE)["engine"]), rewards=[digit_share])
     a, b = _steps(colocated), _steps(thread)
     assert [r["step"] for r in b] == [1, 2, 3]
     for x, y in zip(a, b, strict=True):

@@ -9,9 +9,9 @@ import copy
 import pytest
 import torch
 
-from tokenmill.engines.local.hf import HFEngine
 from tokenmill.envs.base import StepResult
 from tokenmill.rollout.agent import AgentLimits, AgentLoop
+from tokenmill.testing.logged import LoggedEngine
 from tokenmill.types import SamplingParams
 
 LIMITS = AgentLimits(max_turns=3, end_on_truncation=False)
@@ -28,17 +28,6 @@ class ThreeTurns:
                           done=self.turns >= 3)
 
 
-class Logged(HFEngine):
-    """The real engine, keeping each prompt it was given and what it returned."""
-
-    calls: list
-
-    def generate(self, prompts, params):
-        out = super().generate(prompts, params)
-        self.calls += [(tuple(p), group[0]) for p, group in zip(prompts, out, strict=True)]
-        return out
-
-
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -52,7 +41,7 @@ def moe(tmp_path_factory):
 
 def _engine(moe):
     model, tok = moe
-    engine = Logged(copy.deepcopy(model), tok, seed=2)
+    engine = LoggedEngine(copy.deepcopy(model), tok, seed=2)
     engine.calls = []
     engine.record_routing(True)
     return engine

@@ -10,9 +10,9 @@ import statistics
 import pytest
 
 from tokenmill.algorithms.advantages import assign_advantages
-from tokenmill.engines.local.hf import HFEngine
 from tokenmill.envs.base import StepResult
 from tokenmill.rollout.agent import AgentLimits, AgentLoop
+from tokenmill.testing.logged import LoggedEngine
 from tokenmill.types import SamplingParams
 
 LIMITS = AgentLimits(max_turns=5, end_on_truncation=False)  # a turn cut at max_tokens does not end the episode
@@ -35,20 +35,9 @@ class ForgetfulEnv:
                           done=done, history=[self.first, {"role": "assistant", "content": text}])
 
 
-class Logged(HFEngine):
-    """The real engine, keeping each prompt it was given and what it returned."""
-
-    calls: list
-
-    def generate(self, prompts, params):
-        out = super().generate(prompts, params)
-        self.calls += [(tuple(p), group[0]) for p, group in zip(prompts, out, strict=True)]
-        return out
-
-
 @pytest.fixture
 def engine(tiny_model, tokenizer):
-    e = Logged(tiny_model, tokenizer, seed=4)
+    e = LoggedEngine(tiny_model, tokenizer, seed=4)
     e.calls = []
     return e
 

@@ -8,20 +8,6 @@ import torch
 pytest.importorskip("PIL")
 
 
-@pytest.fixture(scope="module")
-def qwen2_vl_path(tmp_path_factory) -> str:
-    from tokenmill.recipes.tiny_vlm import build_tiny_vlm
-
-    return build_tiny_vlm(tmp_path_factory.mktemp("qwen2-vl-pack") / "model", hidden_size=32, family="qwen2_vl")
-
-
-@pytest.fixture(scope="module")
-def qwen3_vl_path(tmp_path_factory) -> str:
-    from tokenmill.recipes.tiny_vlm import build_tiny_vlm
-
-    return build_tiny_vlm(tmp_path_factory.mktemp("qwen3-vl-pack") / "model", hidden_size=32, family="qwen3_vl")
-
-
 @pytest.fixture(params=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
 def each_vlm(request, tiny_vlm_path, qwen2_vl_path, qwen3_vl_path):
     """Qwen2.5-VL, Qwen2-VL and Qwen3-VL (its deepstack features too), fp32, every parameter trainable (the

@@ -16,20 +16,6 @@ def _picture(colour, size=32):
     return Image.new("RGB", (size, size), colour)
 
 
-@pytest.fixture(scope="module")
-def qwen2_vl_path(tmp_path_factory) -> str:
-    from tokenmill.recipes.tiny_vlm import build_tiny_vlm
-
-    return build_tiny_vlm(tmp_path_factory.mktemp("qwen2-vl") / "model", hidden_size=32, family="qwen2_vl")
-
-
-@pytest.fixture(scope="module")
-def qwen3_vl_path(tmp_path_factory) -> str:
-    from tokenmill.recipes.tiny_vlm import build_tiny_vlm
-
-    return build_tiny_vlm(tmp_path_factory.mktemp("qwen3-vl") / "model", hidden_size=32, family="qwen3_vl")
-
-
 def _load(path):
     from transformers import AutoModelForImageTextToText
 
