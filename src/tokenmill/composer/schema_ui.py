@@ -53,7 +53,8 @@ _ADVANCED = {
 }
 # on-policy distillation: routing rows between several teachers, and the policy as its own teacher
 _ADVANCED["rl"] += ["distillation.route_by", "distillation.routes", "distillation.route_default",
-                    "distillation.self_teacher.template", "distillation.self_teacher.snapshot"]
+                    "distillation.self_teacher.template", "distillation.self_teacher.snapshot",
+                    "distillation.teacher_tokenizer"]
 # Fields a mode fixes itself (`Mode.fixed`) are not shown, nor beta, which only DPO / IPO / SimPO read.
 _HIDDEN = {"reward_model": {"objective", "beta"}}
 _PREFERENCE_OBJECTIVES = ["dpo", "ipo", "simpo"]
