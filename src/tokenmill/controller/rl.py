@@ -216,8 +216,9 @@ def rollout(cfg: RLConfig, side: RolloutSide, step: int) -> tuple[list[Group], d
 def exact_logprobs(cfg: RLConfig, engine, groups: list[Group]) -> list[Group]:
     """With `training.spec.zero_mismatch(cfg)` (deterministic, an engine in this process, the local trainer):
     the groups with the logprobs of a scoring pass through the trainer's per-sample function
-    (`training.logprobs.rescore_groups`; samples of the engine's current weights), timed as `timing_s/rescore`;
-    other engines' groups as they came (docs/reliability.md, "Zero mismatch")."""
+    (`training.logprobs.rescore_groups`; samples of the engine's current weights; with router replay r3 through
+    each sample's recorded experts), timed as `timing_s/rescore`; other engines' groups as they came
+    (docs/reliability.md, "Zero mismatch")."""
     from tokenmill.engines.local.hf import HFEngine
     from tokenmill.training.logprobs import rescore_groups
 
@@ -227,7 +228,8 @@ def exact_logprobs(cfg: RLConfig, engine, groups: list[Group]) -> list[Group]:
     with stage("rescore"):
         return rescore_groups(engine.model, groups, temperature=cfg.generation.temperature,
                               chunk_bytes=int(tr.logprob_chunk_mib * 2**20) if tr.chunked_logprobs else 0,
-                              autocast_dtype=engine.autocast_dtype, version=engine.version)
+                              autocast_dtype=engine.autocast_dtype, version=engine.version,
+                              replay=tr.router_replay == "r3")  # the decode pass's experts, as the trainer
 
 
 def preemption(run: Run) -> Preemption:

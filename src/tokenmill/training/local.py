@@ -287,11 +287,13 @@ class LocalBackend:
     @torch.no_grad()
     def record_routes(self, batch: Batch) -> torch.Tensor:
         """`[B, T, R]`: the expert indices the model routes each token of `batch` to now (a no-grad pass in
-        eval mode, micro-batched; router replay r2 records them before the update)."""
+        eval mode, micro-batched; router replay r2 records them before the update). `batch_invariant`: each
+        row on its own (a budget of 0), the routes the engine's scoring pass picks (`logprobs.rescore_groups`)."""
         was_training = self.model.training
         self.model.eval()
+        budget = 0 if self.batch_invariant else self.micro_batch_tokens
         try:
-            return trainer_routes(self.model, batch, self.micro_batch_tokens, self.autocast_dtype)
+            return trainer_routes(self.model, batch, budget, self.autocast_dtype)
         finally:
             self.model.train(was_training)
 

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tokenmill.algorithms.distill import bucketed_reverse_kl
 from tokenmill.engines.local.fast_decode import FastDecoder, decoder_blocker
+from tokenmill.training.router_replay import replaying, routes_tensor
 
 DEFAULT_CHUNK_MIB = 64
 # config fields of models whose logits are not plain head(hidden) (Gemma-2 soft-cap, Cohere / Granite scale)
@@ -300,7 +301,8 @@ def row_logprobs(model: torch.nn.Module, tokens, *, temperature: float, chunk_by
     """`[L]`: the token logprobs of one sequence as a row of exactly its L tokens (no padding, no neighbour),
     through `sequence_token_stats`: what the trainer computes for it with `training.deterministic`
     (`micro_token_stats(..., batch_invariant=True)`), so an engine scoring its samples with this function on
-    the same weights reports the trainer's numbers bit for bit (docs/reliability.md, "Zero mismatch")."""
+    the same weights reports the trainer's numbers bit for bit (docs/reliability.md, "Zero mismatch"). Under
+    router replay the caller wraps it in the sample's `router_replay.replaying`, as `rescore_groups` does."""
     device = next(model.parameters()).device
     ids_1_L = torch.tensor([list(tokens)], dtype=torch.long, device=device)
     lp_1_L, _ = sequence_token_stats(model, ids_1_L, lengths_B=torch.tensor([ids_1_L.shape[1]]),
@@ -309,13 +311,17 @@ def row_logprobs(model: torch.nn.Module, tokens, *, temperature: float, chunk_by
 
 
 def rescore_groups(model: torch.nn.Module, groups: list, *, temperature: float, chunk_bytes: int,
-                   autocast_dtype: torch.dtype | None = None, version: int | None = None) -> list:
+                   autocast_dtype: torch.dtype | None = None, version: int | None = None,
+                   replay: bool = False) -> list:
     """`groups` with each trainable sample's logprobs replaced by `row_logprobs` under `model` (an in-process
     engine's: `controller.rl.exact_logprobs`), in eval mode without gradients: with `training.deterministic`
     the trainer computes exactly these numbers, so on the same weights the engine/trainer mismatch is 0 bit
     for bit. The tokens stay the ones the decode pass drew (docs/reliability.md, "Zero mismatch"); untrained
     positions keep 0. With `version` (the weights `model` holds), a sample drawn by other weights (an older
-    version, a partial rollout across an update) keeps its decode logprobs: those are its behaviour policy's."""
+    version, a partial rollout across an update) keeps its decode logprobs: those are its behaviour policy's.
+    `replay` (`training.router_replay: r3`): a mixture-of-experts model routes each sample's tokens as its
+    `routes` recorded (`router_replay.replaying`, the trainer's own replay of the same `[1, L, R]` row), so
+    the scoring pass goes through the experts the trainer's forward replays, not those it would pick afresh."""
 
     def drawn_here(s) -> bool:
         return version is None or (s.version == version and all(v == version for v in s.token_versions))
@@ -323,8 +329,9 @@ def rescore_groups(model: torch.nn.Module, groups: list, *, temperature: float, 
     def rescored(s):
         if not (s.trainable and any(s.loss_mask) and drawn_here(s)):
             return s
-        lp = row_logprobs(model, s.tokens, temperature=temperature, chunk_bytes=chunk_bytes,
-                          autocast_dtype=autocast_dtype).tolist()
+        with replaying(model, routes_tensor([s], len(s.tokens)) if replay else None):
+            lp = row_logprobs(model, s.tokens, temperature=temperature, chunk_bytes=chunk_bytes,
+                              autocast_dtype=autocast_dtype).tolist()
         return s.with_(logprobs=tuple(v if m else 0.0 for v, m in zip(lp, s.loss_mask, strict=True)))
 
     was_training = model.training

@@ -14,6 +14,10 @@ Replay keeps the gate differentiable: the router's logits are computed as usual,
 replaced, and the routing weights are the softmax probabilities at the replayed indices (renormalised where
 the router renormalises). A token without recorded routes (-1: padding, the last sampled token, a sample
 from a path that does not record) is routed by the trainer itself.
+
+Under `training.deterministic`'s zero mismatch the engine's scoring pass routes as the trainer does: with r3
+it replays the same recorded routes (`logprobs.rescore_groups`), with r2 the trainer records its own one row
+per sample (`LocalBackend.record_routes`), the routes that pass picks.
 """
 
 from __future__ import annotations
