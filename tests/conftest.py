@@ -77,3 +77,12 @@ def qwen3_vl_path(tmp_path_factory) -> str:
     from tokenmill.recipes.tiny_vlm import build_tiny_vlm
 
     return build_tiny_vlm(tmp_path_factory.mktemp("qwen3-vl") / "model", hidden_size=32, family="qwen3_vl")
+
+
+@pytest.fixture
+def restored_torch():
+    """`make_deterministic` switches process-wide torch settings: put them back for the tests after this one."""
+    algorithms, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    yield
+    torch.use_deterministic_algorithms(algorithms)
+    torch.set_num_threads(threads)

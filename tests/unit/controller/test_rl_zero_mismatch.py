@@ -6,22 +6,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
-
-@pytest.fixture
-def restored_torch():
-    """`make_deterministic` switches process-wide torch settings: put them back for the tests after this one."""
-    algorithms, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
-    yield
-    torch.use_deterministic_algorithms(algorithms)
-    torch.set_num_threads(threads)
-
-
-def digit_share(prompts, completions, **_):
-    """A dense reward, so the random-init model gets non-zero advantages and its weights move every step."""
-    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+from tokenmill.testing.rewards import digit_share
 
 
 def _run(model: str, folder, deterministic: bool, **sections) -> list[dict]:

@@ -10,18 +10,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from tokenmill.testing.rewards import digit_share
-
-
-@pytest.fixture
-def restored_torch():
-    """`make_deterministic` switches process-wide torch settings: put them back for the tests after this one."""
-    algorithms, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
-    yield
-    torch.use_deterministic_algorithms(algorithms)
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
