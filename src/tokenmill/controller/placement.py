@@ -260,6 +260,12 @@ def producer_side(run, engine) -> RolloutSide:
     return RolloutSide(engine, player, player, copy.copy(run.rollout.source), rewards)
 
 
+def kv_cache_args(cfg) -> tuple[str, ...]:
+    """The `tokenmill serve` flags of the run's key/value cache (`engine.kv_cache`, `engine.kv_block_size`), for
+    the servers a run starts itself (spawned processes, Ray's engine replicas)."""
+    return ("--kv-cache", cfg.engine.kv_cache, "--kv-block-size", str(cfg.engine.kv_block_size))
+
+
 def _image_args(cfg, engine) -> tuple[str, ...]:
     """A vision-language run's servers take the pictures its rows may hold (`data.max_image_pixels`)."""
     if not getattr(engine, "takes_images", False):
@@ -287,9 +293,7 @@ def _server_placement(run) -> ServerPlacement:
             urls, procs = spawn_servers(cfg.model.path, cfg.engine.num_servers, threads=thread_split(cfg)[0],
                                         timeout_s=cfg.engine.timeout_s, seed=cfg.training.seed,
                                         device=str(run.rollout.engine.device), log_dir=run.output_dir,
-                                        extra_args=("--kv-cache", cfg.engine.kv_cache,
-                                                    "--kv-block-size", str(cfg.engine.kv_block_size),
-                                                    *_image_args(cfg, run.rollout.engine),
+                                        extra_args=(*kv_cache_args(cfg), *_image_args(cfg, run.rollout.engine),
                                                     *(("--enable-return-routed-experts",) if r3 else ())))
         else:
             urls = list(cfg.engine.urls)

@@ -42,7 +42,7 @@ class EngineServerActor:
     """The body of one replica actor (wrapped with `ray.remote` by `EngineFleet`)."""
 
     def __init__(self, model_dir: str, *, seed: int, device: str, threads: int, timeout_s: float,
-                 token: str | None, visible_devices: str | None = None) -> None:
+                 token: str | None, visible_devices: str | None = None, serve_args: tuple[str, ...] = ()) -> None:
         import ray
 
         from tokenmill.sandbox.lifetime import preexec_die_with_parent
@@ -50,7 +50,7 @@ class EngineServerActor:
 
         host = ray.util.get_node_ip_address()
         cmd = [sys.executable, "-m", "tokenmill.cli", "serve", model_dir, "--port", "0", "--host", host,
-               "--seed", str(seed), "--device", device]
+               "--seed", str(seed), "--device", device, *serve_args]
         env = dict(os.environ)
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
@@ -100,8 +100,9 @@ class EngineFleet:
     def __init__(self, cluster: RayCluster, model_dir: str, replicas: int, *, cpus: float = 1, gpus: float = 0,
                  seed: int = 0, device: str = "cpu", threads: int = 0, start_timeout_s: float = 180.0,
                  token: str | None = None, check_timeout_s: float = 10.0, replica_wait_s: float = 0.0,
-                 colocate_with=None) -> None:
+                 colocate_with=None, serve_args: tuple[str, ...] = ()) -> None:
         self.cluster, self.model_dir = cluster, model_dir
+        self.serve_args = serve_args  # more `tokenmill serve` flags for every replica (the key/value cache's)
         self.replica_wait_s = replica_wait_s  # how long `attach`'s engine waits for a replacement (0: not at all)
         self.colocate_with = colocate_with  # a WorkerGroup: replica i shares rank i's bundle (cluster.colocate)
         self.memory_turns = 0  # release/restore rounds asked of the replicas (colocated)
@@ -130,7 +131,7 @@ class EngineFleet:
             cls, visible = self._actor_class(ray, i)
             actors.append(cls.remote(self.model_dir, seed=self.seed + self._started, device=self.device,
                                      threads=self.threads, timeout_s=limit, token=self.token,
-                                     visible_devices=visible))
+                                     visible_devices=visible, serve_args=self.serve_args))
             self._started += 1
         try:
             infos = self.cluster.get([a.info.remote() for a in actors],

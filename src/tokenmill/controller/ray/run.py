@@ -75,6 +75,7 @@ def _start_engines(cfg, cluster, group=None):
     with `cluster.colocate`, replica i in trainer rank i's bundle of `group`."""
     import os
 
+    from tokenmill.controller.placement import kv_cache_args
     from tokenmill.controller.ray.engines import EngineFleet
 
     c = cfg.cluster
@@ -84,7 +85,8 @@ def _start_engines(cfg, cluster, group=None):
                         seed=cfg.training.seed, device="cuda" if c.engine_gpus else "cpu",
                         threads=0 if c.engine_gpus else c.cpus_per_engine, start_timeout_s=c.start_timeout_s,
                         token=cfg.engine.token or os.environ.get("TOKENMILL_SERVE_TOKEN"),
-                        replica_wait_s=c.replica_wait_s, colocate_with=group if c.colocate else None)
+                        replica_wait_s=c.replica_wait_s, colocate_with=group if c.colocate else None,
+                        serve_args=kv_cache_args(cfg))
     fleet.watch(interval_s=5.0)
     return fleet
 
