@@ -157,3 +157,47 @@ def test_a_micro_batch_that_cannot_pack_its_pictures_runs_padded(critic_model, t
     t = torch.arange(batch.input_ids_B_T.shape[1])[None, :]
     assert packed_values[(t >= 1) & (t < batch.prompt_lens_B[:, None])].abs().min() > 0  # prompt tokens: padded
     torch.testing.assert_close(packed_values, padded_values, atol=1e-6, rtol=0)
+
+
+def _varied(completions, **columns):
+    """A reward that differs within groups, so the critic has returns to learn."""
+    return [float(len(str(c)) % 3) for c in completions]
+
+
+def test_a_ppo_step_on_shapes_values_the_same_packed_or_padded(tiny_vlm_path, tmp_path, monkeypatch):
+    """PPO on the shapes task with groups of 3: the first step's critic value loss and gradient norm are the same
+    with packed rows (the default, which the critic takes) as with padded ones (`training.share_prompts: false`)."""
+    import json
+
+    import tokenmill
+    from tokenmill.training import vision_roles
+
+    packs = {True: 0, False: 0}
+    share = True
+    run = vision_roles.packed_image_values
+
+    def counted(*args, **kwargs):
+        packs[share] += 1
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(vision_roles, "packed_image_values", counted)
+    rows = {}
+    for share in (True, False):
+        out = tmp_path / f"share-{share}"
+        tokenmill.train({
+            "model": {"path": tiny_vlm_path},
+            "algorithm": {"advantage": "gae"},
+            "critic": {"learning_rate": 3e-3},
+            "data": {"task": "shapes", "num_train": 16, "num_eval": 0},
+            "generation": {"group_size": 3, "max_tokens": 4},
+            "controller": {"steps": 1, "prompts_per_step": 3},
+            "training": {"share_prompts": share, "micro_batch_tokens": 128},
+            "tracking": {"output_dir": str(out), "console": "none"},
+            "checkpoint": {"every": 0},
+        }, rewards=[_varied])
+        rows[share] = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert packs[True] > 0 and packs[False] == 0
+    packed, padded = rows[True][0], rows[False][0]
+    assert padded["critic/grad_norm"] > 0 and padded["reward/mean"] == packed["reward/mean"]
+    for key in ("critic/value_loss", "critic/grad_norm", "critic/return_mean"):
+        assert packed[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-6), key
