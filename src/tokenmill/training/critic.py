@@ -101,29 +101,39 @@ class Critic:
             out_B_T = self.model(input_ids=micro.input_ids_B_T).logits[..., 0].float()
         return torch.nn.functional.pad(out_B_T[:, :-1], (1, 0))
 
-    def _packed_values(self, packed: PackedRows, out_shape: tuple[int, int]) -> torch.Tensor:
+    def _packed_values(self, micro: Batch, packed: PackedRows) -> torch.Tensor:
         """Values of the completion tokens of shared-prompt packed rows (`training.packing`), scattered into
-        `[B, T]` (0 at prompt tokens, which no loss or advantage reads)."""
+        `[B, T]` (0 at prompt tokens, which no loss or advantage reads). Rows with images are packed with their
+        pictures as the policy's (`training.vision_roles.packed_image_values`); where they cannot be
+        (`training.vision.packed_pictures`), the micro-batch runs as padded rows."""
         device = next(self.model.parameters()).device
-        dtype = next(self.model.parameters()).dtype
-        inputs = packed_inputs(packed, self.model, self.autocast_dtype or dtype, device)
-        with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            out_R_L = self.model(**inputs).logits[..., 0].float()
+        if micro.images_B is not None:
+            from tokenmill.training.vision_roles import packed_image_values
+
+            out_R_L = packed_image_values(self.model, micro, packed, self.autocast_dtype)
+            if out_R_L is None:
+                return self._values(micro)
+        else:
+            dtype = next(self.model.parameters()).dtype
+            inputs = packed_inputs(packed, self.model, self.autocast_dtype or dtype, device)
+            with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+                out_R_L = self.model(**inputs).logits[..., 0].float()
         v_K = out_R_L[packed.src_row_K.to(device), packed.src_pos_K.to(device)]  # read before the token
         dst = (packed.dst_b_K.to(device), packed.dst_t_K.to(device))
+        out_shape = tuple(micro.input_ids_B_T.shape)
         return torch.zeros(out_shape, dtype=torch.float32, device=device).index_put(dst, v_K)
 
     def _micro_values(self, batch: Batch) -> Iterator[tuple[torch.Tensor, Batch, torch.Tensor]]:
         """Per micro-batch of at most `micro_batch_tokens`: (its rows in `batch`, the micro-batch on the device,
-        its values). Groups sharing a prompt are packed like the policy's (the prompt runs once); rows with
-        images are not (`training.vision`)."""
+        its values). Groups sharing a prompt (and, with images, its pictures) are packed like the policy's (the
+        prompt runs once: `training.packing`, `training.vision`); with `share_prompts` false, length-bucketed
+        padded rows."""
         device = next(self.model.parameters()).device
-        segments = None if batch.images_B is not None else packing_segments(
-            batch, share_prompts=self.share_prompts, pack_sequences=False)
+        segments = packing_segments(batch, share_prompts=self.share_prompts, pack_sequences=False)
         if segments is not None:
             for micro, packed in micro_packs(batch, self.micro_batch_tokens, segments):
                 micro = micro.to(device)
-                yield packed.batch_rows, micro, self._packed_values(packed, tuple(micro.input_ids_B_T.shape))
+                yield packed.batch_rows, micro, self._packed_values(micro, packed)
             return
         start = 0
         for micro in batch.micro_batches(self.micro_batch_tokens):

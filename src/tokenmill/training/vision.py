@@ -113,6 +113,26 @@ def packed_pictures(model: torch.nn.Module, micro: Batch, packed: PackedRows):
     return pos_3_R_L, torch.cat(pixels), torch.cat(grids)
 
 
+def packed_hidden_states(model: torch.nn.Module, micro: Batch, packed: PackedRows,
+                         autocast_dtype: torch.dtype | None = None,
+                         min_width: int = segment_attention.MIN_WIDTH) -> torch.Tensor | None:
+    """The backbone's last hidden states `[R, L, H]` of `micro` run as its packed rows `packed`, each column
+    with its sample token's positions and pictures (`packed_pictures`), attention kept within each group and
+    sample (`training.packing.packed_inputs`); None where the micro-batch cannot be packed. What the policy's
+    head (`packed_vision_stats`) and PPO's critic's (`training.vision_roles.packed_image_values`) read."""
+    pictures = packed_pictures(model, micro, packed)
+    if pictures is None:
+        return None
+    pos_3_R_L, pixels, grid = pictures
+    device = micro.input_ids_B_T.device
+    dtype = next(model.parameters()).dtype
+    attention = packed_inputs(packed, model, autocast_dtype or dtype, device, min_width)
+    attention = {k: v for k, v in attention.items() if k not in ("input_ids", "position_ids")}
+    with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        return root_forward(model, backbone, model, packed.input_ids_R_L.to(device), pixels, grid, pos_3_R_L,
+                            use_cache=False, **attention).last_hidden_state
+
+
 def packed_vision_stats(
     model: torch.nn.Module, micro: Batch, packed: PackedRows, *, temperature: float, chunk_bytes: int,
     entropy: bool = False, entropy_grad: bool = False, autocast_dtype: torch.dtype | None = None,
@@ -122,18 +142,10 @@ def packed_vision_stats(
     at the completion tokens (every token but each sequence's first when whole sequences are packed), 0
     elsewhere; None where the micro-batch cannot be packed (`packed_pictures`). Rows at least `min_width` wide
     attend by segments (`training.packing.packed_inputs`)."""
-    pictures = packed_pictures(model, micro, packed)
-    if pictures is None:
+    hidden_R_L_H = packed_hidden_states(model, micro, packed, autocast_dtype, min_width)
+    if hidden_R_L_H is None:
         return None
-    pos_3_R_L, pixels, grid = pictures
     device = micro.input_ids_B_T.device
-    dtype = next(model.parameters()).dtype
-    attention = packed_inputs(packed, model, autocast_dtype or dtype, device, min_width)
-    attention = {k: v for k, v in attention.items() if k not in ("input_ids", "position_ids")}
-    autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
-    with autocast:
-        hidden_R_L_H = root_forward(model, backbone, model, packed.input_ids_R_L.to(device), pixels, grid,
-                                    pos_3_R_L, use_cache=False, **attention).last_hidden_state
     return _head_stats(model, hidden_R_L_H, (packed.src_row_K.to(device), packed.src_pos_K.to(device)),
                        packed.target_K.to(device), (packed.dst_b_K.to(device), packed.dst_t_K.to(device)),
                        tuple(micro.input_ids_B_T.shape), temperature=temperature, chunk_bytes=chunk_bytes,

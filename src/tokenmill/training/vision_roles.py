@@ -27,6 +27,7 @@ import torch
 from tokenmill.engines.local.scoring import check_score_request
 from tokenmill.engines.local.vision import backbone, is_vision_config, rope_positions, text_config
 from tokenmill.rollout.vision import ImagePrompt
+from tokenmill.training.sharded import root_forward
 from tokenmill.training.vision import LANGUAGE_LORA_TARGETS, batch_images, freeze_vision_tower
 from tokenmill.types import ConfigError, ImageInputs, PromptLogprobs, Sample
 
@@ -50,7 +51,8 @@ def image_hidden_states(model: torch.nn.Module, rows: Any,
     pixels, grid = batch_images(rows)
     pos_3_B_T, _ = rope_positions(model, ids_B_T, grid, real_B_T.long())
     with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        return backbone(model, ids_B_T, pixels, grid, pos_3_B_T, use_cache=False).last_hidden_state
+        return root_forward(model, backbone, model, ids_B_T, pixels, grid, pos_3_B_T,
+                            use_cache=False).last_hidden_state
 
 
 class VisionValueModel(torch.nn.Module):
@@ -111,6 +113,21 @@ def image_values(critic: torch.nn.Module, micro: Any, autocast_dtype: torch.dtyp
     with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         out_B_T = critic.score(hidden_B_T_H)[..., 0].float()
     return torch.nn.functional.pad(out_B_T[:, :-1], (1, 0))
+
+
+def packed_image_values(critic: torch.nn.Module, micro: Any, packed: Any,
+                        autocast_dtype: torch.dtype | None) -> torch.Tensor | None:
+    """The critic's head output `[R, L]` over `micro` run as its packed rows `packed` (`training.packing.
+    micro_packs`), each column with its sample token's positions and pictures as the policy's packed rows
+    (`training.vision.packed_hidden_states`); None where the micro-batch cannot be packed."""
+    from tokenmill.training.vision import packed_hidden_states
+
+    hidden_R_L_H = packed_hidden_states(critic, micro, packed, autocast_dtype)
+    if hidden_R_L_H is None:
+        return None
+    device = hidden_R_L_H.device
+    with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        return critic.score(hidden_R_L_H)[..., 0].float()
 
 
 def scored_tokens(sample: Sample) -> list[int]:
