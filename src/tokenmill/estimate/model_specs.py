@@ -126,13 +126,13 @@ def builtin_shape(name: str) -> ModelShape | None:
 
 
 # vision-language families: their language model's family (read from `text_config`)
-VISION_LANGUAGE_TYPES = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
+VISION_LANGUAGE_TYPES = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
 
 
 def shape_from_hf_config(config: dict[str, Any], name: str = "model",
                          processor: dict[str, Any] | None = None) -> ModelShape:
-    """Read a `config.json` dict. Raises ValueError naming the missing or bad key. A Qwen2.5-VL / Qwen3-VL
-    config is its language model (`text_config`: a Qwen2 / a Qwen3) plus its vision tower's parameters;
+    """Read a `config.json` dict. Raises ValueError naming the missing or bad key. A Qwen2-VL / Qwen2.5-VL /
+    Qwen3-VL config is its language model (`text_config`, or the top level: a Qwen2 / a Qwen3) plus its vision tower's parameters;
     `processor` (a `preprocessor_config.json` dict) sets how pictures become image tokens."""
     text_type = VISION_LANGUAGE_TYPES.get(str(config.get("model_type")))
     if text_type and isinstance(config.get("vision_config"), dict):

@@ -1,5 +1,5 @@
 """A vision-language model's share of the memory estimate: its vision tower's parameters in closed form
-(Qwen2.5-VL's and Qwen3-VL's layouts) and the image tokens one picture becomes.
+(Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's layouts) and the image tokens one picture becomes.
 
 The Qwen2-VL image processor (which Qwen2.5-VL and Qwen3-VL use too) resizes a picture to multiples of
 `patch_size x merge_size` pixels whose area lies between `min_pixels` and `max_pixels`, cuts it into
@@ -108,9 +108,26 @@ def qwen3_vl_tower_params(vision: dict[str, Any], name: str = "model") -> int:
             + deepstack * (2 * merged + mergers))
 
 
+def qwen2_vl_tower_params(vision: dict[str, Any], name: str = "model") -> int:
+    """Parameters of a Qwen2-VL vision tower: the bias-free patch embedding to `embed_dim`, `depth` blocks (two
+    LayerNorms, qkv and output projections, a GELU MLP `mlp_ratio` wide, all with biases) and the merger (a
+    LayerNorm, then two linears from merge² patches to the text width, `hidden_size`)."""
+    e = config_int(vision, "embed_dim", f"{name} vision_config")
+    inter = int(e * float(vision.get("mlp_ratio", 4)))
+    patch, temporal = config_int(vision, "patch_size", name), int(vision.get("temporal_patch_size", 2))
+    merged = e * int(vision.get("spatial_merge_size", 2)) ** 2
+    channels = int(vision.get("in_channels", vision.get("in_chans", 3)))
+    block = 4 * e + _linear(e, 3 * e) + _linear(e, e) + _linear(e, inter) + _linear(inter, e)
+    merger = 2 * e + _linear(merged, merged) + _linear(merged, config_int(vision, "hidden_size", name))
+    return channels * temporal * patch * patch * e + config_int(vision, "depth", name) * block + merger
+
+
 def vision_tower_params(vision: dict[str, Any], name: str = "model") -> int:
     """Parameters of a vision tower and its mergers: Qwen3-VL's layout when the config names it
-    (`model_type: qwen3_vl_vision` or deepstack layers), else Qwen2.5-VL's."""
+    (`model_type: qwen3_vl_vision` or deepstack layers), Qwen2-VL's when it has an `embed_dim`, else
+    Qwen2.5-VL's."""
     if vision.get("model_type") == "qwen3_vl_vision" or "deepstack_visual_indexes" in vision:
         return qwen3_vl_tower_params(vision, name)
+    if "embed_dim" in vision:
+        return qwen2_vl_tower_params(vision, name)
     return qwen25_vl_tower_params(vision, name)

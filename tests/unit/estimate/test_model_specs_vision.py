@@ -100,3 +100,32 @@ def test_qwen3_vl_8b_matches_transformers_on_the_meta_device():
     assert shape.num_params == sum(p.numel() for p in model.parameters()) == 8_767_123_696
     # the image processor's patch 16 merged 2 x 2 (from the vision config when no preprocessor_config.json)
     assert shape.image_grid.tokens(448, 448) == 196
+
+
+def test_the_shape_counts_every_parameter_of_a_qwen2_vl(qwen2_vl_path):
+    """Qwen2-VL: LayerNorm / GELU blocks `embed_dim` wide, the merger to the text width (`hidden_size`)."""
+    from transformers import AutoModelForImageTextToText
+
+    from tokenmill.estimate.model_specs import resolve_shape
+
+    model = AutoModelForImageTextToText.from_pretrained(qwen2_vl_path)
+    shape = resolve_shape(qwen2_vl_path)
+    assert shape.vision_params == sum(p.numel() for p in model.model.visual.parameters())
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+
+
+def test_qwen2_vl_7b_tower_matches_transformers_on_the_meta_device():
+    """Qwen2-VL-7B-Instruct's `vision_config` as shipped (`in_chans`, `hidden_size` the text width)."""
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    from tokenmill.estimate.vision import vision_tower_params
+
+    vision = {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3, "hidden_size": 3584,
+              "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    config = Qwen2VLConfig(vision_config=vision, text_config={"hidden_size": 3584, "num_hidden_layers": 1,
+                           "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 64,
+                           "vocab_size": 32})
+    with torch.device("meta"):
+        model = Qwen2VLForConditionalGeneration(config)
+    assert vision_tower_params(vision) == sum(p.numel() for p in model.model.visual.parameters())
