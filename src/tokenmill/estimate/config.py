@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tokenmill.config.modes import MODES, infer_mode
 from tokenmill.estimate.memory import GIB, MemoryPlan, estimate, recommend_backend, solve_budget
@@ -45,6 +45,19 @@ class EstimateOptions(BaseModel):
         0.5, gt=0, le=1, description="vLLM's gpu_memory_utilization: the share of the device it reserves.")
     engine_sleep: bool = Field(False, description="vLLM sleeps (weights offloaded, KV freed) while training.")
     margin: float = Field(0.1, ge=0, lt=0.5, description="Share of the device kept free for fragmentation.")
+    images_per_prompt: int = Field(
+        0, ge=0, le=1024, description="Vision-language policy: pictures in each prompt (RL) or sequence (SFT / "
+        "preference); their image tokens are added to prompt_tokens / seq_len.")
+    image_size: tuple[int, int] = Field(
+        (448, 448), description="Height and width in pixels of a typical picture; the model's image processor "
+        "decides its image tokens.")
+
+    @field_validator("image_size")
+    @classmethod
+    def _positive_size(cls, value: tuple[int, int]) -> tuple[int, int]:
+        if min(value) <= 0 or max(value) / min(value) > 200:
+            raise ValueError("two positive sides in pixels (height, width), at most 200:1")
+        return value
 
 
 def _options(config: dict[str, Any]) -> EstimateOptions:
@@ -76,6 +89,11 @@ def _lora_targets(targets: Any, shape: ModelShape, notes: list[str]) -> tuple[st
     return tuple(t for t in targets if t in shape.linear_dims())
 
 
+def image_tokens(policy: ModelShape, opts: EstimateOptions) -> int:
+    """Image tokens of one `estimate.image_size` picture for a vision-language policy (0 for a text model)."""
+    return 0 if policy.image_grid is None else policy.image_grid.tokens(*opts.image_size)
+
+
 def _rl_fields(cfg: Any, opts: EstimateOptions, policy: ModelShape) -> dict[str, Any]:
     algo, gen = cfg.algorithm, cfg.generation
     sequences = cfg.sequences_per_step
@@ -87,7 +105,8 @@ def _rl_fields(cfg: Any, opts: EstimateOptions, policy: ModelShape) -> dict[str,
     if cfg.env is not None:  # an episode's whole budget sits in the KV cache; live episodes are capped
         prompt, completion, in_flight = 0, cfg.env.max_episode_tokens, min(sequences, cfg.env.max_concurrent)
     else:
-        prompt, completion, in_flight = opts.prompt_tokens, gen.max_tokens, sequences
+        prompt = opts.prompt_tokens + opts.images_per_prompt * image_tokens(policy, opts)
+        completion, in_flight = gen.max_tokens, sequences
     return {"algorithm": "ppo" if algo.advantage == "gae" else f"{algo.advantage}/{algo.loss}",
             "reference": algo.kl_coef > 0, "critic": critic, "critic_lora_rank": critic_rank or 0,
             "reward_models": rewards, "micro_batch_tokens": cfg.training.micro_batch_tokens,
@@ -135,14 +154,15 @@ def plan_from_config(
         "device": "cpu" if on_cpu else "cuda", "margin": opts.margin,
         "device_memory_bytes": None if memory_gib is None else int(memory_gib * GIB),
     }
+    seq_len = opts.seq_len + opts.images_per_prompt * image_tokens(policy, opts)
     if mode == "rl":
         fields |= _rl_fields(cfg, opts, policy)
     elif mode == "sft":
-        fields |= {"micro_batch_tokens": cfg.micro_batch_tokens, "completion_tokens": opts.seq_len,
+        fields |= {"micro_batch_tokens": cfg.micro_batch_tokens, "completion_tokens": seq_len,
                    "global_sequences": cfg.batch_size}
     else:  # tokenmill's pairwise training runs a step's chosen and rejected sequences in one forward
         fields |= {"algorithm": cfg.objective, "reference": cfg.objective in ("dpo", "ipo"),
-                   "micro_batch_tokens": 2 * cfg.batch_size * opts.seq_len, "completion_tokens": opts.seq_len,
+                   "micro_batch_tokens": 2 * cfg.batch_size * seq_len, "completion_tokens": seq_len,
                    "global_sequences": 2 * cfg.batch_size}
     return MemoryPlan(**fields), notes
 
@@ -159,6 +179,10 @@ def estimate_for_config(
     est = estimate(plan)
     est.warnings[:0] = notes
     result = to_dict(est, solve_budget(plan), recommend_backend(plan))
+    if plan.policy.image_grid is not None:
+        opts = _options(config)
+        result["vision"] = {"params": plan.policy.vision_params, "image_size": list(opts.image_size),
+                            "image_tokens": image_tokens(plan.policy, opts), "images_per_prompt": opts.images_per_prompt}
     cluster = config.get("cluster") if plan.mode == "rl" else None
     if isinstance(cluster, dict) and cluster.get("backend") == "ray":  # validated above with the whole config
         from tokenmill.config.cluster import placement_of_config

@@ -16,6 +16,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from tokenmill.estimate.vision import ImageGrid, config_int, vision_tower_params
+
 # Families whose config carries the fields below and whose decoder layer is attention + SwiGLU MLP + 2 RMSNorms
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -38,6 +40,7 @@ class ModelShape:
     o_bias: bool = False  # Llama `attention_bias` also puts one on o_proj
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
     vision_params: int = 0  # a vision-language model's vision tower and merger (`vision_tower_params`)
+    image_grid: ImageGrid | None = None  # how its image processor turns a picture into image tokens
 
     def linear_dims(self) -> dict[str, tuple[int, int]]:
         """(d_in, d_out) of each linear layer of one decoder layer, by module name."""
@@ -122,60 +125,54 @@ def builtin_shape(name: str) -> ModelShape | None:
     return BUILTIN_SHAPES.get(_spec_key(name))
 
 
-def _int(config: dict[str, Any], key: str, source: str) -> int:
-    value = config.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{source}: config.json needs a positive integer {key!r} (got {value!r})")
-    return value
+# vision-language families: their language model's family (read from `text_config`)
+VISION_LANGUAGE_TYPES = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
 
 
-def vision_tower_params(vision: dict[str, Any], name: str = "model") -> int:
-    """Parameters of a Qwen2.5-VL vision tower: the patch embedding (a bias-free Conv3d over temporal x patch x
-    patch pixels), `depth` blocks (two RMSNorms, qkv and output projections with biases, a SwiGLU MLP with
-    biases) and the merger (an RMSNorm, then two linears with biases from merge² patches to the text width)."""
-    h = _int(vision, "hidden_size", f"{name} vision_config")
-    inter = _int(vision, "intermediate_size", f"{name} vision_config")
-    patch, temporal = _int(vision, "patch_size", name), int(vision.get("temporal_patch_size", 2))
-    merged = h * int(vision.get("spatial_merge_size", 2)) ** 2
-    embed = int(vision.get("in_channels", 3)) * temporal * patch * patch * h
-    block = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (3 * h * inter + 2 * inter + h)
-    merger = h + (merged * merged + merged) + (merged * _int(vision, "out_hidden_size", name)
-                                               + _int(vision, "out_hidden_size", name))
-    return embed + _int(vision, "depth", name) * block + merger
-
-
-def shape_from_hf_config(config: dict[str, Any], name: str = "model") -> ModelShape:
-    """Read a `config.json` dict. Raises ValueError naming the missing or bad key. A Qwen2.5-VL config is its
-    language model (`text_config`, a Qwen2) plus its vision tower's parameters."""
-    if config.get("model_type") == "qwen2_5_vl" and isinstance(config.get("vision_config"), dict):
-        text = {"model_type": "qwen2", "tie_word_embeddings": config.get("tie_word_embeddings", False),
-                **config.get("text_config", config)}
-        text["model_type"] = "qwen2"
-        vision = vision_tower_params(config["vision_config"], name)
-        return replace(shape_from_hf_config(text, name), vision_params=vision)
+def shape_from_hf_config(config: dict[str, Any], name: str = "model",
+                         processor: dict[str, Any] | None = None) -> ModelShape:
+    """Read a `config.json` dict. Raises ValueError naming the missing or bad key. A Qwen2-VL / Qwen2.5-VL /
+    Qwen3-VL config is its language model (`text_config`, or the top level: a Qwen2 / a Qwen3) plus its vision tower's parameters;
+    `processor` (a `preprocessor_config.json` dict) sets how pictures become image tokens."""
+    text_type = VISION_LANGUAGE_TYPES.get(str(config.get("model_type")))
+    if text_type and isinstance(config.get("vision_config"), dict):
+        text = {"tie_word_embeddings": config.get("tie_word_embeddings", False),
+                **config.get("text_config", config), "model_type": text_type}
+        vision = config["vision_config"]
+        return replace(shape_from_hf_config(text, name), vision_params=vision_tower_params(vision, name),
+                       image_grid=ImageGrid.from_processor(processor or {}, vision))
     model_type = str(config.get("model_type", "llama"))
     if model_type not in SUPPORTED_TYPES:
         raise ValueError(f"{name}: model_type {model_type!r} is not supported by the memory estimate "
-                         f"(dense {', '.join(SUPPORTED_TYPES)} and qwen2_5_vl only)")
-    h = _int(config, "hidden_size", name)
-    heads = _int(config, "num_attention_heads", name)
+                         f"(dense {', '.join(SUPPORTED_TYPES)}, {', '.join(VISION_LANGUAGE_TYPES)} only)")
+    h = config_int(config, "hidden_size", name)
+    heads = config_int(config, "num_attention_heads", name)
     kv = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or h // heads
     return ModelShape(
         name=name,
         hidden_size=h,
-        num_layers=_int(config, "num_hidden_layers", name),
+        num_layers=config_int(config, "num_hidden_layers", name),
         num_heads=heads,
         num_kv_heads=int(kv),
         head_dim=int(head_dim),
-        intermediate_size=_int(config, "intermediate_size", name),
-        vocab_size=_int(config, "vocab_size", name),
+        intermediate_size=config_int(config, "intermediate_size", name),
+        vocab_size=config_int(config, "vocab_size", name),
         # transformers' default for these families is untied
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
         o_bias=model_type != "qwen2" and bool(config.get("attention_bias", False)),
         qk_norm=model_type == "qwen3",
     )
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON file's dict, or None when it is missing or unreadable (the estimate falls back to defaults)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def resolve_shape(source: str | dict[str, Any]) -> ModelShape:
@@ -188,7 +185,8 @@ def resolve_shape(source: str | dict[str, Any]) -> ModelShape:
             config = json.loads((folder / "config.json").read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"{source}: cannot read config.json ({exc})") from None
-        return shape_from_hf_config(config, name=str(source))
+        processor = _read_json(folder / "preprocessor_config.json")
+        return shape_from_hf_config(config, name=str(source), processor=processor)
     shape = builtin_shape(source)
     if shape is None:
         known = ", ".join(s.name for s in BUILTIN_SHAPES.values())

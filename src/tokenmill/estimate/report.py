@@ -50,6 +50,11 @@ def render(result: dict[str, Any]) -> None:
     console.print(f"[bold]{model['name']}[/]: {model['params']:,} parameters; {result['mode']} ({result['algorithm']}),"
                   f" {st['precision']}, {st['micro_batch_tokens_effective']} tokens per micro-batch, "
                   f"{st['num_devices']} device(s), sharding {st['sharding']}")
+    if "vision" in result:  # a vision-language policy
+        vision = result["vision"]
+        console.print(f"vision tower: {vision['params']:,} parameters; a {vision['image_size'][0]} x "
+                      f"{vision['image_size'][1]} picture is {vision['image_tokens']} image tokens, "
+                      f"{vision['images_per_prompt']} per prompt (estimate.images_per_prompt)")
     parts = list(dict.fromkeys(k for m in result["models"] for k in m["bytes"]))
     table = Table(title="Memory on each device, GB (10^9 bytes)")
     table.add_column("component")

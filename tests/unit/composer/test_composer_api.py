@@ -396,3 +396,16 @@ def test_preview_scores_with_a_judge_from_the_config(client, tiny_model_path):
         assert 1 <= judge.requests <= 4  # one per distinct completion
     finally:
         judge.close()
+
+
+def test_the_memory_card_counts_a_qwen3_vl_tower_and_its_image_tokens(client, qwen3_vl_path):
+    """The Composer's memory card reads a Qwen3-VL folder: its vision tower and a picture's image tokens."""
+    from transformers import AutoConfig, Qwen3VLForConditionalGeneration
+
+    config = {"model": {"path": qwen3_vl_path, "device": "cpu"}, "data": {"task": "shapes"}}
+    r = client.post("/api/estimate", json={"mode": "rl", "config": config})
+    assert r.status_code == 200, r.text
+    model = Qwen3VLForConditionalGeneration(AutoConfig.from_pretrained(qwen3_vl_path))
+    vision = r.json()["vision"]
+    assert vision["params"] == sum(p.numel() for p in model.model.visual.parameters())
+    assert (vision["image_tokens"], vision["image_size"]) == (16, [448, 448])  # scaled down to 64 x 64 pixels
