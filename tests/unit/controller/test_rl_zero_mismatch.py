@@ -4,16 +4,13 @@ logprobs, `controller.rl.exact_logprobs`); the same run without it shows the dec
 
 from __future__ import annotations
 
-import json
-
 import torch
 
-from tokenmill.testing.rewards import digit_share
+from tokenmill.testing.rewards import digit_share, metric_rows
 
 
 def _run(model: str, folder, deterministic: bool, **sections) -> list[dict]:
     from tokenmill.config import RLConfig, load_config
-    from tokenmill.controller import build_run, run_rl
 
     cfg = load_config(RLConfig, {
         "model": {"path": model}, "data": {"task": "addition", "num_eval": 0},
@@ -24,12 +21,7 @@ def _run(model: str, folder, deterministic: bool, **sections) -> list[dict]:
         "health": {"mismatch_every": 1}, "tracking": {"output_dir": str(folder), "console": "none"},
         "checkpoint": {"every": 0, "save_final": False}, **sections,
     })
-    run = build_run(cfg, rewards=[digit_share])
-    try:
-        run_rl(run)
-    finally:
-        run.close()
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return metric_rows(cfg, [digit_share])
 
 
 def test_a_deterministic_run_has_zero_mismatch_and_unit_importance_weights(tiny_model_path, tmp_path, restored_torch):

@@ -7,11 +7,9 @@ its control records them in padded micro-batches, as a run without `deterministi
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tokenmill.testing.rewards import digit_share
+from tokenmill.testing.rewards import digit_share, metric_rows
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +22,6 @@ def moe_path(tmp_path_factory):
 
 def _run(model: str, folder, mode: str = "r3") -> list[dict]:
     from tokenmill.config import RLConfig, load_config
-    from tokenmill.controller import build_run, run_rl
 
     cfg = load_config(RLConfig, {
         "model": {"path": model, "dtype": "bfloat16"}, "data": {"task": "addition", "num_eval": 0},
@@ -35,12 +32,7 @@ def _run(model: str, folder, mode: str = "r3") -> list[dict]:
         "health": {"mismatch_every": 1}, "tracking": {"output_dir": str(folder), "console": "none"},
         "checkpoint": {"every": 0, "save_final": False},
     })
-    run = build_run(cfg, rewards=[digit_share])
-    try:
-        run_rl(run)
-    finally:
-        run.close()
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return metric_rows(cfg, [digit_share])
 
 
 @pytest.mark.parametrize("mode", ["r3", "r2"])
