@@ -252,7 +252,12 @@ def test_sft_curves_with_axis_titles_legend_smoothing_and_zoom(page, composer):
     # smoothing re-created the plot (a raw series joined it): measure the new overlay once it is laid out
     overlay = chart.locator(".u-over")
     expect(overlay).to_be_visible()
-    box = overlay.bounding_box()
+    box = None
+    for _ in range(50):  # the plot may be re-created once more between the check above and the measure
+        box = overlay.bounding_box()
+        if box is not None and box["width"] > 0:
+            break
+        page.wait_for_timeout(100)
     assert box is not None and box["width"] > 0, box
     page.mouse.move(box["x"] + box["width"] * 0.1, box["y"] + box["height"] / 2)
     page.mouse.down()

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import tokenmill
-from tokenmill.testing.docs import tested_block
+from tokenmill.testing.docs import docs_block
 from tokenmill.testing.rewards import chat_digit_share as digit_share
-from tokenmill.types import ConfigError
 
 pytest.importorskip("PIL")
 
@@ -19,7 +18,7 @@ pytest.importorskip("PIL")
 def test_a_vlm_run_samples_from_a_spawned_server(tmp_path, tiny_vlm_path):
     torch.set_num_threads(1)
     out = tmp_path / "run"
-    page = tested_block("vision.md", "tests/e2e/test_vlm_process_engine.py")
+    page = docs_block("vision.md", "tests/e2e/test_vlm_process_engine.py")
     result = tokenmill.train({
         "model": {"path": tiny_vlm_path},
         "data": {**page["data"], "num_train": 32, "num_eval": 0},
@@ -38,11 +37,3 @@ def test_a_vlm_run_samples_from_a_spawned_server(tmp_path, tiny_vlm_path):
         assert row["mismatch/tokens"] > 0 and row["mismatch/max_abs"] <= 1e-5, row
         assert row["probe/ok"] == 1.0 and row["probe/max_abs"] <= 1e-5  # the pushed weights reached the server
     assert (out / "server_0.log").is_file()
-
-
-def test_other_placements_are_still_refused_naming_the_field(tmp_path, tiny_vlm_path):
-    with pytest.raises(ConfigError, match=r"^engine.placement: .*\(process\)"):
-        tokenmill.train({"model": {"path": tiny_vlm_path}, "data": {"task": "shapes", "num_train": 8, "num_eval": 0},
-                         "engine": {"placement": "remote", "urls": ["http://127.0.0.1:9"]},
-                         "controller": {"steps": 1, "prompts_per_step": 2},
-                         "tracking": {"output_dir": str(tmp_path / "t"), "console": "none"}})

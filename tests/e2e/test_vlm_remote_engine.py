@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tokenmill
-from tokenmill.testing.docs import tested_block
+from tokenmill.testing.docs import docs_block
 from tokenmill.testing.rewards import chat_digit_share as digit_share
 
 pytest.importorskip("PIL")
@@ -26,7 +26,7 @@ def test_a_vlm_run_samples_from_a_remote_server_in_chat(tmp_path, tiny_vlm_path)
     served = VisionServingEngine.from_pretrained(tiny_vlm_path, seed=0, policy=ImagePolicy(max_pixels=64 * 64))
     server, _ = start_in_thread(create_app(served, model_name="tiny-vlm"))
     out = tmp_path / "run"
-    page = tested_block("vision.md", "tests/e2e/test_vlm_remote_engine.py")
+    page = docs_block("vision.md", "tests/e2e/test_vlm_remote_engine.py")
     assert page["engine"]["placement"] == "remote"
     try:
         tokenmill.train({

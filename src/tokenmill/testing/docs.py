@@ -10,7 +10,7 @@ import yaml
 DOCS = Path(__file__).resolve().parents[3] / "docs"
 
 
-def tested_block(page: str, test: str) -> dict[str, Any]:
+def docs_block(page: str, test: str) -> dict[str, Any]:
     """The first ```yaml block of `docs/<page>` whose marker names `test` (a path from the repository root)."""
     text = (DOCS / page).read_text()
     block = text.split(f"<!-- tested: {test} -->\n```yaml\n", 1)[1]
