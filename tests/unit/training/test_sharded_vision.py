@@ -164,7 +164,8 @@ def test_two_ranks_train_what_one_process_does(two_ranks, frozen, restored_torch
         torch.testing.assert_close(r1[frozen]["weights"][name], t, rtol=0, atol=0)
     tower = dict(vision_tower(local.model).named_parameters())
     for name, p in tower.items():
-        torch.testing.assert_close(r0[frozen]["tower"][name], p.detach(), rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(r0[frozen]["tower"][name], p.detach(), rtol=0, atol=1e-5 if frozen else 1e-3,
+                                   msg=name)  # a trainable tower: the same bound as its weights above
     if frozen:  # whole on every rank, no gradients, unchanged
         assert r0[True]["tower_sharded"] == r0[True]["tower_grads"] == []
         assert all(torch.equal(r0[True]["tower"][n], start[f"model.visual.{n}"]) for n in tower)
