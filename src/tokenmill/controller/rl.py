@@ -223,7 +223,7 @@ def exact_logprobs(cfg: RLConfig, engine, groups: list[Group]) -> list[Group]:
     from tokenmill.training.logprobs import rescore_groups
 
     tr = cfg.training
-    if not isinstance(engine, HFEngine):  # a vision-language engine: its trainer keeps padded rows
+    if not isinstance(engine, HFEngine):  # a vision-language engine: its samples keep the decode pass's logprobs
         return groups
     with stage("rescore"):
         return rescore_groups(engine.model, groups, temperature=cfg.generation.temperature,
